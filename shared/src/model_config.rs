@@ -1,0 +1,439 @@
+//! Model hyper-parameters, read from a Hugging Face `config.json` or from GGUF metadata, and
+//! checked for consistency before any weight is touched.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::gguf::GgufFile;
+
+/// Decoder architectures Baton runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Architecture {
+    /// Llama family (SmolLM2, Llama 2/3): no biases, RoPE over halves.
+    Llama,
+    /// Qwen2: bias on the q/k/v projections.
+    Qwen2,
+    /// Qwen3: per-head RMSNorm on q and k, head_dim independent of hidden/heads.
+    Qwen3,
+}
+
+impl Architecture {
+    /// Parse from a Hugging Face `model_type` / GGUF `general.architecture`.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "llama" | "LlamaForCausalLM" => Some(Self::Llama),
+            "qwen2" | "Qwen2ForCausalLM" => Some(Self::Qwen2),
+            "qwen3" | "Qwen3ForCausalLM" => Some(Self::Qwen3),
+            _ => None,
+        }
+    }
+
+    /// The Hugging Face `model_type`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
+        }
+    }
+
+    /// The Hugging Face class name in `architectures`.
+    pub fn hf_class(self) -> &'static str {
+        match self {
+            Self::Llama => "LlamaForCausalLM",
+            Self::Qwen2 => "Qwen2ForCausalLM",
+            Self::Qwen3 => "Qwen3ForCausalLM",
+        }
+    }
+}
+
+/// RoPE frequency scaling.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+#[serde(tag = "rope_type", rename_all = "lowercase")]
+pub enum RopeScaling {
+    /// Plain RoPE.
+    Default,
+    /// Positions divided by `factor`.
+    Linear { factor: f64 },
+    /// Llama 3.1 wavelength-dependent scaling.
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+}
+
+/// Everything the decoder needs to know about a model's shape.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ModelConfig {
+    pub architecture: Architecture,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    /// Bias on the q/k/v projections.
+    pub qkv_bias: bool,
+    /// Per-head RMSNorm on queries and keys.
+    pub qk_norm: bool,
+}
+
+/// Errors describing a model configuration Baton cannot run.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{source_name}: cannot read: {message}")]
+    Read { source_name: String, message: String },
+    #[error("{source_name}: missing field '{field}'")]
+    Missing { source_name: String, field: String },
+    #[error("{source_name}: field '{field}' is {value}, expected {expected}")]
+    Invalid { source_name: String, field: String, value: String, expected: String },
+    #[error("{source_name}: unsupported architecture '{name}' (supported: llama, qwen2, qwen3)")]
+    UnsupportedArchitecture { source_name: String, name: String },
+    #[error("{source_name}: unsupported rope scaling type '{kind}' (supported: default, linear, llama3)")]
+    UnsupportedRope { source_name: String, kind: String },
+    #[error("{source_name}: inconsistent config: {message}")]
+    Inconsistent { source_name: String, message: String },
+}
+
+/// Upper bound on any single dimension; larger means a corrupt or hostile file.
+const MAX_DIM: usize = 1 << 24;
+
+struct Fields<'a> {
+    source_name: &'a str,
+    json: &'a Value,
+}
+
+impl Fields<'_> {
+    fn missing(&self, field: &str) -> ConfigError {
+        ConfigError::Missing { source_name: self.source_name.into(), field: field.into() }
+    }
+
+    fn invalid(&self, field: &str, value: &Value, expected: &str) -> ConfigError {
+        ConfigError::Invalid {
+            source_name: self.source_name.into(),
+            field: field.into(),
+            value: value.to_string(),
+            expected: expected.into(),
+        }
+    }
+
+    fn usize_opt(&self, field: &str) -> Result<Option<usize>, ConfigError> {
+        match self.json.get(field) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(n) if n > 0 && (n as usize) <= MAX_DIM => Ok(Some(n as usize)),
+                _ => Err(self.invalid(field, v, &format!("a positive integer at most {MAX_DIM}"))),
+            },
+        }
+    }
+
+    fn usize(&self, field: &str) -> Result<usize, ConfigError> {
+        self.usize_opt(field)?.ok_or_else(|| self.missing(field))
+    }
+
+    fn f64_opt(&self, field: &str) -> Result<Option<f64>, ConfigError> {
+        match self.json.get(field) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => match v.as_f64() {
+                Some(x) if x.is_finite() && x > 0.0 => Ok(Some(x)),
+                _ => Err(self.invalid(field, v, "a positive finite number")),
+            },
+        }
+    }
+
+    fn bool_opt(&self, field: &str) -> Result<Option<bool>, ConfigError> {
+        match self.json.get(field) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => Err(self.invalid(field, v, "true or false")),
+        }
+    }
+}
+
+fn rope_scaling_from(source_name: &str, obj: Option<&Value>) -> Result<RopeScaling, ConfigError> {
+    let Some(obj) = obj.filter(|v| !v.is_null()) else { return Ok(RopeScaling::Default) };
+    let f = Fields { source_name, json: obj };
+    let kind = obj.get("rope_type").or_else(|| obj.get("type")).and_then(Value::as_str).unwrap_or("default");
+    let need = |field: &str| f.f64_opt(field)?.ok_or_else(|| f.missing(&format!("rope scaling {field}")));
+    match kind {
+        "default" => Ok(RopeScaling::Default),
+        "linear" => Ok(RopeScaling::Linear { factor: need("factor")? }),
+        "llama3" => Ok(RopeScaling::Llama3 {
+            factor: need("factor")?,
+            low_freq_factor: need("low_freq_factor")?,
+            high_freq_factor: need("high_freq_factor")?,
+            original_max_position_embeddings: need("original_max_position_embeddings")?,
+        }),
+        other => Err(ConfigError::UnsupportedRope { source_name: source_name.into(), kind: other.into() }),
+    }
+}
+
+impl ModelConfig {
+    /// Parse a Hugging Face `config.json`.
+    pub fn from_hf_json(path: &Path) -> Result<Self, ConfigError> {
+        let source_name = path.display().to_string();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::Read { source_name: source_name.clone(), message: e.to_string() })?;
+        let json: Value = serde_json::from_str(&text)
+            .map_err(|e| ConfigError::Read { source_name: source_name.clone(), message: format!("invalid JSON: {e}") })?;
+        Self::from_hf_value(&source_name, &json)
+    }
+
+    /// Parse an already-decoded Hugging Face config.
+    pub fn from_hf_value(source_name: &str, json: &Value) -> Result<Self, ConfigError> {
+        let f = Fields { source_name, json };
+        let arch_name = json
+            .get("model_type")
+            .and_then(Value::as_str)
+            .or_else(|| json.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str))
+            .ok_or_else(|| f.missing("model_type"))?;
+        let architecture = Architecture::parse(arch_name).ok_or_else(|| ConfigError::UnsupportedArchitecture {
+            source_name: source_name.into(),
+            name: arch_name.into(),
+        })?;
+        if let Some(act) = json.get("hidden_act").and_then(Value::as_str)
+            && act != "silu"
+        {
+            return Err(f.invalid("hidden_act", &json["hidden_act"], "\"silu\""));
+        }
+        if f.bool_opt("mlp_bias")? == Some(true) {
+            return Err(f.invalid("mlp_bias", &json["mlp_bias"], "false (MLP biases are not supported)"));
+        }
+        let hidden_size = f.usize("hidden_size")?;
+        let num_heads = f.usize("num_attention_heads")?;
+        // Newer transformers nest rope settings under `rope_parameters`; older ones use
+        // `rope_theta` + `rope_scaling` at the top level.
+        let rope_params = json.get("rope_parameters").filter(|v| v.is_object());
+        let rope_theta = match rope_params {
+            Some(p) => Fields { source_name, json: p }.f64_opt("rope_theta")?,
+            None => None,
+        }
+        .or(f.f64_opt("rope_theta")?)
+        .unwrap_or(10_000.0);
+        let rope_scaling = rope_scaling_from(source_name, rope_params.or(json.get("rope_scaling")))?;
+        let qkv_bias = match architecture {
+            Architecture::Qwen2 => true,
+            _ => f.bool_opt("attention_bias")?.unwrap_or(false),
+        };
+        let cfg = ModelConfig {
+            architecture,
+            vocab_size: f.usize("vocab_size")?,
+            hidden_size,
+            intermediate_size: f.usize("intermediate_size")?,
+            num_layers: f.usize("num_hidden_layers")?,
+            num_heads,
+            num_kv_heads: f.usize_opt("num_key_value_heads")?.unwrap_or(num_heads),
+            head_dim: match f.usize_opt("head_dim")? {
+                Some(d) => d,
+                None => hidden_size / num_heads,
+            },
+            rms_norm_eps: f.f64_opt("rms_norm_eps")?.unwrap_or(1e-6) as f32,
+            rope_theta,
+            rope_scaling,
+            max_position_embeddings: f.usize_opt("max_position_embeddings")?.unwrap_or(2048),
+            tie_word_embeddings: f.bool_opt("tie_word_embeddings")?.unwrap_or(false),
+            qkv_bias,
+            qk_norm: architecture == Architecture::Qwen3,
+        };
+        cfg.validate(source_name)?;
+        Ok(cfg)
+    }
+
+    /// Read the config from GGUF metadata (`{arch}.*` keys).
+    pub fn from_gguf(file: &GgufFile) -> Result<Self, ConfigError> {
+        let source_name = file.path().display().to_string();
+        let missing = |field: &str| ConfigError::Missing { source_name: source_name.clone(), field: field.into() };
+        let arch_name = file.get_str("general.architecture").ok_or_else(|| missing("general.architecture"))?;
+        let architecture = Architecture::parse(arch_name).ok_or_else(|| ConfigError::UnsupportedArchitecture {
+            source_name: source_name.clone(),
+            name: arch_name.into(),
+        })?;
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let dim = |k: &str| -> Result<Option<usize>, ConfigError> {
+            match file.get(&key(k)) {
+                None => Ok(None),
+                Some(v) => match v.as_u64() {
+                    Some(n) if n > 0 && (n as usize) <= MAX_DIM => Ok(Some(n as usize)),
+                    _ => Err(ConfigError::Invalid {
+                        source_name: source_name.clone(),
+                        field: key(k),
+                        value: format!("{v:?}"),
+                        expected: "a positive integer".into(),
+                    }),
+                },
+            }
+        };
+        let need = |k: &str| dim(k)?.ok_or_else(|| missing(&key(k)));
+        let hidden_size = need("embedding_length")?;
+        let num_heads = need("attention.head_count")?;
+        let vocab_size = match file.tensors.get("token_embd.weight") {
+            Some(t) if t.shape.len() == 2 => t.shape[0],
+            _ => file
+                .get("tokenizer.ggml.tokens")
+                .and_then(|v| v.as_array())
+                .map(|a| a.len())
+                .ok_or_else(|| missing("token_embd.weight (tensor) or tokenizer.ggml.tokens"))?,
+        };
+        let rope_scaling = match file.get_str(&key("rope.scaling.type")) {
+            None | Some("none") => RopeScaling::Default,
+            Some("linear") => RopeScaling::Linear {
+                factor: file.get_f64(&key("rope.scaling.factor")).ok_or_else(|| missing(&key("rope.scaling.factor")))?,
+            },
+            Some(other) => return Err(ConfigError::UnsupportedRope { source_name, kind: other.into() }),
+        };
+        if file.tensors.contains_key("rope_freqs.weight") {
+            return Err(ConfigError::UnsupportedRope { source_name, kind: "per-frequency factors (rope_freqs.weight)".into() });
+        }
+        let cfg = ModelConfig {
+            architecture,
+            vocab_size,
+            hidden_size,
+            intermediate_size: need("feed_forward_length")?,
+            num_layers: need("block_count")?,
+            num_heads,
+            num_kv_heads: dim("attention.head_count_kv")?.unwrap_or(num_heads),
+            head_dim: dim("attention.key_length")?.unwrap_or(hidden_size / num_heads),
+            rms_norm_eps: file.get_f64(&key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-6) as f32,
+            rope_theta: file.get_f64(&key("rope.freq_base")).unwrap_or(10_000.0),
+            rope_scaling,
+            max_position_embeddings: dim("context_length")?.unwrap_or(2048),
+            tie_word_embeddings: !file.tensors.contains_key("output.weight"),
+            qkv_bias: architecture == Architecture::Qwen2,
+            qk_norm: architecture == Architecture::Qwen3,
+        };
+        cfg.validate(&source_name)?;
+        Ok(cfg)
+    }
+
+    fn validate(&self, source_name: &str) -> Result<(), ConfigError> {
+        let bad = |message: String| Err(ConfigError::Inconsistent { source_name: source_name.into(), message });
+        if self.num_heads % self.num_kv_heads != 0 {
+            return bad(format!(
+                "num_attention_heads {} is not a multiple of num_key_value_heads {}",
+                self.num_heads, self.num_kv_heads
+            ));
+        }
+        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+            return bad(format!("head_dim {} must be even and positive (RoPE rotates pairs)", self.head_dim));
+        }
+        if self.architecture != Architecture::Qwen3 && self.num_heads * self.head_dim != self.hidden_size {
+            return bad(format!(
+                "hidden_size {} is not num_attention_heads {} x head_dim {}",
+                self.hidden_size, self.num_heads, self.head_dim
+            ));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+            return bad(format!("rms_norm_eps {} must be positive", self.rms_norm_eps));
+        }
+        Ok(())
+    }
+
+    /// Width of the concatenated query heads.
+    pub fn q_dim(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+
+    /// Width of the concatenated key (or value) heads.
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    /// The config as a Hugging Face `config.json` value (used by `baton convert`).
+    pub fn to_hf_json(&self, bos: Option<u32>, eos: Option<u32>) -> Value {
+        let rope_scaling = match self.rope_scaling {
+            RopeScaling::Default => Value::Null,
+            other => serde_json::to_value(other).unwrap_or(Value::Null),
+        };
+        serde_json::json!({
+            "architectures": [self.architecture.hf_class()],
+            "model_type": self.architecture.model_type(),
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.qkv_bias,
+            "bos_token_id": bos,
+            "eos_token_id": eos,
+            "torch_dtype": "float32",
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn base() -> Value {
+        json!({"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})
+    }
+
+    #[test]
+    fn parses_defaults() {
+        let c = ModelConfig::from_hf_value("t", &base()).unwrap();
+        assert_eq!(c.head_dim, 16);
+        assert_eq!(c.rope_scaling, RopeScaling::Default);
+        assert!(!c.qkv_bias && !c.qk_norm);
+    }
+
+    #[test]
+    fn rejects_heads_not_dividing() {
+        let mut v = base();
+        v["num_key_value_heads"] = json!(3);
+        let e = ModelConfig::from_hf_value("t", &v).unwrap_err().to_string();
+        assert!(e.contains("not a multiple of num_key_value_heads 3"), "{e}");
+        let mut v = base();
+        v["num_attention_heads"] = json!(5);
+        v["num_key_value_heads"] = json!(5);
+        let e = ModelConfig::from_hf_value("t", &v).unwrap_err().to_string();
+        assert!(e.contains("head_dim"), "{e}");
+    }
+
+    #[test]
+    fn rejects_unknown_arch_and_rope() {
+        let mut v = base();
+        v["model_type"] = json!("gpt2");
+        assert!(matches!(ModelConfig::from_hf_value("t", &v), Err(ConfigError::UnsupportedArchitecture { .. })));
+        let mut v = base();
+        v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
+        let e = ModelConfig::from_hf_value("t", &v).unwrap_err().to_string();
+        assert!(e.contains("unsupported rope scaling type 'yarn'"), "{e}");
+    }
+
+    #[test]
+    fn rejects_wrong_types() {
+        let mut v = base();
+        v["hidden_size"] = json!("64");
+        let e = ModelConfig::from_hf_value("t", &v).unwrap_err().to_string();
+        assert!(e.contains("'hidden_size'"), "{e}");
+        let mut v = base();
+        v.as_object_mut().unwrap().remove("vocab_size");
+        let e = ModelConfig::from_hf_value("t", &v).unwrap_err().to_string();
+        assert!(e.contains("missing field 'vocab_size'"), "{e}");
+    }
+
+    #[test]
+    fn reads_nested_rope_parameters() {
+        let mut v = base();
+        v["rope_parameters"] = json!({"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64});
+        let c = ModelConfig::from_hf_value("t", &v).unwrap();
+        assert_eq!(c.rope_theta, 5e5);
+        assert!(matches!(c.rope_scaling, RopeScaling::Llama3 { factor, .. } if factor == 8.0));
+    }
+}

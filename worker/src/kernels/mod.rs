@@ -1,0 +1,3 @@
+//! Compute kernels, one module per backend.
+
+pub mod cpu;

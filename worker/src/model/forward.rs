@@ -1,0 +1,150 @@
+//! The fp32 forward pass over a stage's layer range: "run layers [a, b) on these hidden states".
+
+use crate::kernels::cpu::reference::{self as k, AttnShape};
+use crate::kv_cache::SequenceKv;
+
+use super::weights::StageWeights;
+
+/// Errors from a forward pass (bad input, never a panic).
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ForwardError {
+    #[error("token id {id} is out of range (vocabulary has {vocab} entries)")]
+    TokenOutOfRange { id: u32, vocab: usize },
+    #[error("empty input: at least one token is needed")]
+    Empty,
+    #[error("sequence of {needed} tokens exceeds the model context of {max}")]
+    ContextOverflow { needed: usize, max: usize },
+    #[error("this stage does not hold the {0}")]
+    MissingPart(&'static str),
+    #[error("hidden states have {got} values, expected a multiple of {hidden}")]
+    HiddenShape { got: usize, hidden: usize },
+    #[error("KV cache holds {have} positions but the batch starts at position {pos0}")]
+    KvPosition { have: usize, pos0: usize },
+}
+
+/// Reusable work buffers; they grow to the largest batch seen and are then reused, so steady
+/// decoding allocates nothing.
+#[derive(Debug, Default)]
+pub struct Scratch {
+    xn: Vec<f32>,
+    q: Vec<f32>,
+    kk: Vec<f32>,
+    vv: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    scores: Vec<f32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
+}
+
+impl StageWeights {
+    /// Embedding rows for `tokens` into `out` (`tokens.len() × hidden`).
+    pub fn embed(&self, tokens: &[u32], out: &mut [f32]) -> Result<(), ForwardError> {
+        let emb = self.embedding.as_deref().filter(|_| self.is_first).ok_or(ForwardError::MissingPart("embedding"))?;
+        let h = self.config.hidden_size;
+        let vocab = self.config.vocab_size;
+        if tokens.is_empty() {
+            return Err(ForwardError::Empty);
+        }
+        for (&id, row) in tokens.iter().zip(out.chunks_exact_mut(h)) {
+            if id as usize >= vocab {
+                return Err(ForwardError::TokenOutOfRange { id, vocab });
+            }
+            row.copy_from_slice(&emb[id as usize * h..(id as usize + 1) * h]);
+        }
+        Ok(())
+    }
+
+    /// Run this stage's layers on `hidden` (`t × hidden_size`, tokens at positions
+    /// `pos0..pos0+t` of one sequence), updating the sequence's KV cache.
+    pub fn forward(&self, hidden: &mut [f32], pos0: usize, kv: &mut SequenceKv, s: &mut Scratch) -> Result<(), ForwardError> {
+        let c = &self.config;
+        let h = c.hidden_size;
+        if hidden.is_empty() {
+            return Err(ForwardError::Empty);
+        }
+        if hidden.len() % h != 0 {
+            return Err(ForwardError::HiddenShape { got: hidden.len(), hidden: h });
+        }
+        let t = hidden.len() / h;
+        if kv.len() != pos0 {
+            return Err(ForwardError::KvPosition { have: kv.len(), pos0 });
+        }
+        let end = pos0 + t;
+        if end > c.max_position_embeddings {
+            return Err(ForwardError::ContextOverflow { needed: end, max: c.max_position_embeddings });
+        }
+        kv.reserve(end);
+        let (qd, kvd, hd, f) = (c.q_dim(), c.kv_dim(), c.head_dim, c.intermediate_size);
+        let half = hd / 2;
+        let cos = grow(&mut s.cos, t * half);
+        for (i, cr) in cos.chunks_exact_mut(half).enumerate() {
+            let sin = &mut grow(&mut s.sin, t * half)[i * half..(i + 1) * half];
+            self.rope.tables(pos0 + i, cr, sin);
+        }
+        let shape = AttnShape { num_heads: c.num_heads, num_kv_heads: c.num_kv_heads, head_dim: hd };
+        for (lw, cache) in self.layer_weights.iter().zip(kv.layers.iter_mut()) {
+            let xn = grow(&mut s.xn, t * h);
+            k::rmsnorm(hidden, &lw.attn_norm, c.rms_norm_eps, xn);
+            let q = grow(&mut s.q, t * qd);
+            k::matmul_t(xn, &lw.wq, lw.bq.as_deref(), h, q);
+            let kk = grow(&mut s.kk, t * kvd);
+            k::matmul_t(xn, &lw.wk, lw.bk.as_deref(), h, kk);
+            let vv = grow(&mut s.vv, t * kvd);
+            k::matmul_t(xn, &lw.wv, lw.bv.as_deref(), h, vv);
+            if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
+                k::rmsnorm_inplace(q, qn, c.rms_norm_eps);
+                k::rmsnorm_inplace(kk, kn, c.rms_norm_eps);
+            }
+            for i in 0..t {
+                let (cr, sr) = (&s.cos[i * half..(i + 1) * half], &s.sin[i * half..(i + 1) * half]);
+                k::rope_rotate_half(&mut q[i * qd..(i + 1) * qd], hd, cr, sr);
+                k::rope_rotate_half(&mut kk[i * kvd..(i + 1) * kvd], hd, cr, sr);
+            }
+            cache.k[pos0 * kvd..end * kvd].copy_from_slice(kk);
+            cache.v[pos0 * kvd..end * kvd].copy_from_slice(vv);
+            let attn = grow(&mut s.attn, t * qd);
+            let scores = grow(&mut s.scores, end);
+            k::attention(q, &cache.k[..end * kvd], &cache.v[..end * kvd], pos0, shape, scores, attn);
+            let proj = grow(&mut s.proj, t * h);
+            k::matmul_t(attn, &lw.wo, None, qd, proj);
+            hidden.iter_mut().zip(proj.iter()).for_each(|(x, p)| *x += p);
+
+            let xn = grow(&mut s.xn, t * h);
+            k::rmsnorm(hidden, &lw.ffn_norm, c.rms_norm_eps, xn);
+            let gate = grow(&mut s.gate, t * f);
+            k::matmul_t(xn, &lw.w_gate, None, h, gate);
+            let up = grow(&mut s.up, t * f);
+            k::matmul_t(xn, &lw.w_up, None, h, up);
+            k::silu_mul(gate, up);
+            let proj = grow(&mut s.proj, t * h);
+            k::matmul_t(gate, &lw.w_down, None, f, proj);
+            hidden.iter_mut().zip(proj.iter()).for_each(|(x, p)| *x += p);
+        }
+        kv.set_len(end);
+        Ok(())
+    }
+
+    /// Final norm and head on each row of `hidden`, writing `rows × vocab` logits to `out`.
+    pub fn logits(&self, hidden: &[f32], s: &mut Scratch, out: &mut [f32]) -> Result<(), ForwardError> {
+        let head = self.head().ok_or(ForwardError::MissingPart("head"))?;
+        let norm = self.final_norm.as_deref().ok_or(ForwardError::MissingPart("final norm"))?;
+        let h = self.config.hidden_size;
+        if hidden.is_empty() || hidden.len() % h != 0 {
+            return Err(ForwardError::HiddenShape { got: hidden.len(), hidden: h });
+        }
+        let xn = grow(&mut s.xn, hidden.len());
+        k::rmsnorm(hidden, norm, self.config.rms_norm_eps, xn);
+        k::matmul_t(xn, head, None, h, out);
+        Ok(())
+    }
+}
