@@ -37,13 +37,21 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
         });
-        env.add_template_owned("chat", source.to_string()).map_err(|e| ChatTemplateError::Render(e.to_string()))?;
-        Ok(Self { env, bos_token: bos_token.into(), eos_token: eos_token.into() })
+        env.add_template_owned("chat", source.to_string())
+            .map_err(|e| ChatTemplateError::Render(e.to_string()))?;
+        Ok(Self {
+            env,
+            bos_token: bos_token.into(),
+            eos_token: eos_token.into(),
+        })
     }
 
     /// Render the conversation; with `add_generation_prompt` the assistant turn is opened.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, ChatTemplateError> {
-        let tmpl = self.env.get_template("chat").map_err(|e| ChatTemplateError::Render(e.to_string()))?;
+        let tmpl = self
+            .env
+            .get_template("chat")
+            .map_err(|e| ChatTemplateError::Render(e.to_string()))?;
         tmpl.render(context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
@@ -62,7 +70,15 @@ mod tests {
     fn renders_chatml_with_python_methods() {
         let src = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'].strip() }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
         let t = ChatTemplate::new(src, "", "<|im_end|>").unwrap();
-        let out = t.render(&[ChatMessage { role: "user".into(), content: " hi ".into() }], true).unwrap();
+        let out = t
+            .render(
+                &[ChatMessage {
+                    role: "user".into(),
+                    content: " hi ".into(),
+                }],
+                true,
+            )
+            .unwrap();
         assert_eq!(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
     }
 

@@ -98,7 +98,11 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 ///
 /// Panics if the byte length does not match; callers validate sizes when loading.
 pub fn dequantize(dtype: DType, src: &[u8], out: &mut [f32]) {
-    assert_eq!(src.len(), dtype.n_bytes(out.len()), "dequantize: {dtype} byte length mismatch");
+    assert_eq!(
+        src.len(),
+        dtype.n_bytes(out.len()),
+        "dequantize: {dtype} byte length mismatch"
+    );
     match dtype {
         DType::F32 => {
             for (o, c) in out.iter_mut().zip(src.chunks_exact(4)) {
@@ -116,7 +120,10 @@ pub fn dequantize(dtype: DType, src: &[u8], out: &mut [f32]) {
             }
         }
         DType::Q8_0 => {
-            for (o, b) in out.chunks_exact_mut(QK).zip(src.chunks_exact(DType::Q8_0.block_bytes())) {
+            for (o, b) in out
+                .chunks_exact_mut(QK)
+                .zip(src.chunks_exact(DType::Q8_0.block_bytes()))
+            {
                 let d = f16_at(b, 0);
                 for (x, &q) in o.iter_mut().zip(&b[2..]) {
                     *x = f32::from(q as i8) * d;
@@ -124,7 +131,10 @@ pub fn dequantize(dtype: DType, src: &[u8], out: &mut [f32]) {
             }
         }
         DType::Q4_0 => {
-            for (o, b) in out.chunks_exact_mut(QK).zip(src.chunks_exact(DType::Q4_0.block_bytes())) {
+            for (o, b) in out
+                .chunks_exact_mut(QK)
+                .zip(src.chunks_exact(DType::Q4_0.block_bytes()))
+            {
                 let d = f16_at(b, 0);
                 for (j, &q) in b[2..].iter().enumerate() {
                     o[j] = (f32::from(q & 0x0f) - 8.0) * d;
@@ -133,7 +143,10 @@ pub fn dequantize(dtype: DType, src: &[u8], out: &mut [f32]) {
             }
         }
         DType::Q4_1 => {
-            for (o, b) in out.chunks_exact_mut(QK).zip(src.chunks_exact(DType::Q4_1.block_bytes())) {
+            for (o, b) in out
+                .chunks_exact_mut(QK)
+                .zip(src.chunks_exact(DType::Q4_1.block_bytes()))
+            {
                 let d = f16_at(b, 0);
                 let m = f16_at(b, 2);
                 for (j, &q) in b[4..].iter().enumerate() {
@@ -224,7 +237,11 @@ mod tests {
     fn q4_roundtrips_within_one_step() {
         let x = ramp(96);
         for dtype in [DType::Q4_0, DType::Q4_1] {
-            let q = if dtype == DType::Q4_0 { quantize_q4_0(&x) } else { quantize_q4_1(&x) };
+            let q = if dtype == DType::Q4_0 {
+                quantize_q4_0(&x)
+            } else {
+                quantize_q4_1(&x)
+            };
             assert_eq!(q.len(), dtype.n_bytes(x.len()));
             let y = roundtrip(dtype, &q, x.len());
             for (a, c) in x.chunks(QK).zip(y.chunks(QK)) {

@@ -32,7 +32,12 @@ pub enum GgufError {
     #[error("{path}: corrupt: {what}")]
     Corrupt { path: PathBuf, what: String },
     #[error("{path}: tensor '{tensor}' has ggml type {ggml_type} ({type_name}), which Baton does not support")]
-    UnsupportedType { path: PathBuf, tensor: String, ggml_type: u32, type_name: &'static str },
+    UnsupportedType {
+        path: PathBuf,
+        tensor: String,
+        ggml_type: u32,
+        type_name: &'static str,
+    },
 }
 
 /// One metadata value.
@@ -177,7 +182,11 @@ impl<'a> Cursor<'a> {
         let n = self.u64(what)?;
         let left = (self.data.len() - self.pos) as u64;
         if n.saturating_mul(min_elem.max(1) as u64) > left {
-            return Err(GgufError::Truncated { path: self.path.to_path_buf(), what: format!("{what} (length {n})"), offset: at });
+            return Err(GgufError::Truncated {
+                path: self.path.to_path_buf(),
+                what: format!("{what} (length {n})"),
+                offset: at,
+            });
         }
         Ok(n as usize)
     }
@@ -228,18 +237,31 @@ impl GgufFile {
     /// Open and parse a GGUF file; tensor data stays memory-mapped until asked for.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, GgufError> {
         let path = path.as_ref().to_path_buf();
-        let io = |source| GgufError::Io { path: path.clone(), source };
+        let io = |source| GgufError::Io {
+            path: path.clone(),
+            source,
+        };
         let file = File::open(&path).map_err(io)?;
         // SAFETY: the mapping is read-only; Baton never writes model files while serving them.
         let mmap = unsafe { Mmap::map(&file) }.map_err(io)?;
-        let mut c = Cursor { path: &path, data: &mmap, pos: 0 };
+        let mut c = Cursor {
+            path: &path,
+            data: &mmap,
+            pos: 0,
+        };
         let magic: [u8; 4] = c.array("magic")?;
         if &magic != MAGIC {
-            return Err(GgufError::BadMagic { path: path.clone(), found: magic });
+            return Err(GgufError::BadMagic {
+                path: path.clone(),
+                found: magic,
+            });
         }
         let version = c.u32("version")?;
         if !(2..=3).contains(&version) {
-            return Err(GgufError::Version { path: path.clone(), version });
+            return Err(GgufError::Version {
+                path: path.clone(),
+                version,
+            });
         }
         let n_tensors = c.u64("tensor count")?;
         let n_kv = c.u64("metadata count")?;
@@ -261,7 +283,10 @@ impl GgufFile {
             let name = c.string(&format!("tensor name #{i}"))?;
             let n_dims = c.u32(&format!("dimension count of tensor '{name}'"))?;
             if n_dims == 0 || n_dims > MAX_DIMS {
-                return Err(GgufError::Corrupt { path: path.clone(), what: format!("tensor '{name}' has {n_dims} dimensions") });
+                return Err(GgufError::Corrupt {
+                    path: path.clone(),
+                    what: format!("tensor '{name}' has {n_dims} dimensions"),
+                });
             }
             let mut dims = Vec::with_capacity(n_dims as usize);
             for _ in 0..n_dims {
@@ -275,7 +300,12 @@ impl GgufFile {
             None => DEFAULT_ALIGNMENT,
             Some(v) => match v.as_u64() {
                 Some(a) if a > 0 && a.is_power_of_two() => a,
-                _ => return Err(GgufError::Corrupt { path: path.clone(), what: format!("general.alignment is {v:?}, expected a power of two") }),
+                _ => {
+                    return Err(GgufError::Corrupt {
+                        path: path.clone(),
+                        what: format!("general.alignment is {v:?}, expected a power of two"),
+                    });
+                }
             },
         };
         let data_start = (c.pos as u64).div_ceil(alignment) * alignment;
@@ -288,8 +318,14 @@ impl GgufFile {
                 ggml_type,
                 type_name,
             })?;
-            let corrupt = |what: String| GgufError::Corrupt { path: path.clone(), what };
-            let n_elems = dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d)).filter(|&n| n > 0 && n < (1 << 40));
+            let corrupt = |what: String| GgufError::Corrupt {
+                path: path.clone(),
+                what,
+            };
+            let n_elems = dims
+                .iter()
+                .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+                .filter(|&n| n > 0 && n < (1 << 40));
             let Some(n_elems) = n_elems else {
                 return Err(corrupt(format!("tensor '{name}' has implausible shape {dims:?}")));
             };
@@ -307,7 +343,13 @@ impl GgufFile {
                 (Some(s), Some(e)) if e <= file_len => {
                     // GGUF lists the innermost dimension first; Baton uses row-major order.
                     let shape = dims.iter().rev().map(|&d| d as usize).collect();
-                    let info = GgufTensorInfo { name: name.clone(), shape, dtype, offset: s as usize, n_bytes };
+                    let info = GgufTensorInfo {
+                        name: name.clone(),
+                        shape,
+                        dtype,
+                        offset: s as usize,
+                        n_bytes,
+                    };
                     if tensors.insert(name.clone(), info).is_some() {
                         return Err(corrupt(format!("tensor '{name}' appears twice")));
                     }
@@ -321,7 +363,13 @@ impl GgufFile {
                 }
             }
         }
-        Ok(GgufFile { path, mmap, version, metadata, tensors })
+        Ok(GgufFile {
+            path,
+            mmap,
+            version,
+            metadata,
+            tensors,
+        })
     }
 
     /// The file's path.

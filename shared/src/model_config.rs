@@ -58,7 +58,12 @@ pub enum RopeScaling {
     /// Positions divided by `factor`.
     Linear { factor: f64 },
     /// Llama 3.1 wavelength-dependent scaling.
-    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
 }
 
 /// Everything the decoder needs to know about a model's shape.
@@ -91,7 +96,12 @@ pub enum ConfigError {
     #[error("{source_name}: missing field '{field}'")]
     Missing { source_name: String, field: String },
     #[error("{source_name}: field '{field}' is {value}, expected {expected}")]
-    Invalid { source_name: String, field: String, value: String, expected: String },
+    Invalid {
+        source_name: String,
+        field: String,
+        value: String,
+        expected: String,
+    },
     #[error("{source_name}: unsupported architecture '{name}' (supported: llama, qwen2, qwen3)")]
     UnsupportedArchitecture { source_name: String, name: String },
     #[error("{source_name}: unsupported rope scaling type '{kind}' (supported: default, linear, llama3)")]
@@ -110,7 +120,10 @@ struct Fields<'a> {
 
 impl Fields<'_> {
     fn missing(&self, field: &str) -> ConfigError {
-        ConfigError::Missing { source_name: self.source_name.into(), field: field.into() }
+        ConfigError::Missing {
+            source_name: self.source_name.into(),
+            field: field.into(),
+        }
     }
 
     fn invalid(&self, field: &str, value: &Value, expected: &str) -> ConfigError {
@@ -156,20 +169,34 @@ impl Fields<'_> {
 }
 
 fn rope_scaling_from(source_name: &str, obj: Option<&Value>) -> Result<RopeScaling, ConfigError> {
-    let Some(obj) = obj.filter(|v| !v.is_null()) else { return Ok(RopeScaling::Default) };
+    let Some(obj) = obj.filter(|v| !v.is_null()) else {
+        return Ok(RopeScaling::Default);
+    };
     let f = Fields { source_name, json: obj };
-    let kind = obj.get("rope_type").or_else(|| obj.get("type")).and_then(Value::as_str).unwrap_or("default");
-    let need = |field: &str| f.f64_opt(field)?.ok_or_else(|| f.missing(&format!("rope scaling {field}")));
+    let kind = obj
+        .get("rope_type")
+        .or_else(|| obj.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let need = |field: &str| {
+        f.f64_opt(field)?
+            .ok_or_else(|| f.missing(&format!("rope scaling {field}")))
+    };
     match kind {
         "default" => Ok(RopeScaling::Default),
-        "linear" => Ok(RopeScaling::Linear { factor: need("factor")? }),
+        "linear" => Ok(RopeScaling::Linear {
+            factor: need("factor")?,
+        }),
         "llama3" => Ok(RopeScaling::Llama3 {
             factor: need("factor")?,
             low_freq_factor: need("low_freq_factor")?,
             high_freq_factor: need("high_freq_factor")?,
             original_max_position_embeddings: need("original_max_position_embeddings")?,
         }),
-        other => Err(ConfigError::UnsupportedRope { source_name: source_name.into(), kind: other.into() }),
+        other => Err(ConfigError::UnsupportedRope {
+            source_name: source_name.into(),
+            kind: other.into(),
+        }),
     }
 }
 
@@ -177,10 +204,14 @@ impl ModelConfig {
     /// Parse a Hugging Face `config.json`.
     pub fn from_hf_json(path: &Path) -> Result<Self, ConfigError> {
         let source_name = path.display().to_string();
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| ConfigError::Read { source_name: source_name.clone(), message: e.to_string() })?;
-        let json: Value = serde_json::from_str(&text)
-            .map_err(|e| ConfigError::Read { source_name: source_name.clone(), message: format!("invalid JSON: {e}") })?;
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+            source_name: source_name.clone(),
+            message: e.to_string(),
+        })?;
+        let json: Value = serde_json::from_str(&text).map_err(|e| ConfigError::Read {
+            source_name: source_name.clone(),
+            message: format!("invalid JSON: {e}"),
+        })?;
         Self::from_hf_value(&source_name, &json)
     }
 
@@ -247,8 +278,13 @@ impl ModelConfig {
     /// Read the config from GGUF metadata (`{arch}.*` keys).
     pub fn from_gguf(file: &GgufFile) -> Result<Self, ConfigError> {
         let source_name = file.path().display().to_string();
-        let missing = |field: &str| ConfigError::Missing { source_name: source_name.clone(), field: field.into() };
-        let arch_name = file.get_str("general.architecture").ok_or_else(|| missing("general.architecture"))?;
+        let missing = |field: &str| ConfigError::Missing {
+            source_name: source_name.clone(),
+            field: field.into(),
+        };
+        let arch_name = file
+            .get_str("general.architecture")
+            .ok_or_else(|| missing("general.architecture"))?;
         let architecture = Architecture::parse(arch_name).ok_or_else(|| ConfigError::UnsupportedArchitecture {
             source_name: source_name.clone(),
             name: arch_name.into(),
@@ -282,12 +318,22 @@ impl ModelConfig {
         let rope_scaling = match file.get_str(&key("rope.scaling.type")) {
             None | Some("none") => RopeScaling::Default,
             Some("linear") => RopeScaling::Linear {
-                factor: file.get_f64(&key("rope.scaling.factor")).ok_or_else(|| missing(&key("rope.scaling.factor")))?,
+                factor: file
+                    .get_f64(&key("rope.scaling.factor"))
+                    .ok_or_else(|| missing(&key("rope.scaling.factor")))?,
             },
-            Some(other) => return Err(ConfigError::UnsupportedRope { source_name, kind: other.into() }),
+            Some(other) => {
+                return Err(ConfigError::UnsupportedRope {
+                    source_name,
+                    kind: other.into(),
+                });
+            }
         };
         if file.tensors.contains_key("rope_freqs.weight") {
-            return Err(ConfigError::UnsupportedRope { source_name, kind: "per-frequency factors (rope_freqs.weight)".into() });
+            return Err(ConfigError::UnsupportedRope {
+                source_name,
+                kind: "per-frequency factors (rope_freqs.weight)".into(),
+            });
         }
         let cfg = ModelConfig {
             architecture,
@@ -311,15 +357,23 @@ impl ModelConfig {
     }
 
     fn validate(&self, source_name: &str) -> Result<(), ConfigError> {
-        let bad = |message: String| Err(ConfigError::Inconsistent { source_name: source_name.into(), message });
-        if self.num_heads % self.num_kv_heads != 0 {
+        let bad = |message: String| {
+            Err(ConfigError::Inconsistent {
+                source_name: source_name.into(),
+                message,
+            })
+        };
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return bad(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
-            return bad(format!("head_dim {} must be even and positive (RoPE rotates pairs)", self.head_dim));
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
+            return bad(format!(
+                "head_dim {} must be even and positive (RoPE rotates pairs)",
+                self.head_dim
+            ));
         }
         if self.architecture != Architecture::Qwen3 && self.num_heads * self.head_dim != self.hidden_size {
             return bad(format!(
@@ -408,7 +462,10 @@ mod tests {
     fn rejects_unknown_arch_and_rope() {
         let mut v = base();
         v["model_type"] = json!("gpt2");
-        assert!(matches!(ModelConfig::from_hf_value("t", &v), Err(ConfigError::UnsupportedArchitecture { .. })));
+        assert!(matches!(
+            ModelConfig::from_hf_value("t", &v),
+            Err(ConfigError::UnsupportedArchitecture { .. })
+        ));
         let mut v = base();
         v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
         let e = ModelConfig::from_hf_value("t", &v).unwrap_err().to_string();

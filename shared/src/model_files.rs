@@ -99,7 +99,14 @@ impl TensorRole {
 
     /// Expected row-major shape.
     pub fn shape(self, c: &ModelConfig) -> Vec<usize> {
-        let (h, q, kv, f, v, d) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size, c.vocab_size, c.head_dim);
+        let (h, q, kv, f, v, d) = (
+            c.hidden_size,
+            c.q_dim(),
+            c.kv_dim(),
+            c.intermediate_size,
+            c.vocab_size,
+            c.head_dim,
+        );
         match self {
             Self::Embedding | Self::LmHead => vec![v, h],
             Self::AttnNorm | Self::FfnNorm | Self::FinalNorm => vec![h],
@@ -129,11 +136,25 @@ pub enum LoadError {
     #[error("{source_name}: missing tensor '{name}'")]
     MissingTensor { source_name: String, name: String },
     #[error("{source_name}: unexpected tensors not used by a {arch:?} model: {names}")]
-    UnexpectedTensors { source_name: String, arch: Architecture, names: String },
+    UnexpectedTensors {
+        source_name: String,
+        arch: Architecture,
+        names: String,
+    },
     #[error("{source_name}: tensor '{name}' has shape {found:?}, expected {expected:?}")]
-    Shape { source_name: String, name: String, expected: Vec<usize>, found: Vec<usize> },
+    Shape {
+        source_name: String,
+        name: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
     #[error("{source_name}: tensor '{name}' has a non-finite value ({value}) at index {index}")]
-    NonFinite { source_name: String, name: String, index: usize, value: f32 },
+    NonFinite {
+        source_name: String,
+        name: String,
+        index: usize,
+        value: f32,
+    },
     #[error("layer range {start}..{end} is not inside the model's {layers} layers")]
     LayerRange { start: usize, end: usize, layers: usize },
 }
@@ -162,7 +183,10 @@ impl ModelFiles {
             if !path.join("config.json").is_file() {
                 return Err(LoadError::NotAModel { path: path.into() });
             }
-            Ok(Self::HfDir { dir: path.into(), weights: SafetensorsDir::open(path)? })
+            Ok(Self::HfDir {
+                dir: path.into(),
+                weights: SafetensorsDir::open(path)?,
+            })
         } else if path.is_file() {
             Ok(Self::Gguf(GgufFile::open(path)?))
         } else {
@@ -202,9 +226,11 @@ impl ModelFiles {
                 shape: &t.shape,
                 data: weights.tensor_data(t),
             }),
-            Self::Gguf(g) => {
-                g.tensors.get(&name).map(|t| StoredTensor { dtype: t.dtype, shape: &t.shape, data: g.tensor_data(t) })
-            }
+            Self::Gguf(g) => g.tensors.get(&name).map(|t| StoredTensor {
+                dtype: t.dtype,
+                shape: &t.shape,
+                data: g.tensor_data(t),
+            }),
         }
     }
 
@@ -217,7 +243,12 @@ impl ModelFiles {
     }
 
     /// Which (role, layer) pairs a stage holding `layers` needs; the embedding and head on request.
-    pub fn required(cfg: &ModelConfig, layers: Range<usize>, embedding: bool, head: bool) -> Vec<(TensorRole, Option<usize>)> {
+    pub fn required(
+        cfg: &ModelConfig,
+        layers: Range<usize>,
+        embedding: bool,
+        head: bool,
+    ) -> Vec<(TensorRole, Option<usize>)> {
         let mut out = Vec::new();
         if embedding || (head && cfg.tie_word_embeddings) {
             out.push((TensorRole::Embedding, None));
@@ -252,7 +283,11 @@ impl ModelFiles {
         unexpected.retain(|n| !n.ends_with("rotary_emb.inv_freq"));
         if !unexpected.is_empty() {
             let names: Vec<_> = unexpected.into_iter().take(8).collect();
-            return Err(LoadError::UnexpectedTensors { source_name, arch: cfg.architecture, names: names.join(", ") });
+            return Err(LoadError::UnexpectedTensors {
+                source_name,
+                arch: cfg.architecture,
+                names: names.join(", "),
+            });
         }
         Ok(())
     }
@@ -269,15 +304,21 @@ impl ModelFiles {
     ) -> Result<Vec<f32>, LoadError> {
         let source_name = self.source_name();
         let name = self.name_of(role, layer);
-        let t = self
-            .stored(role, layer)
-            .ok_or_else(|| LoadError::MissingTensor { source_name: source_name.clone(), name: name.clone() })?;
+        let t = self.stored(role, layer).ok_or_else(|| LoadError::MissingTensor {
+            source_name: source_name.clone(),
+            name: name.clone(),
+        })?;
         let expected = role.shape(cfg);
         check_shape(&source_name, &name, t.shape, &expected)?;
         let mut out = vec![0f32; expected.iter().product()];
         dequantize(t.dtype, t.data, &mut out);
         if check_finite && let Some((index, &value)) = out.iter().enumerate().find(|(_, v)| !v.is_finite()) {
-            return Err(LoadError::NonFinite { source_name, name, index, value });
+            return Err(LoadError::NonFinite {
+                source_name,
+                name,
+                index,
+                value,
+            });
         }
         if matches!(self, Self::Gguf(_)) && cfg.architecture == Architecture::Llama {
             match role {

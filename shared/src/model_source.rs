@@ -23,7 +23,12 @@ pub enum ModelSourceError {
 
 /// Turn a `--model` value into a path, fetching the default model when asked for by name or
 /// when no model is given.
-pub fn resolve_model(arg: Option<&str>, home: &Path, sources: &Sources, progress: bool) -> Result<PathBuf, ModelSourceError> {
+pub fn resolve_model(
+    arg: Option<&str>,
+    home: &Path,
+    sources: &Sources,
+    progress: bool,
+) -> Result<PathBuf, ModelSourceError> {
     match arg {
         None => Ok(fetch::ensure_default_model(home, sources, progress)?),
         Some(name) if name.eq_ignore_ascii_case(fetch::DEFAULT_MODEL) || name == fetch::HF_REPO => {
@@ -31,7 +36,11 @@ pub fn resolve_model(arg: Option<&str>, home: &Path, sources: &Sources, progress
         }
         Some(p) => {
             let path = PathBuf::from(p);
-            if path.exists() { Ok(path) } else { Err(ModelSourceError::NotFound(p.into())) }
+            if path.exists() {
+                Ok(path)
+            } else {
+                Err(ModelSourceError::NotFound(p.into()))
+            }
         }
     }
 }
@@ -53,6 +62,10 @@ impl LoadedModel {
             ModelFiles::Gguf(g) => Tokenizer::from_gguf(g)?,
             ModelFiles::HfDir { dir, .. } => Tokenizer::from_hf_dir(dir)?,
         };
-        Ok(Self { files, config, tokenizer })
+        Ok(Self {
+            files,
+            config,
+            tokenizer,
+        })
     }
 }

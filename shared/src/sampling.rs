@@ -56,12 +56,20 @@ pub const MAX_STOP_STRINGS: usize = 16;
 impl SamplingParams {
     /// Greedy decoding of up to `max_tokens` tokens.
     pub fn greedy(max_tokens: usize) -> Self {
-        Self { max_tokens, ..Self::default() }
+        Self {
+            max_tokens,
+            ..Self::default()
+        }
     }
 
     /// Check every field's range.
     pub fn validate(&self) -> Result<(), SamplingError> {
-        let err = |param, message: &str| Err(SamplingError { param, message: message.into() });
+        let err = |param, message: &str| {
+            Err(SamplingError {
+                param,
+                message: message.into(),
+            })
+        };
         if !(self.temperature.is_finite() && (0.0..=100.0).contains(&self.temperature)) {
             return err("temperature", "must be between 0 and 100");
         }
@@ -97,12 +105,30 @@ mod tests {
     fn validates_ranges() {
         assert!(SamplingParams::default().validate().is_ok());
         let bad = [
-            SamplingParams { temperature: -1.0, ..Default::default() },
-            SamplingParams { top_p: 0.0, ..Default::default() },
-            SamplingParams { min_p: 1.5, ..Default::default() },
-            SamplingParams { max_tokens: 0, ..Default::default() },
-            SamplingParams { stop: vec![String::new()], ..Default::default() },
-            SamplingParams { temperature: f32::NAN, ..Default::default() },
+            SamplingParams {
+                temperature: -1.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                top_p: 0.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                min_p: 1.5,
+                ..Default::default()
+            },
+            SamplingParams {
+                max_tokens: 0,
+                ..Default::default()
+            },
+            SamplingParams {
+                stop: vec![String::new()],
+                ..Default::default()
+            },
+            SamplingParams {
+                temperature: f32::NAN,
+                ..Default::default()
+            },
         ];
         for p in bad {
             assert!(p.validate().is_err(), "{p:?}");

@@ -67,22 +67,32 @@ impl Settings {
             Some(p) => fig = fig.merge(Toml::file_exact(p)),
             None => fig = fig.merge(Toml::file("baton.toml")),
         }
-        fig = fig.merge(Env::prefixed("BATON_").ignore(NOT_SETTINGS)).merge(Serialized::globals(flags));
+        fig = fig
+            .merge(Env::prefixed("BATON_").ignore(NOT_SETTINGS))
+            .merge(Serialized::globals(flags));
         fig.extract().map_err(|e| SettingsError(Box::new(e)))
     }
 
     /// The cache directory.
     pub fn home(&self) -> PathBuf {
-        self.home.clone().filter(|h| !h.as_os_str().is_empty()).unwrap_or_else(fetch::baton_home)
+        self.home
+            .clone()
+            .filter(|h| !h.as_os_str().is_empty())
+            .unwrap_or_else(fetch::baton_home)
     }
 
     /// Model download sources.
     pub fn sources(&self) -> Sources {
-        Sources { hf_endpoint: self.hf_endpoint.clone(), pypi_url: self.pypi_url.clone() }
+        Sources {
+            hf_endpoint: self.hf_endpoint.clone(),
+            pypi_url: self.pypi_url.clone(),
+        }
     }
 }
 
 #[cfg(test)]
+// figment::Jail's closure signature returns its own large error type.
+#[allow(clippy::result_large_err)]
 mod tests {
     use super::*;
 
@@ -95,11 +105,23 @@ mod tests {
     #[test]
     fn layering_file_env_flags() {
         figment::Jail::expect_with(|jail| {
-            jail.create_file("b.toml", "log_level = \"info\"\ncheck_weights = false\nhf_endpoint = \"http://file\"")?;
+            jail.create_file(
+                "b.toml",
+                "log_level = \"info\"\ncheck_weights = false\nhf_endpoint = \"http://file\"",
+            )?;
             jail.set_env("BATON_HF_ENDPOINT", "http://env");
             let s = Settings::load(Some(Path::new("b.toml")), Flags { log_level: None }).unwrap();
-            assert_eq!((s.log_level.as_str(), s.check_weights, s.hf_endpoint.as_str()), ("info", false, "http://env"));
-            let s = Settings::load(Some(Path::new("b.toml")), Flags { log_level: Some("debug".into()) }).unwrap();
+            assert_eq!(
+                (s.log_level.as_str(), s.check_weights, s.hf_endpoint.as_str()),
+                ("info", false, "http://env")
+            );
+            let s = Settings::load(
+                Some(Path::new("b.toml")),
+                Flags {
+                    log_level: Some("debug".into()),
+                },
+            )
+            .unwrap();
             assert_eq!(s.log_level, "debug");
             Ok(())
         });
@@ -109,12 +131,18 @@ mod tests {
     fn bad_file_names_the_problem() {
         figment::Jail::expect_with(|jail| {
             jail.create_file("b.toml", "check_weights = \"maybe\"")?;
-            let e = Settings::load(Some(Path::new("b.toml")), Flags { log_level: None }).unwrap_err().to_string();
+            let e = Settings::load(Some(Path::new("b.toml")), Flags { log_level: None })
+                .unwrap_err()
+                .to_string();
             assert!(e.contains("check_weights"), "{e}");
             jail.create_file("c.toml", "no_such_setting = 1")?;
-            let e = Settings::load(Some(Path::new("c.toml")), Flags { log_level: None }).unwrap_err().to_string();
+            let e = Settings::load(Some(Path::new("c.toml")), Flags { log_level: None })
+                .unwrap_err()
+                .to_string();
             assert!(e.contains("no_such_setting"), "{e}");
-            let e = Settings::load(Some(Path::new("missing.toml")), Flags { log_level: None }).unwrap_err().to_string();
+            let e = Settings::load(Some(Path::new("missing.toml")), Flags { log_level: None })
+                .unwrap_err()
+                .to_string();
             assert!(e.contains("missing.toml"), "{e}");
             Ok(())
         });

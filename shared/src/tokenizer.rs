@@ -54,20 +54,30 @@ impl std::fmt::Debug for Tokenizer {
 }
 
 /// GPT-2 style split used by Qwen2 tokenizers (single digits).
-const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_PATTERN: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Llama 3 split (digits in runs of up to three).
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 fn load_err(source_name: &str, message: impl std::fmt::Display) -> TokenizerError {
-    TokenizerError::Load { source_name: source_name.into(), message: message.to_string() }
+    TokenizerError::Load {
+        source_name: source_name.into(),
+        message: message.to_string(),
+    }
 }
 
 fn string_array<'a>(g: &'a GgufFile, key: &str) -> Result<Vec<&'a str>, TokenizerError> {
     let name = g.path().display().to_string();
-    let arr = g.get(key).and_then(GgufValue::as_array).ok_or_else(|| load_err(&name, format!("missing metadata '{key}'")))?;
+    let arr = g
+        .get(key)
+        .and_then(GgufValue::as_array)
+        .ok_or_else(|| load_err(&name, format!("missing metadata '{key}'")))?;
     arr.iter()
         .enumerate()
-        .map(|(i, v)| v.as_str().ok_or_else(|| load_err(&name, format!("'{key}'[{i}] is not a string"))))
+        .map(|(i, v)| {
+            v.as_str()
+                .ok_or_else(|| load_err(&name, format!("'{key}'[{i}] is not a string")))
+        })
         .collect()
 }
 
@@ -75,18 +85,25 @@ fn string_array<'a>(g: &'a GgufFile, key: &str) -> Result<Vec<&'a str>, Tokenize
 fn pre_tokenizer_for(source_name: &str, pre: &str) -> Result<PreTokenizerWrapper, TokenizerError> {
     let byte_level = |use_regex| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
     let split = |pattern: &str| -> Result<PreTokenizerWrapper, TokenizerError> {
-        let s = Split::new(SplitPattern::Regex(pattern.into()), SplitDelimiterBehavior::Isolated, false)
-            .map_err(|e| load_err(source_name, e))?;
+        let s = Split::new(
+            SplitPattern::Regex(pattern.into()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(|e| load_err(source_name, e))?;
         Ok(PreTokenizerWrapper::Split(s))
     };
     Ok(match pre {
         "gpt-2" | "gpt2" | "default" => byte_level(true),
         // SmolLM2 (and StarCoder) isolate every digit before the GPT-2 byte-level split.
-        "smollm" | "starcoder" | "refact" => {
-            PreTokenizerWrapper::Sequence(Sequence::new(vec![PreTokenizerWrapper::Digits(Digits::new(true)), byte_level(true)]))
-        }
+        "smollm" | "starcoder" | "refact" => PreTokenizerWrapper::Sequence(Sequence::new(vec![
+            PreTokenizerWrapper::Digits(Digits::new(true)),
+            byte_level(true),
+        ])),
         "qwen2" => PreTokenizerWrapper::Sequence(Sequence::new(vec![split(QWEN2_PATTERN)?, byte_level(false)])),
-        "llama3" | "llama-bpe" => PreTokenizerWrapper::Sequence(Sequence::new(vec![split(LLAMA3_PATTERN)?, byte_level(false)])),
+        "llama3" | "llama-bpe" => {
+            PreTokenizerWrapper::Sequence(Sequence::new(vec![split(LLAMA3_PATTERN)?, byte_level(false)]))
+        }
         other => {
             return Err(TokenizerError::Unsupported {
                 source_name: source_name.into(),
@@ -100,7 +117,9 @@ impl Tokenizer {
     /// Build the tokenizer described by a GGUF file's `tokenizer.ggml.*` metadata.
     pub fn from_gguf(g: &GgufFile) -> Result<Self, TokenizerError> {
         let name = g.path().display().to_string();
-        let model = g.get_str("tokenizer.ggml.model").ok_or_else(|| load_err(&name, "missing metadata 'tokenizer.ggml.model'"))?;
+        let model = g
+            .get_str("tokenizer.ggml.model")
+            .ok_or_else(|| load_err(&name, "missing metadata 'tokenizer.ggml.model'"))?;
         if model != "gpt2" {
             return Err(TokenizerError::Unsupported {
                 source_name: name,
@@ -113,7 +132,11 @@ impl Tokenizer {
             Some(a) => a.iter().map(|v| v.as_u64().unwrap_or(1)).collect(),
             None => vec![1; tokens.len()],
         };
-        let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| ((*t).to_string(), i as u32)).collect();
+        let vocab: Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| ((*t).to_string(), i as u32))
+            .collect();
         if vocab.len() != tokens.len() {
             return Err(load_err(&name, "tokenizer.ggml.tokens contains duplicate tokens"));
         }
@@ -123,10 +146,18 @@ impl Tokenizer {
             .map(|(i, m)| {
                 m.split_once(' ')
                     .map(|(a, b)| (a.to_string(), b.to_string()))
-                    .ok_or_else(|| load_err(&name, format!("merge #{i} '{m}' is not two tokens separated by a space")))
+                    .ok_or_else(|| {
+                        load_err(
+                            &name,
+                            format!("merge #{i} '{m}' is not two tokens separated by a space"),
+                        )
+                    })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(|e| load_err(&name, e))?;
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(|e| load_err(&name, e))?;
         let pre = g.get_str("tokenizer.ggml.pre").unwrap_or("default");
         let mut inner = tokenizers::Tokenizer::new(bpe);
         inner.with_pre_tokenizer(Some(pre_tokenizer_for(&name, pre)?));
@@ -140,17 +171,24 @@ impl Tokenizer {
             .collect();
         inner.add_special_tokens(added).map_err(|e| load_err(&name, e))?;
         let id = |key: &str| g.get_u64(key).map(|v| v as u32);
-        let mut eos_ids: Vec<u32> = ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"]
-            .iter()
-            .filter_map(|k| id(k))
-            .collect();
+        let mut eos_ids: Vec<u32> = [
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        ]
+        .iter()
+        .filter_map(|k| id(k))
+        .collect();
         eos_ids.dedup();
         let tok = Tokenizer {
             vocab_size: tokens.len(),
             inner,
             bos_id: id("tokenizer.ggml.bos_token_id"),
             eos_ids,
-            add_bos: g.get("tokenizer.ggml.add_bos_token").and_then(GgufValue::as_bool).unwrap_or(false),
+            add_bos: g
+                .get("tokenizer.ggml.add_bos_token")
+                .and_then(GgufValue::as_bool)
+                .unwrap_or(false),
             chat_template: g.get_str("tokenizer.chat_template").map(str::to_string),
         };
         tok.check_ids(&name)?;
@@ -167,7 +205,9 @@ impl Tokenizer {
             let p: PathBuf = dir.join(file);
             match std::fs::read_to_string(&p) {
                 Err(_) => Ok(None),
-                Ok(text) => serde_json::from_str(&text).map(Some).map_err(|e| load_err(&p.display().to_string(), format!("invalid JSON: {e}"))),
+                Ok(text) => serde_json::from_str(&text)
+                    .map(Some)
+                    .map_err(|e| load_err(&p.display().to_string(), format!("invalid JSON: {e}"))),
             }
         };
         let tcfg = read_json("tokenizer_config.json")?.unwrap_or(Value::Null);
@@ -185,12 +225,18 @@ impl Tokenizer {
             }
         };
         let mut eos_ids = ids_of(&gen_cfg["eos_token_id"]);
-        for extra in ids_of(&model_cfg["eos_token_id"]).into_iter().chain(token_id(&tcfg["eos_token"])) {
+        for extra in ids_of(&model_cfg["eos_token_id"])
+            .into_iter()
+            .chain(token_id(&tcfg["eos_token"]))
+        {
             if !eos_ids.contains(&extra) {
                 eos_ids.push(extra);
             }
         }
-        let bos_id = ids_of(&gen_cfg["bos_token_id"]).first().copied().or_else(|| token_id(&tcfg["bos_token"]));
+        let bos_id = ids_of(&gen_cfg["bos_token_id"])
+            .first()
+            .copied()
+            .or_else(|| token_id(&tcfg["bos_token"]));
         let chat_template = match std::fs::read_to_string(dir.join("chat_template.jinja")) {
             Ok(t) => Some(t),
             Err(_) => match &tcfg["chat_template"] {
@@ -220,7 +266,10 @@ impl Tokenizer {
     fn check_ids(&self, source_name: &str) -> Result<(), TokenizerError> {
         for id in self.bos_id.iter().chain(&self.eos_ids) {
             if *id as usize >= self.vocab_size {
-                return Err(load_err(source_name, format!("special token id {id} is outside the vocabulary of {}", self.vocab_size)));
+                return Err(load_err(
+                    source_name,
+                    format!("special token id {id} is outside the vocabulary of {}", self.vocab_size),
+                ));
             }
         }
         Ok(())
@@ -239,9 +288,15 @@ impl Tokenizer {
     /// Token ids for `text`; special-token text like `<|im_start|>` maps to its single id.
     /// With `add_special_tokens`, BOS is prepended when the model asks for it.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
-        let enc = self.inner.encode(text, false).map_err(|e| TokenizerError::Run(e.to_string()))?;
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| TokenizerError::Run(e.to_string()))?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
-        if add_special_tokens && self.add_bos && let Some(bos) = self.bos_id {
+        if add_special_tokens
+            && self.add_bos
+            && let Some(bos) = self.bos_id
+        {
             ids.push(bos);
         }
         ids.extend_from_slice(enc.get_ids());
@@ -251,9 +306,14 @@ impl Tokenizer {
     /// Text for `ids`, with special tokens dropped when `skip_special_tokens`.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TokenizerError> {
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= self.vocab_size) {
-            return Err(TokenizerError::IdOutOfRange { id, vocab: self.vocab_size });
+            return Err(TokenizerError::IdOutOfRange {
+                id,
+                vocab: self.vocab_size,
+            });
         }
-        self.inner.decode(ids, skip_special_tokens).map_err(|e| TokenizerError::Run(e.to_string()))
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| TokenizerError::Run(e.to_string()))
     }
 
     /// Whether `id` ends generation.
@@ -280,14 +340,20 @@ pub struct IncrementalDecoder {
 impl IncrementalDecoder {
     /// A decoder that drops special tokens from the text when `skip_special_tokens`.
     pub fn new(skip_special_tokens: bool) -> Self {
-        Self { skip_special_tokens, ..Self::default() }
+        Self {
+            skip_special_tokens,
+            ..Self::default()
+        }
     }
 
     /// Add one token; returns the text it completes (possibly empty).
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String, TokenizerError> {
         self.ids.push(id);
         // Decoding from a few tokens back keeps byte-level merges and leading spaces right.
-        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special_tokens)?;
+        let prefix = tok.decode(
+            &self.ids[self.prefix_offset..self.read_offset],
+            self.skip_special_tokens,
+        )?;
         let full = tok.decode(&self.ids[self.prefix_offset..], self.skip_special_tokens)?;
         if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.is_char_boundary(prefix.len()) {
             let delta = full[prefix.len()..].to_string();
@@ -301,10 +367,17 @@ impl IncrementalDecoder {
 
     /// Text still held back (an incomplete character at the very end), flushed lossily.
     pub fn finish(&mut self, tok: &Tokenizer) -> Result<String, TokenizerError> {
-        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special_tokens)?;
+        let prefix = tok.decode(
+            &self.ids[self.prefix_offset..self.read_offset],
+            self.skip_special_tokens,
+        )?;
         let full = tok.decode(&self.ids[self.prefix_offset..], self.skip_special_tokens)?;
         self.prefix_offset = self.ids.len();
         self.read_offset = self.ids.len();
-        Ok(if full.len() > prefix.len() && full.is_char_boundary(prefix.len()) { full[prefix.len()..].to_string() } else { String::new() })
+        Ok(if full.len() > prefix.len() && full.is_char_boundary(prefix.len()) {
+            full[prefix.len()..].to_string()
+        } else {
+            String::new()
+        })
     }
 }

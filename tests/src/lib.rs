@@ -1,1 +1,70 @@
-//! Integration tests live in `tests/tests/`; this crate has no library code.
+//! Helpers for Baton's integration tests: fixture paths, the default model, the `baton` binary.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use baton_shared::fetch::{Sources, baton_home, ensure_default_model};
+
+/// `tests/fixtures/` in the repository.
+pub fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+}
+
+/// The default model (SmolLM2-135M-Instruct GGUF), fetched into `$BATON_HOME` on first use.
+///
+/// Fetching is part of what is under test: if no source is reachable the test fails with the
+/// fetch error rather than being skipped.
+pub fn default_model() -> PathBuf {
+    ensure_default_model(&baton_home(), &Sources::default(), false).expect("fetching the default model")
+}
+
+/// The `baton` binary built alongside the tests (`target/<profile>/baton`), or `$BATON_BIN`.
+pub fn baton_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("BATON_BIN") {
+        return p.into();
+    }
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe.parent().and_then(Path::parent).expect("target directory");
+    let bin = dir.join(format!("baton{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        bin.is_file(),
+        "{} not found: run the tests with `cargo test --workspace` so it is built",
+        bin.display()
+    );
+    bin
+}
+
+/// Run `baton` with arguments; the environment is inherited.
+pub fn baton(args: &[&str]) -> Output {
+    Command::new(baton_bin()).args(args).output().expect("running baton")
+}
+
+/// Largest absolute difference between two equally long slices.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "length mismatch");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Read a JSON file.
+pub fn read_json(path: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// A JSON array of numbers as f32.
+pub fn f32s(v: &serde_json::Value) -> Vec<f32> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_f64().expect("number") as f32)
+        .collect()
+}
+
+/// A JSON array of numbers as token ids.
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}

@@ -17,7 +17,6 @@ pub enum FinishReason {
     Length,
 }
 
-
 impl FinishReason {
     /// OpenAI's name for it.
     pub fn as_str(self) -> &'static str {
@@ -61,7 +60,10 @@ impl Engine {
     /// An engine over weights that hold every layer, the embedding and the head.
     pub fn new(weights: StageWeights) -> Self {
         assert!(weights.is_first && weights.is_last, "Engine needs a full-model stage");
-        Self { weights, scratch: Scratch::default() }
+        Self {
+            weights,
+            scratch: Scratch::default(),
+        }
     }
 
     fn new_kv(&self, capacity: usize) -> SequenceKv {
@@ -77,7 +79,11 @@ impl Engine {
         let mut hidden = vec![0f32; tokens.len() * h];
         self.weights.embed(tokens, &mut hidden)?;
         self.weights.forward(&mut hidden, 0, &mut kv, &mut self.scratch)?;
-        let rows = if all_positions { &hidden[..] } else { &hidden[(tokens.len() - 1) * h..] };
+        let rows = if all_positions {
+            &hidden[..]
+        } else {
+            &hidden[(tokens.len() - 1) * h..]
+        };
         let mut out = vec![0f32; rows.len() / h * vocab];
         self.weights.logits(rows, &mut self.scratch, &mut out)?;
         Ok(out)
@@ -101,14 +107,18 @@ impl Engine {
             return Err(ForwardError::Empty.into());
         }
         if prompt.len() >= max_ctx {
-            return Err(EngineError::PromptTooLong { prompt: prompt.len(), max: max_ctx });
+            return Err(EngineError::PromptTooLong {
+                prompt: prompt.len(),
+                max: max_ctx,
+            });
         }
         let mut kv = self.new_kv((prompt.len() + params.max_tokens).min(max_ctx));
         let mut hidden = vec![0f32; prompt.len() * h];
         let mut logits = vec![0f32; vocab];
         self.weights.embed(prompt, &mut hidden)?;
         self.weights.forward(&mut hidden, 0, &mut kv, &mut self.scratch)?;
-        self.weights.logits(&hidden[(prompt.len() - 1) * h..], &mut self.scratch, &mut logits)?;
+        self.weights
+            .logits(&hidden[(prompt.len() - 1) * h..], &mut self.scratch, &mut logits)?;
         hidden.truncate(h);
 
         let mut sampler = Sampler::new(params);
@@ -144,7 +154,11 @@ impl Engine {
             stops.push(&rest, &mut on_text);
         }
         stops.flush(&mut on_text);
-        Ok(Generation { tokens, text: stops.text, finish_reason: finish })
+        Ok(Generation {
+            tokens,
+            text: stops.text,
+            finish_reason: finish,
+        })
     }
 }
 
@@ -161,7 +175,10 @@ pub struct StopMatcher<'a> {
 impl<'a> StopMatcher<'a> {
     /// A matcher for `stops` (may be empty).
     pub fn new(stops: &'a [String]) -> Self {
-        Self { stops, ..Self::default() }
+        Self {
+            stops,
+            ..Self::default()
+        }
     }
 
     /// Add text; returns true when a stop string is complete (text is cut before it).
@@ -169,12 +186,19 @@ impl<'a> StopMatcher<'a> {
         if self.matched || delta.is_empty() {
             return self.matched;
         }
-        let search_from = self.text.len().saturating_sub(self.stops.iter().map(String::len).max().unwrap_or(0));
+        let search_from = self
+            .text
+            .len()
+            .saturating_sub(self.stops.iter().map(String::len).max().unwrap_or(0));
         self.text.push_str(delta);
         let found = self
             .stops
             .iter()
-            .filter_map(|s| self.text[floor_boundary(&self.text, search_from)..].find(s.as_str()).map(|i| i + floor_boundary(&self.text, search_from)))
+            .filter_map(|s| {
+                self.text[floor_boundary(&self.text, search_from)..]
+                    .find(s.as_str())
+                    .map(|i| i + floor_boundary(&self.text, search_from))
+            })
             .min();
         if let Some(at) = found {
             self.text.truncate(at);

@@ -21,9 +21,17 @@ impl SequenceKv {
     /// An empty cache for `n_layers` layers of width `kv_dim`, with room for `capacity` tokens.
     pub fn new(n_layers: usize, kv_dim: usize, capacity: usize) -> Self {
         let layers = (0..n_layers)
-            .map(|_| LayerKv { k: vec![0.0; capacity * kv_dim], v: vec![0.0; capacity * kv_dim] })
+            .map(|_| LayerKv {
+                k: vec![0.0; capacity * kv_dim],
+                v: vec![0.0; capacity * kv_dim],
+            })
             .collect();
-        Self { layers, kv_dim, len: 0, capacity }
+        Self {
+            layers,
+            kv_dim,
+            len: 0,
+            capacity,
+        }
     }
 
     /// Tokens stored.
@@ -51,7 +59,11 @@ impl SequenceKv {
 
     /// Record that positions up to `len` are filled.
     pub fn set_len(&mut self, len: usize) {
-        assert!(len <= self.capacity, "KV length {len} beyond capacity {}", self.capacity);
+        assert!(
+            len <= self.capacity,
+            "KV length {len} beyond capacity {}",
+            self.capacity
+        );
         self.len = len;
     }
 

@@ -50,9 +50,16 @@ impl Sampler {
     /// A sampler for `params`; without a seed one is drawn from the clock.
     pub fn new(params: &SamplingParams) -> Self {
         let seed = params.seed.unwrap_or_else(|| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0)
         });
-        Self { params: params.clone(), rng: Rng::new(seed), candidates: Vec::new() }
+        Self {
+            params: params.clone(),
+            rng: Rng::new(seed),
+            candidates: Vec::new(),
+        }
     }
 
     /// Choose the next token from `logits`.
@@ -109,7 +116,11 @@ mod tests {
     use super::*;
 
     fn params(f: impl FnOnce(&mut SamplingParams)) -> SamplingParams {
-        let mut p = SamplingParams { temperature: 1.0, seed: Some(7), ..Default::default() };
+        let mut p = SamplingParams {
+            temperature: 1.0,
+            seed: Some(7),
+            ..Default::default()
+        };
         f(&mut p);
         p
     }

@@ -37,7 +37,9 @@ pub fn run(ctx: &Ctx, a: ConvertArgs) -> Result<()> {
     } else {
         ProgressBar::hidden()
     };
-    pb.set_style(ProgressStyle::with_template("converting [{bar:30}] {pos}/{len} tensors {msg}")?.progress_chars("=> "));
+    pb.set_style(
+        ProgressStyle::with_template("converting [{bar:30}] {pos}/{len} tensors {msg}")?.progress_chars("=> "),
+    );
     let bf = a.dtype == "bf16";
     let mut blobs: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(wanted.len());
     for (role, layer) in wanted {

@@ -70,7 +70,7 @@ pub fn run(ctx: &Ctx, a: GenerateArgs) -> Result<()> {
         ignore_eos: a.ignore_eos,
         stop_token_ids: Vec::new(),
     };
-    let mut engine = full_engine(ctx, &model)?;
+    let mut engine = full_engine(ctx, &model.files, &model.config)?;
     let stream = a.format == "text";
     let mut stdout = std::io::stdout().lock();
     let span = tracing::info_span!("generate", prompt_tokens = prompt.len(), max_tokens = a.max_tokens).entered();

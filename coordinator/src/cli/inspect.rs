@@ -2,6 +2,8 @@
 
 use anyhow::{Context, Result};
 use baton_shared::chat_template::{ChatMessage, ChatTemplate};
+use baton_shared::model_config::ModelConfig;
+use baton_shared::model_files::ModelFiles;
 use baton_shared::model_source::LoadedModel;
 use baton_worker::engine::Engine;
 use baton_worker::model::StageWeights;
@@ -35,10 +37,19 @@ pub struct LogitsArgs {
 /// The text a user message becomes under the model's chat template.
 pub fn apply_chat(model: &LoadedModel, user: &str) -> Result<String> {
     let tok = &model.tokenizer;
-    let src = tok.chat_template.as_deref().context("the model has no chat template; drop --chat")?;
+    let src = tok
+        .chat_template
+        .as_deref()
+        .context("the model has no chat template; drop --chat")?;
     let name = |id: Option<u32>| id.and_then(|i| tok.id_to_token(i)).unwrap_or_default();
     let tmpl = ChatTemplate::new(src, &name(tok.bos_id), &name(tok.eos_ids.first().copied()))?;
-    Ok(tmpl.render(&[ChatMessage { role: "user".into(), content: user.into() }], true)?)
+    Ok(tmpl.render(
+        &[ChatMessage {
+            role: "user".into(),
+            content: user.into(),
+        }],
+        true,
+    )?)
 }
 
 pub fn tokenize(ctx: &Ctx, a: TokenizeArgs) -> Result<()> {
@@ -53,18 +64,21 @@ pub fn tokenize(ctx: &Ctx, a: TokenizeArgs) -> Result<()> {
 }
 
 /// Load the whole model as one fp32 stage.
-pub fn full_engine(ctx: &Ctx, model: &LoadedModel) -> Result<Engine> {
+pub fn full_engine(ctx: &Ctx, files: &ModelFiles, config: &ModelConfig) -> Result<Engine> {
     let _span = tracing::info_span!("model.load_weights").entered();
-    let weights = StageWeights::load_full(&model.files, &model.config, ctx.settings.check_weights)?;
+    let weights = StageWeights::load_full(files, config, ctx.settings.check_weights)?;
     Ok(Engine::new(weights))
 }
 
 pub fn logits(ctx: &Ctx, a: LogitsArgs) -> Result<()> {
     let tokens = parse_token_list(&a.tokens)?;
-    let model = ctx.open_model(&a.model)?;
-    let mut engine = full_engine(ctx, &model)?;
+    // Logits need no tokenizer, so models without one (e.g. test checkpoints) work too.
+    let path = ctx.model_path(&a.model)?;
+    let files = ModelFiles::open(&path).with_context(|| format!("loading model {}", path.display()))?;
+    let config = files.config()?;
+    let mut engine = full_engine(ctx, &files, &config)?;
     let out = engine.prompt_logits(&tokens, a.positions == "all")?;
-    let rows: Vec<&[f32]> = out.chunks(model.config.vocab_size).collect();
+    let rows: Vec<&[f32]> = out.chunks(config.vocab_size).collect();
     let mut stdout = std::io::stdout().lock();
     serde_json::to_writer(&mut stdout, &serde_json::json!({ "logits": rows }))?;
     use std::io::Write;

@@ -75,7 +75,12 @@ impl Ctx {
     /// Resolve (and fetch if needed) the model path.
     pub fn model_path(&self, model: &ModelArg) -> Result<PathBuf> {
         let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
-        Ok(resolve_model(model.model.as_deref(), &self.settings.home(), &self.settings.sources(), progress)?)
+        Ok(resolve_model(
+            model.model.as_deref(),
+            &self.settings.home(),
+            &self.settings.sources(),
+            progress,
+        )?)
     }
 
     /// Resolve and open the model.
@@ -94,7 +99,9 @@ pub fn open_model_at(path: &Path) -> Result<LoadedModel> {
 fn init_logging(settings: &Settings) {
     let filter = tracing_subscriber::EnvFilter::try_new(&settings.log_level)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     let _ = match settings.log_format {
         LogFormat::Json => builder.json().try_init(),
         LogFormat::Text => builder.try_init(),
@@ -125,7 +132,11 @@ pub fn parse_token_list(s: &str) -> Result<Vec<u32>> {
         .split(',')
         .map(|x| x.trim())
         .filter(|x| !x.is_empty())
-        .map(|x| x.parse::<u32>().with_context(|| format!("'{x}' is not a token id (expected a comma-separated list of non-negative integers)")))
+        .map(|x| {
+            x.parse::<u32>().with_context(|| {
+                format!("'{x}' is not a token id (expected a comma-separated list of non-negative integers)")
+            })
+        })
         .collect::<Result<Vec<_>>>()?;
     anyhow::ensure!(!ids.is_empty(), "empty token list: pass at least one token id");
     Ok(ids)

@@ -49,7 +49,11 @@ fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
 impl StageWeights {
     /// Embedding rows for `tokens` into `out` (`tokens.len() × hidden`).
     pub fn embed(&self, tokens: &[u32], out: &mut [f32]) -> Result<(), ForwardError> {
-        let emb = self.embedding.as_deref().filter(|_| self.is_first).ok_or(ForwardError::MissingPart("embedding"))?;
+        let emb = self
+            .embedding
+            .as_deref()
+            .filter(|_| self.is_first)
+            .ok_or(ForwardError::MissingPart("embedding"))?;
         let h = self.config.hidden_size;
         let vocab = self.config.vocab_size;
         if tokens.is_empty() {
@@ -66,14 +70,23 @@ impl StageWeights {
 
     /// Run this stage's layers on `hidden` (`t × hidden_size`, tokens at positions
     /// `pos0..pos0+t` of one sequence), updating the sequence's KV cache.
-    pub fn forward(&self, hidden: &mut [f32], pos0: usize, kv: &mut SequenceKv, s: &mut Scratch) -> Result<(), ForwardError> {
+    pub fn forward(
+        &self,
+        hidden: &mut [f32],
+        pos0: usize,
+        kv: &mut SequenceKv,
+        s: &mut Scratch,
+    ) -> Result<(), ForwardError> {
         let c = &self.config;
         let h = c.hidden_size;
         if hidden.is_empty() {
             return Err(ForwardError::Empty);
         }
-        if hidden.len() % h != 0 {
-            return Err(ForwardError::HiddenShape { got: hidden.len(), hidden: h });
+        if !hidden.len().is_multiple_of(h) {
+            return Err(ForwardError::HiddenShape {
+                got: hidden.len(),
+                hidden: h,
+            });
         }
         let t = hidden.len() / h;
         if kv.len() != pos0 {
@@ -81,7 +94,10 @@ impl StageWeights {
         }
         let end = pos0 + t;
         if end > c.max_position_embeddings {
-            return Err(ForwardError::ContextOverflow { needed: end, max: c.max_position_embeddings });
+            return Err(ForwardError::ContextOverflow {
+                needed: end,
+                max: c.max_position_embeddings,
+            });
         }
         kv.reserve(end);
         let (qd, kvd, hd, f) = (c.q_dim(), c.kv_dim(), c.head_dim, c.intermediate_size);
@@ -91,7 +107,11 @@ impl StageWeights {
             let sin = &mut grow(&mut s.sin, t * half)[i * half..(i + 1) * half];
             self.rope.tables(pos0 + i, cr, sin);
         }
-        let shape = AttnShape { num_heads: c.num_heads, num_kv_heads: c.num_kv_heads, head_dim: hd };
+        let shape = AttnShape {
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: hd,
+        };
         for (lw, cache) in self.layer_weights.iter().zip(kv.layers.iter_mut()) {
             let xn = grow(&mut s.xn, t * h);
             k::rmsnorm(hidden, &lw.attn_norm, c.rms_norm_eps, xn);
@@ -114,7 +134,15 @@ impl StageWeights {
             cache.v[pos0 * kvd..end * kvd].copy_from_slice(vv);
             let attn = grow(&mut s.attn, t * qd);
             let scores = grow(&mut s.scores, end);
-            k::attention(q, &cache.k[..end * kvd], &cache.v[..end * kvd], pos0, shape, scores, attn);
+            k::attention(
+                q,
+                &cache.k[..end * kvd],
+                &cache.v[..end * kvd],
+                pos0,
+                shape,
+                scores,
+                attn,
+            );
             let proj = grow(&mut s.proj, t * h);
             k::matmul_t(attn, &lw.wo, None, qd, proj);
             hidden.iter_mut().zip(proj.iter()).for_each(|(x, p)| *x += p);
@@ -137,10 +165,16 @@ impl StageWeights {
     /// Final norm and head on each row of `hidden`, writing `rows × vocab` logits to `out`.
     pub fn logits(&self, hidden: &[f32], s: &mut Scratch, out: &mut [f32]) -> Result<(), ForwardError> {
         let head = self.head().ok_or(ForwardError::MissingPart("head"))?;
-        let norm = self.final_norm.as_deref().ok_or(ForwardError::MissingPart("final norm"))?;
+        let norm = self
+            .final_norm
+            .as_deref()
+            .ok_or(ForwardError::MissingPart("final norm"))?;
         let h = self.config.hidden_size;
-        if hidden.is_empty() || hidden.len() % h != 0 {
-            return Err(ForwardError::HiddenShape { got: hidden.len(), hidden: h });
+        if hidden.is_empty() || !hidden.len().is_multiple_of(h) {
+            return Err(ForwardError::HiddenShape {
+                got: hidden.len(),
+                hidden: h,
+            });
         }
         let xn = grow(&mut s.xn, hidden.len());
         k::rmsnorm(hidden, norm, self.config.rms_norm_eps, xn);

@@ -14,14 +14,24 @@ impl Rope {
     /// Frequencies for a model's head size, theta and scaling.
     pub fn new(cfg: &ModelConfig) -> Self {
         let d = cfg.head_dim;
-        let mut inv_freq: Vec<f32> =
-            (0..d / 2).map(|i| 1.0 / (cfg.rope_theta as f32).powf((2 * i) as f32 / d as f32)).collect();
+        let mut inv_freq: Vec<f32> = (0..d / 2)
+            .map(|i| 1.0 / (cfg.rope_theta as f32).powf((2 * i) as f32 / d as f32))
+            .collect();
         match cfg.rope_scaling {
             RopeScaling::Default => {}
             RopeScaling::Linear { factor } => inv_freq.iter_mut().for_each(|f| *f /= factor as f32),
-            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
-                let (factor, low, high, old) =
-                    (factor as f32, low_freq_factor as f32, high_freq_factor as f32, original_max_position_embeddings as f32);
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                let (factor, low, high, old) = (
+                    factor as f32,
+                    low_freq_factor as f32,
+                    high_freq_factor as f32,
+                    original_max_position_embeddings as f32,
+                );
                 let low_wavelen = old / low;
                 let high_wavelen = old / high;
                 for f in inv_freq.iter_mut() {

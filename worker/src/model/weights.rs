@@ -55,7 +55,11 @@ impl StageWeights {
         check_finite: bool,
     ) -> Result<Self, LoadError> {
         if layers.start > layers.end || layers.end > config.num_layers {
-            return Err(LoadError::LayerRange { start: layers.start, end: layers.end, layers: config.num_layers });
+            return Err(LoadError::LayerRange {
+                start: layers.start,
+                end: layers.end,
+                layers: config.num_layers,
+            });
         }
         let get = |role, layer| files.load_f32(config, role, layer, check_finite);
         let opt = |cond: bool, role, layer| -> Result<Option<Vec<f32>>, LoadError> {
@@ -103,6 +107,8 @@ impl StageWeights {
 
     /// The head matrix (`[vocab, hidden]`), if this is the last stage.
     pub fn head(&self) -> Option<&[f32]> {
-        self.lm_head.as_deref().or(if self.is_last { self.embedding.as_deref() } else { None })
+        self.lm_head
+            .as_deref()
+            .or(if self.is_last { self.embedding.as_deref() } else { None })
     }
 }

@@ -1,5 +1,6 @@
 //! fp32 reference kernels: plain functions over slices, written so the compiler can vectorise
-//! them (fixed-width partial sums), allocating nothing.
+//! them (fixed-width partial sums), allocating nothing. No `mul_add`: without a target FMA it
+//! becomes a libm call per element.
 
 /// Lanes of partial sums in [`dot`]; a fixed width lets LLVM keep them in vector registers.
 const LANES: usize = 16;
@@ -13,12 +14,12 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let (bc, br) = b.split_at(ac.len());
     for (x, y) in ac.chunks_exact(LANES).zip(bc.chunks_exact(LANES)) {
         for l in 0..LANES {
-            acc[l] = x[l].mul_add(y[l], acc[l]);
+            acc[l] += x[l] * y[l];
         }
     }
     let mut tail = 0f32;
     for (x, y) in ar.iter().zip(br) {
-        tail = x.mul_add(*y, tail);
+        tail += x * y;
     }
     // Pairwise reduction keeps rounding error low.
     let mut w = LANES;
@@ -136,7 +137,7 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], pos0: usize, s: AttnShape, sco
             for (p, &w) in sc.iter().enumerate() {
                 let vr = &v[p * kv_dim + kvh * s.head_dim..][..s.head_dim];
                 for (o, &x) in oh.iter_mut().zip(vr) {
-                    *o = w.mul_add(x, *o);
+                    *o += w * x;
                 }
             }
         }
@@ -174,7 +175,11 @@ mod tests {
         let mut x = [1.0, 2.0, 3.0];
         softmax(&mut x);
         assert!((x.iter().sum::<f32>() - 1.0).abs() < 1e-6);
-        let s = AttnShape { num_heads: 2, num_kv_heads: 1, head_dim: 2 };
+        let s = AttnShape {
+            num_heads: 2,
+            num_kv_heads: 1,
+            head_dim: 2,
+        };
         let (q, k, v) = ([1.0, 0.0, 0.0, 1.0], [0.3, 0.7], [5.0, -2.0]);
         let mut scores = [0.0; 1];
         let mut out = [0.0; 4];
