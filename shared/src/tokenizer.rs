@@ -288,12 +288,16 @@ impl Tokenizer {
     /// Token ids for `text`; special-token text like `<|im_start|>` maps to its single id.
     /// With `add_special_tokens`, BOS is prepended when the model asks for it.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
+        // A tokenizer.json post-processor (e.g. Llama 3's) adds BOS itself; otherwise BOS
+        // follows `add_bos_token` from the tokenizer config or GGUF metadata.
+        let has_post = self.inner.get_post_processor().is_some();
         let enc = self
             .inner
-            .encode(text, false)
+            .encode(text, add_special_tokens && has_post)
             .map_err(|e| TokenizerError::Run(e.to_string()))?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
         if add_special_tokens
+            && !has_post
             && self.add_bos
             && let Some(bos) = self.bos_id
         {
@@ -379,5 +383,68 @@ impl IncrementalDecoder {
         } else {
             String::new()
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::writer::to_bytes;
+
+    fn tiny_gguf(model: &str, pre: &str, add_bos: bool) -> (tempfile::TempDir, std::path::PathBuf) {
+        let s = |v: &str| GgufValue::String(v.into());
+        let tokens = ["<s>", "</s>", "a", "b", "ab", "Ġ", "Ġab"];
+        let meta = vec![
+            ("tokenizer.ggml.model".to_string(), s(model)),
+            ("tokenizer.ggml.pre".into(), s(pre)),
+            (
+                "tokenizer.ggml.tokens".into(),
+                GgufValue::Array(tokens.iter().map(|t| s(t)).collect()),
+            ),
+            (
+                "tokenizer.ggml.merges".into(),
+                GgufValue::Array(vec![s("a b"), s("Ġ ab")]),
+            ),
+            (
+                "tokenizer.ggml.token_type".into(),
+                GgufValue::Array([3, 3, 1, 1, 1, 1, 1].iter().map(|&t| GgufValue::I32(t)).collect()),
+            ),
+            ("tokenizer.ggml.bos_token_id".into(), GgufValue::U32(0)),
+            ("tokenizer.ggml.eos_token_id".into(), GgufValue::U32(1)),
+            ("tokenizer.ggml.add_bos_token".into(), GgufValue::Bool(add_bos)),
+        ];
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tok.gguf");
+        std::fs::write(&path, to_bytes(&meta, &[])).unwrap();
+        (dir, path)
+    }
+
+    #[test]
+    fn gguf_bpe_with_bos_and_special_tokens() {
+        let (_d, p) = tiny_gguf("gpt2", "gpt2", true);
+        let tok = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap()).unwrap();
+        assert_eq!(tok.encode("ab ab", true).unwrap(), vec![0, 4, 6]);
+        assert_eq!(tok.encode("ab ab", false).unwrap(), vec![4, 6]);
+        assert_eq!(tok.encode("ab</s>", false).unwrap(), vec![4, 1]);
+        assert_eq!(tok.decode(&[0, 4, 6, 1], true).unwrap(), "ab ab");
+        assert!(tok.is_eos(1));
+        assert!(matches!(
+            tok.decode(&[7], false),
+            Err(TokenizerError::IdOutOfRange { id: 7, vocab: 7 })
+        ));
+    }
+
+    #[test]
+    fn unsupported_tokenizers_are_named() {
+        let (_d, p) = tiny_gguf("llama", "default", false);
+        let e = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("tokenizer model 'llama'"), "{e}");
+        let (_d, p) = tiny_gguf("gpt2", "mystery", false);
+        let e = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("pre-tokenizer 'mystery'"), "{e}");
     }
 }

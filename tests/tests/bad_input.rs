@@ -280,6 +280,12 @@ fn truncated_and_corrupt_safetensors() {
             "{label}: {e}"
         );
     }
+    // A well-formed file whose tensor has an integer dtype.
+    let data = [0u8; 16];
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::I32, vec![4], &data).unwrap();
+    safetensors::serialize_to_file([("model.norm.weight", view)], None, &dir.join("model.safetensors")).unwrap();
+    let e = err_of(&dir);
+    assert!(e.contains("'model.norm.weight' has dtype I32"), "{e}");
     std::fs::remove_file(dir.join("model.safetensors")).unwrap();
     let e = err_of(&dir);
     assert!(e.contains("no model.safetensors"), "{e}");
