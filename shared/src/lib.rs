@@ -1,6 +1,7 @@
 //! Code shared by every Baton process: model configuration, weight files (safetensors, GGUF),
 //! tokenizer and chat template, sampling parameters, and fetching the default model.
 
+pub mod auth;
 pub mod chat_template;
 pub mod dtype;
 pub mod fetch;
@@ -11,4 +12,12 @@ pub mod model_source;
 pub mod safetensors_dir;
 pub mod sampling;
 pub mod settings;
+pub mod stop;
 pub mod tokenizer;
+pub mod wire;
+
+/// Generated gRPC types and services (`proto/baton/v1/baton.proto`).
+pub mod proto {
+    #![allow(missing_docs, clippy::all)]
+    tonic::include_proto!("baton.v1");
+}

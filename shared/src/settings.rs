@@ -33,6 +33,8 @@ pub struct Settings {
     pub log_level: String,
     /// Reject weights containing NaN or infinity at load time.
     pub check_weights: bool,
+    /// Shared secret every gRPC call between coordinator and workers carries.
+    pub cluster_token: Option<String>,
 }
 
 impl Default for Settings {
@@ -45,6 +47,7 @@ impl Default for Settings {
             log_format: LogFormat::Text,
             log_level: "warn".into(),
             check_weights: true,
+            cluster_token: None,
         }
     }
 }
@@ -54,8 +57,17 @@ impl Default for Settings {
 #[error("invalid configuration: {0}")]
 pub struct SettingsError(#[from] Box<figment::Error>);
 
-/// Environment variables that are not settings but share the prefix.
-const NOT_SETTINGS: &[&str] = &["CONFIG"];
+/// Settings read from `BATON_*` variables; other variables with the prefix (BATON_CONFIG,
+/// test helpers' BATON_BIN, ...) are not settings and are left alone.
+const ENV_SETTINGS: &[&str] = &[
+    "home",
+    "hf_endpoint",
+    "pypi_url",
+    "log_format",
+    "log_level",
+    "check_weights",
+    "cluster_token",
+];
 
 impl Settings {
     /// Load from defaults, then `config_file` (or `./baton.toml` if present), then `BATON_*`
@@ -68,7 +80,7 @@ impl Settings {
             None => fig = fig.merge(Toml::file("baton.toml")),
         }
         fig = fig
-            .merge(Env::prefixed("BATON_").ignore(NOT_SETTINGS))
+            .merge(Env::prefixed("BATON_").only(ENV_SETTINGS))
             .merge(Serialized::globals(flags));
         fig.extract().map_err(|e| SettingsError(Box::new(e)))
     }

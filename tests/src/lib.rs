@@ -1,4 +1,7 @@
-//! Helpers for Baton's integration tests: fixture paths, the default model, the `baton` binary.
+//! Helpers for Baton's integration tests: fixture paths, the default model, the `baton` binary,
+//! and a loopback cluster of real worker processes.
+
+pub mod cluster;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -7,4 +7,8 @@ pub mod engine;
 pub mod kernels;
 pub mod kv_cache;
 pub mod model;
+pub mod registration;
+pub mod run;
 pub mod sampler;
+pub mod service;
+pub mod stage;

@@ -1,8 +1,11 @@
 //! Subcommand definitions and dispatch; each subcommand lives in its own module.
 
 mod convert;
+mod coordinator;
 mod generate;
 mod inspect;
+mod serve;
+mod worker;
 
 use std::path::{Path, PathBuf};
 
@@ -64,6 +67,13 @@ pub enum Command {
     Generate(generate::GenerateArgs),
     /// Convert a GGUF file into a Hugging Face directory (safetensors + config + tokenizer).
     Convert(convert::ConvertArgs),
+    /// Serve the OpenAI-compatible API: a coordinator plus N local worker processes, each holding
+    /// a contiguous range of layers (`--workers 0`: the whole model in this process).
+    Serve(serve::ServeArgs),
+    /// Run a coordinator (registry, pipeline driver, OpenAI API) for workers started elsewhere.
+    Coordinator(coordinator::CoordinatorArgs),
+    /// Run a pipeline worker that registers with a coordinator.
+    Worker(baton_worker::run::WorkerArgs),
 }
 
 /// Shared state for running a subcommand.
@@ -123,6 +133,9 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Logits(a) => inspect::logits(&ctx, a),
         Command::Generate(a) => generate::run(&ctx, a),
         Command::Convert(a) => convert::run(&ctx, a),
+        Command::Serve(a) => serve::run(&ctx, a),
+        Command::Coordinator(a) => coordinator::run(&ctx, a),
+        Command::Worker(a) => worker::run(&ctx, a),
     }
 }
 

@@ -105,6 +105,35 @@ impl StageWeights {
         Self::load(files, config, 0..config.num_layers, true, true, check_finite)
     }
 
+    /// Bytes of f32 weights held.
+    pub fn weight_bytes(&self) -> usize {
+        let layer = |l: &LayerWeights| {
+            [
+                &l.attn_norm,
+                &l.wq,
+                &l.wk,
+                &l.wv,
+                &l.wo,
+                &l.ffn_norm,
+                &l.w_gate,
+                &l.w_up,
+                &l.w_down,
+            ]
+            .iter()
+            .map(|v| v.len())
+            .sum::<usize>()
+                + [&l.bq, &l.bk, &l.bv, &l.q_norm, &l.k_norm]
+                    .iter()
+                    .map(|v| v.as_ref().map_or(0, Vec::len))
+                    .sum::<usize>()
+        };
+        let parts = [&self.embedding, &self.final_norm, &self.lm_head]
+            .iter()
+            .map(|v| v.as_ref().map_or(0, Vec::len))
+            .sum::<usize>();
+        4 * (parts + self.layer_weights.iter().map(layer).sum::<usize>())
+    }
+
     /// The head matrix (`[vocab, hidden]`), if this is the last stage.
     pub fn head(&self) -> Option<&[f32]> {
         self.lm_head

@@ -1,0 +1,168 @@
+//! The OpenAI-compatible HTTP API: `/v1/completions`, `/v1/chat/completions`, `/v1/models`,
+//! plus `/health` and `/ready`. Text lives here (templating, tokenizing, detokenizing, stop
+//! strings); token production is behind [`Generator`].
+
+pub mod chat;
+pub mod completions;
+pub mod error;
+pub mod output;
+pub mod params;
+pub mod stream;
+pub mod types;
+
+use std::future::Future;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::{Method, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use baton_shared::chat_template::ChatTemplate;
+use baton_shared::tokenizer::Tokenizer;
+
+use self::error::{ApiError, BodyLimit};
+use self::types::{ModelCard, ModelList};
+use crate::generation::Generator;
+
+/// Default request body limit: plenty for any prompt that fits a context window.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 4 << 20;
+
+/// Everything the handlers share.
+pub struct AppState {
+    /// The name clients use in `model` (and see in `/v1/models`).
+    pub model_name: String,
+    pub tokenizer: Arc<Tokenizer>,
+    /// The model's compiled chat template; chat requests are refused without one.
+    pub chat_template: Option<Arc<ChatTemplate>>,
+    /// Most tokens (prompt + completion) one sequence may hold.
+    pub max_context: usize,
+    /// Larger request bodies are answered with 413.
+    pub max_body_bytes: usize,
+    pub generator: Arc<dyn Generator>,
+    /// When the server started (`created` in `/v1/models`).
+    pub started: u64,
+}
+
+impl AppState {
+    /// State for a model, compiling its chat template (a template that does not compile is
+    /// logged and chat is refused, so completions still work).
+    pub fn new(
+        model_name: impl Into<String>,
+        tokenizer: Arc<Tokenizer>,
+        max_context: usize,
+        generator: Arc<dyn Generator>,
+    ) -> Self {
+        let chat_template = match chat::compile_chat_template(&tokenizer) {
+            Ok(t) => t.map(Arc::new),
+            Err(e) => {
+                tracing::warn!(error = %e, "the model's chat template does not compile; chat is disabled");
+                None
+            }
+        };
+        Self {
+            model_name: model_name.into(),
+            tokenizer,
+            chat_template,
+            max_context,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            generator,
+            started: unix_now(),
+        }
+    }
+}
+
+/// The API's routes over `state`.
+pub fn router(state: AppState) -> Router {
+    let limit = state.max_body_bytes;
+    Router::new()
+        .route("/v1/completions", post(completions::completions))
+        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/models", get(list_models))
+        .route("/v1/models/{*id}", get(get_model))
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .fallback(unknown_route)
+        .method_not_allowed_fallback(wrong_method)
+        .layer(DefaultBodyLimit::max(limit))
+        .layer(Extension(BodyLimit(limit)))
+        .with_state(Arc::new(state))
+}
+
+/// Serve `router` on `listener` until `shutdown` completes, then finish in-flight requests.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router).with_graceful_shutdown(shutdown).await
+}
+
+fn model_card(state: &AppState) -> ModelCard {
+    ModelCard {
+        id: state.model_name.clone(),
+        object: "model",
+        created: state.started,
+        owned_by: "baton",
+        max_model_len: state.max_context,
+    }
+}
+
+async fn list_models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
+    Json(ModelList {
+        object: "list",
+        data: vec![model_card(&state)],
+    })
+}
+
+async fn get_model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<ModelCard>, ApiError> {
+    if id == state.model_name {
+        Ok(Json(model_card(&state)))
+    } else {
+        Err(ApiError::model_not_found(&id))
+    }
+}
+
+/// Liveness: the process answers.
+async fn health() -> Json<serde_json::Value> {
+    Json(serde_json::json!({ "status": "ok" }))
+}
+
+/// Readiness: requests can be served now.
+async fn ready(State(state): State<Arc<AppState>>) -> Response {
+    if state.generator.ready() {
+        Json(serde_json::json!({ "status": "ready" })).into_response()
+    } else {
+        ApiError::unavailable("the model is not ready to serve requests").into_response()
+    }
+}
+
+async fn unknown_route(method: Method, uri: Uri) -> ApiError {
+    ApiError::unknown_url(method.as_str(), uri.path())
+}
+
+async fn wrong_method(method: Method, uri: Uri) -> ApiError {
+    ApiError::method_not_allowed(method.as_str(), uri.path())
+}
+
+/// Seconds since the Unix epoch (OpenAI's `created`).
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// A unique, unguessable-enough id like `chatcmpl-3f9a…`.
+pub fn request_id(prefix: &str) -> String {
+    static KEY: OnceLock<u64> = OnceLock::new();
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let key = *KEY.get_or_init(|| RandomState::new().hash_one(std::process::id()));
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    // SplitMix64's finalizer is a bijection, so distinct counters give distinct ids.
+    let mut z = key.wrapping_add(n.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    format!("{prefix}-{:016x}", z ^ (z >> 31))
+}

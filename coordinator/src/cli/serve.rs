@@ -1,0 +1,274 @@
+//! `baton serve`: the OpenAI-compatible HTTP API over a token generator. The only difference
+//! between modes is which `Generator` [`build_generator`] returns.
+
+use std::future::Future;
+use std::io::Write;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use baton_coordinator::api::{self, AppState, DEFAULT_MAX_BODY_BYTES};
+use baton_coordinator::cluster;
+use baton_coordinator::generation::Generator;
+use baton_coordinator::local::{LocalConfig, LocalGenerator};
+use baton_coordinator::pipeline::PipelineConfig;
+use baton_shared::fetch::{DEFAULT_MODEL, HF_REPO};
+use baton_shared::model_source::LoadedModel;
+use baton_shared::proto::Dtype;
+use baton_worker::model::StageWeights;
+
+use super::{Ctx, ModelArg};
+
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port; the address is printed).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Worker processes to split the model across; 0 runs the whole model in this process.
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// Name clients pass as `model` (default: `smollm2-135m` for the default model, else the
+    /// model file or directory name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Requests allowed to wait for a slot; more are answered with HTTP 429.
+    #[arg(long, default_value_t = 64)]
+    pub max_queue: usize,
+    /// Sequences generated at once (they take turns token by token).
+    #[arg(long, default_value_t = 8)]
+    pub max_running: usize,
+    /// Largest accepted request body in bytes (HTTP 413 beyond).
+    #[arg(long, default_value_t = DEFAULT_MAX_BODY_BYTES)]
+    pub max_body_bytes: usize,
+    /// Most tokens (prompt + completion) per request; default and upper bound: the model's
+    /// context length.
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+}
+
+/// How long in-flight requests may run on after Ctrl-C/SIGTERM before the process exits.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+pub fn run(ctx: &Ctx, a: ServeArgs) -> Result<()> {
+    let name = a
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| default_served_name(a.model.model.as_deref()));
+    // Bind before the slow model load so a taken port fails at once.
+    let listener = std::net::TcpListener::bind((a.host.as_str(), a.port))
+        .with_context(|| format!("listening on {}:{}", a.host, a.port))?;
+    listener.set_nonblocking(true)?;
+
+    let model_path = ctx.model_path(&a.model)?;
+    let model = super::open_model_at(&model_path)?;
+    let model_context = model.config.max_position_embeddings;
+    let max_context = match a.max_model_len {
+        Some(0) => bail!("--max-model-len must be at least 1"),
+        Some(n) if n > model_context => {
+            bail!("--max-model-len {n} exceeds the model's context length of {model_context}")
+        }
+        Some(n) => n,
+        None => model_context,
+    };
+    if a.workers > model.config.num_layers {
+        bail!(
+            "--workers {}: the model has only {} layers to split",
+            a.workers,
+            model.config.num_layers
+        );
+    }
+    let tokenizer = Arc::new(model.tokenizer.clone());
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("baton-http")
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        let addr = listener.local_addr()?;
+        let shutdown = shutdown_signal()?;
+        let (generator, mut workers) = build_generator(ctx, &a, &model_path, model, max_context).await?;
+        let state = AppState {
+            max_body_bytes: a.max_body_bytes,
+            ..AppState::new(name.clone(), tokenizer, max_context, generator.clone())
+        };
+        workers.wait_until_ready(generator.as_ref()).await?;
+        println!("Baton serving {name} at http://{addr}/v1");
+        std::io::stdout().flush()?;
+        tracing::info!(%addr, model = %name, workers = a.workers, "serving");
+
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let mut server = tokio::spawn(api::serve(listener, api::router(state), async {
+            let _ = stop_rx.await;
+        }));
+        let outcome = tokio::select! {
+            () = shutdown => None,
+            // The server only ends by itself on an error.
+            result = &mut server => Some(result),
+        };
+        if let Some(result) = outcome {
+            workers.stop().await;
+            return Ok(result.context("HTTP server task")??);
+        }
+        tracing::info!("shutting down: finishing in-flight requests");
+        let _ = stop_tx.send(());
+        match tokio::time::timeout(SHUTDOWN_GRACE, server).await {
+            Ok(result) => result.context("HTTP server task")??,
+            Err(_) => tracing::warn!("in-flight requests did not finish within {SHUTDOWN_GRACE:?}; exiting"),
+        }
+        workers.stop().await;
+        Ok::<(), anyhow::Error>(())
+    })
+}
+
+/// Worker processes started by `baton serve` (none with `--workers 0`).
+struct LocalWorkers {
+    children: Vec<tokio::process::Child>,
+}
+
+/// How long `baton serve` waits for its workers to register and load their layers.
+const READY_TIMEOUT: Duration = Duration::from_secs(300);
+
+impl LocalWorkers {
+    /// Wait until the generator is ready; fail at once if a worker process exits first.
+    async fn wait_until_ready(&mut self, generator: &dyn Generator) -> Result<()> {
+        let start = std::time::Instant::now();
+        while !generator.ready() {
+            for (i, child) in self.children.iter_mut().enumerate() {
+                if let Some(status) = child.try_wait()? {
+                    bail!("worker {i} exited during startup ({status}); see its log lines above");
+                }
+            }
+            if start.elapsed() > READY_TIMEOUT {
+                bail!("the pipeline was not ready after {READY_TIMEOUT:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(())
+    }
+
+    /// Stop every worker process and wait for it.
+    async fn stop(&mut self) {
+        for child in &mut self.children {
+            let _ = child.start_kill();
+        }
+        for child in &mut self.children {
+            let _ = child.wait().await;
+        }
+    }
+}
+
+/// The token generator for the chosen mode, and the worker processes it drives.
+async fn build_generator(
+    ctx: &Ctx,
+    a: &ServeArgs,
+    model_path: &Path,
+    model: LoadedModel,
+    max_context: usize,
+) -> Result<(Arc<dyn Generator>, LocalWorkers)> {
+    if a.workers == 0 {
+        let _span = tracing::info_span!("model.load_weights").entered();
+        let weights = StageWeights::load_full(&model.files, &model.config, ctx.settings.check_weights)?;
+        let config = LocalConfig {
+            max_queue: a.max_queue,
+            max_running: a.max_running,
+        };
+        let generator = LocalGenerator::new(weights, model.tokenizer.eos_ids.clone(), config)?;
+        return Ok((Arc::new(generator), LocalWorkers { children: Vec::new() }));
+    }
+    // Pipeline mode: a registry on loopback and `a.workers` worker processes that join it with
+    // a token made for this run.
+    let token = baton_shared::auth::random_token();
+    let registry = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .context("binding the worker registry")?;
+    let config = PipelineConfig {
+        model: std::fs::canonicalize(model_path)
+            .unwrap_or_else(|_| model_path.to_path_buf())
+            .display()
+            .to_string(),
+        num_layers: model.config.num_layers,
+        vocab_size: model.config.vocab_size,
+        max_context,
+        eos_ids: model.tokenizer.eos_ids.clone(),
+        stages: a.workers,
+        cuts: None,
+        cluster_token: token.clone(),
+        activation_dtype: Dtype::F32,
+        max_queue: a.max_queue,
+    };
+    let server = cluster::start(registry, config)?;
+    let registry_url = format!("http://{}", server.registry_addr);
+    let exe = std::env::current_exe().context("locating the baton binary to start workers")?;
+    let mut children = Vec::with_capacity(a.workers);
+    for i in 0..a.workers {
+        let child = tokio::process::Command::new(&exe)
+            .args(["worker", "--listen", "127.0.0.1:0", "--coordinator", &registry_url])
+            .env("BATON_CLUSTER_TOKEN", &token)
+            .env("BATON_HOME", ctx.settings.home())
+            .env("BATON_LOG_LEVEL", &ctx.settings.log_level)
+            .env("BATON_CHECK_WEIGHTS", ctx.settings.check_weights.to_string())
+            .stdout(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting worker {i} ({})", exe.display()))?;
+        children.push(child);
+    }
+    Ok((server.generator, LocalWorkers { children }))
+}
+
+/// `smollm2-135m` for the default model, else the file stem or directory name.
+pub(super) fn default_served_name(model: Option<&str>) -> String {
+    match model {
+        None => DEFAULT_MODEL.to_string(),
+        Some(m) if m.eq_ignore_ascii_case(DEFAULT_MODEL) || m == HF_REPO => DEFAULT_MODEL.to_string(),
+        Some(m) => {
+            let p = Path::new(m);
+            let name = if p.is_dir() { p.file_name() } else { p.file_stem() };
+            name.map_or_else(|| m.to_string(), |n| n.to_string_lossy().into_owned())
+        }
+    }
+}
+
+/// Resolves on Ctrl-C, or SIGTERM where there is one. The handlers are installed when this is
+/// called, so a signal sent right after the ready line is not missed.
+pub(super) fn shutdown_signal() -> Result<impl Future<Output = ()> + Send + 'static> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        Ok(async move {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+        })
+    }
+    #[cfg(not(unix))]
+    {
+        let ctrl_c = tokio::signal::ctrl_c();
+        Ok(async move {
+            let _ = ctrl_c.await;
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn served_names() {
+        assert_eq!(default_served_name(None), "smollm2-135m");
+        assert_eq!(default_served_name(Some("SmolLM2-135M")), "smollm2-135m");
+        assert_eq!(default_served_name(Some("/m/Qwen3-0.6B.Q8_0.gguf")), "Qwen3-0.6B.Q8_0");
+    }
+}

@@ -1,0 +1,87 @@
+//! The contract between the HTTP API and whatever produces tokens (the local engine, or the
+//! pipeline of workers). The API deals in text; generators deal in token ids only.
+
+use baton_shared::sampling::SamplingParams;
+use tokio::sync::mpsc;
+
+/// One request for tokens.
+#[derive(Debug, Clone)]
+pub struct GenerationRequest {
+    /// Prompt token ids (already templated and tokenized, non-empty).
+    pub prompt: Vec<u32>,
+    /// Sampling and stopping. Stop *strings* are handled by the API layer, which drops the
+    /// receiver when one matches; generators stop on EOS, `stop_token_ids` and `max_tokens`.
+    pub params: SamplingParams,
+    /// Number of top alternatives to report per token (0: only the chosen token's logprob
+    /// when `logprobs` is set).
+    pub top_logprobs: usize,
+    /// Whether to compute log-probabilities at all.
+    pub logprobs: bool,
+}
+
+/// Log-probability of a chosen token and its top alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    /// `(token id, logprob)` of the most likely tokens, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS or a stop token id.
+    Stop,
+    /// `max_tokens` or the context limit.
+    Length,
+}
+
+impl FinishReason {
+    /// OpenAI's name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+        }
+    }
+}
+
+/// What a generator sends back, in order: tokens, then exactly one `Done` or `Failed`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TokenEvent {
+    Token {
+        id: u32,
+        logprobs: Option<TokenLogprobs>,
+    },
+    Done {
+        reason: FinishReason,
+    },
+    /// The request could not be completed (e.g. a worker died); `retriable` maps to 503.
+    Failed {
+        message: String,
+        retriable: bool,
+    },
+}
+
+/// Why a request was not accepted.
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum SubmitError {
+    /// The serving pipeline is not ready (no workers, a stage down): HTTP 503.
+    #[error("service unavailable: {0}")]
+    Unavailable(String),
+    /// Too many requests queued: HTTP 429.
+    #[error("too many requests: {0}")]
+    Overloaded(String),
+    /// The request itself is invalid (e.g. token out of range): HTTP 400.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Something that turns prompts into token streams. Dropping the receiver cancels the
+/// request: the generator must notice (a failed send) and free the sequence's resources.
+pub trait Generator: Send + Sync + 'static {
+    /// Start generating; events arrive on the returned channel.
+    fn submit(&self, req: GenerationRequest) -> Result<mpsc::Receiver<TokenEvent>, SubmitError>;
+    /// Whether requests can be served right now (`/ready`).
+    fn ready(&self) -> bool;
+}

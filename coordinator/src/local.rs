@@ -1,0 +1,342 @@
+//! In-process token generation: the whole model on one dedicated OS thread, serving a bounded
+//! queue of requests and interleaving the active sequences token by token, so concurrent
+//! requests all make progress.
+
+use std::collections::VecDeque;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError, sync_channel};
+use std::thread::JoinHandle;
+
+use baton_worker::kv_cache::SequenceKv;
+use baton_worker::model::{ForwardError, Scratch, StageWeights};
+use baton_worker::sampler::Sampler;
+use tokio::sync::mpsc;
+
+use crate::generation::{FinishReason, GenerationRequest, Generator, SubmitError, TokenEvent, TokenLogprobs};
+
+/// Queue and concurrency limits.
+#[derive(Debug, Clone, Copy)]
+pub struct LocalConfig {
+    /// Requests waiting to start; beyond this `submit` answers `Overloaded` (HTTP 429).
+    pub max_queue: usize,
+    /// Sequences generating at once (round-robin, one token each per turn).
+    pub max_running: usize,
+}
+
+impl Default for LocalConfig {
+    fn default() -> Self {
+        Self {
+            max_queue: 64,
+            max_running: 8,
+        }
+    }
+}
+
+/// Why a local generator could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum LocalError {
+    #[error("the local generator needs the whole model (embedding, every layer and the head)")]
+    NotFullModel,
+    #[error("max_queue and max_running must be at least 1")]
+    ZeroLimit,
+    #[error("starting the engine thread: {0}")]
+    Spawn(#[from] std::io::Error),
+}
+
+/// A [`Generator`] running the fp32 reference model in this process.
+pub struct LocalGenerator {
+    queue: SyncSender<Admitted>,
+    alive: Arc<AtomicBool>,
+    vocab_size: usize,
+    max_context: usize,
+    max_queue: usize,
+    _thread: JoinHandle<()>,
+}
+
+/// A request handed to the engine thread with the channel for its events.
+struct Admitted {
+    req: GenerationRequest,
+    tx: mpsc::Sender<TokenEvent>,
+}
+
+impl LocalGenerator {
+    /// Start the engine thread over full-model `weights`; `eos_ids` end generation unless a
+    /// request sets `ignore_eos`.
+    pub fn new(weights: StageWeights, eos_ids: Vec<u32>, config: LocalConfig) -> Result<Self, LocalError> {
+        let full = weights.is_first
+            && weights.is_last
+            && weights.layers.start == 0
+            && weights.layers.end == weights.config.num_layers;
+        if !full {
+            return Err(LocalError::NotFullModel);
+        }
+        if config.max_queue == 0 || config.max_running == 0 {
+            return Err(LocalError::ZeroLimit);
+        }
+        let vocab_size = weights.config.vocab_size;
+        let max_context = weights.config.max_position_embeddings;
+        let (queue, requests) = sync_channel(config.max_queue);
+        let alive = Arc::new(AtomicBool::new(true));
+        let engine = Engine {
+            weights,
+            scratch: Scratch::default(),
+            hidden: Vec::new(),
+            logits: vec![0.0; vocab_size],
+            ranked: Vec::new(),
+            eos_ids,
+        };
+        let flag = AliveGuard(alive.clone());
+        let thread = std::thread::Builder::new()
+            .name("baton-local-engine".into())
+            .spawn(move || {
+                let _flag = flag;
+                engine.run(requests, config.max_running);
+            })?;
+        Ok(Self {
+            queue,
+            alive,
+            vocab_size,
+            max_context,
+            max_queue: config.max_queue,
+            _thread: thread,
+        })
+    }
+
+    fn check(&self, req: &GenerationRequest) -> Result<(), SubmitError> {
+        let invalid = |m: String| Err(SubmitError::Invalid(m));
+        if req.prompt.is_empty() {
+            return invalid("the prompt is empty".into());
+        }
+        if let Err(e) = req.params.validate() {
+            return invalid(e.to_string());
+        }
+        if let Some(&id) = req.prompt.iter().find(|&&id| id as usize >= self.vocab_size) {
+            return invalid(format!(
+                "token id {id} is out of range (vocabulary has {} entries)",
+                self.vocab_size
+            ));
+        }
+        let needed = req.prompt.len().saturating_add(req.params.max_tokens);
+        if needed > self.max_context {
+            return invalid(format!(
+                "prompt ({}) plus max_tokens ({}) exceeds the model context of {}",
+                req.prompt.len(),
+                req.params.max_tokens,
+                self.max_context
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Generator for LocalGenerator {
+    fn submit(&self, req: GenerationRequest) -> Result<mpsc::Receiver<TokenEvent>, SubmitError> {
+        if !self.ready() {
+            return Err(SubmitError::Unavailable("the local engine has stopped".into()));
+        }
+        self.check(&req)?;
+        // Room for every token and the final event, so the engine thread never blocks on a
+        // slow client (tokio allocates channel slots lazily, so this reserves nothing).
+        let (tx, rx) = mpsc::channel(req.params.max_tokens + 1);
+        match self.queue.try_send(Admitted { req, tx }) {
+            Ok(()) => Ok(rx),
+            Err(TrySendError::Full(_)) => Err(SubmitError::Overloaded(format!(
+                "{} requests are already waiting; retry later",
+                self.max_queue
+            ))),
+            Err(TrySendError::Disconnected(_)) => Err(SubmitError::Unavailable("the local engine has stopped".into())),
+        }
+    }
+
+    fn ready(&self) -> bool {
+        self.alive.load(Ordering::Acquire)
+    }
+}
+
+/// Clears the liveness flag when the engine thread ends, however it ends.
+struct AliveGuard(Arc<AtomicBool>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+/// One sequence being generated.
+struct Sequence {
+    tx: mpsc::Sender<TokenEvent>,
+    kv: SequenceKv,
+    sampler: Sampler,
+    /// The prompt until it has been prefilled, then empty.
+    prompt: Vec<u32>,
+    /// The last sampled token, forwarded on the next turn.
+    last: u32,
+    generated: usize,
+    max_tokens: usize,
+    ignore_eos: bool,
+    stop_token_ids: Vec<u32>,
+    logprobs: bool,
+    top_logprobs: usize,
+}
+
+/// The engine thread's model and reusable buffers.
+struct Engine {
+    weights: StageWeights,
+    scratch: Scratch,
+    hidden: Vec<f32>,
+    logits: Vec<f32>,
+    ranked: Vec<(f32, u32)>,
+    eos_ids: Vec<u32>,
+}
+
+/// KV rows reserved up front beyond the prompt; the cache doubles when a sequence outgrows it,
+/// so a request asking for the whole context does not pin memory it may never use.
+const INITIAL_KV_HEADROOM: usize = 256;
+
+impl Engine {
+    fn run(mut self, requests: Receiver<Admitted>, max_running: usize) {
+        let mut active: VecDeque<Sequence> = VecDeque::new();
+        let mut open = true;
+        loop {
+            while open && active.len() < max_running {
+                // Block only when there is nothing else to do.
+                let next = if active.is_empty() {
+                    requests.recv().map_err(|_| TryRecvError::Disconnected)
+                } else {
+                    requests.try_recv()
+                };
+                match next {
+                    Ok(a) => active.push_back(self.admit(a)),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => open = false,
+                }
+            }
+            if active.is_empty() {
+                if open {
+                    continue;
+                }
+                tracing::debug!("local engine: generator dropped, thread exiting");
+                return;
+            }
+            // One turn: every active sequence advances by one token.
+            active.retain_mut(|seq| self.turn(seq));
+        }
+    }
+
+    fn admit(&self, a: Admitted) -> Sequence {
+        let c = &self.weights.config;
+        let p = &a.req.params;
+        let capacity = (a.req.prompt.len() + p.max_tokens.min(INITIAL_KV_HEADROOM)).min(c.max_position_embeddings);
+        Sequence {
+            kv: SequenceKv::new(c.num_layers, c.kv_dim(), capacity),
+            sampler: Sampler::new(p),
+            last: 0,
+            generated: 0,
+            max_tokens: p.max_tokens,
+            ignore_eos: p.ignore_eos,
+            stop_token_ids: p.stop_token_ids.clone(),
+            logprobs: a.req.logprobs,
+            top_logprobs: a.req.top_logprobs.min(c.vocab_size),
+            prompt: a.req.prompt,
+            tx: a.tx,
+        }
+    }
+
+    /// Advance `seq` by one token; false when it is finished, failed or cancelled.
+    fn turn(&mut self, seq: &mut Sequence) -> bool {
+        // A dropped receiver means the client went away or a stop string matched.
+        if seq.tx.is_closed() {
+            return false;
+        }
+        match catch_unwind(AssertUnwindSafe(|| self.step(seq))) {
+            Ok(Ok(keep)) => keep,
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, "local engine: forward pass failed");
+                let _ = seq.tx.try_send(TokenEvent::Failed {
+                    message: e.to_string(),
+                    retriable: false,
+                });
+                false
+            }
+            Err(_) => {
+                // The buffers are only resized scratch, so the thread can serve others.
+                tracing::error!("local engine: a step panicked; failing its request");
+                let _ = seq.tx.try_send(TokenEvent::Failed {
+                    message: "internal error in the engine".into(),
+                    retriable: false,
+                });
+                false
+            }
+        }
+    }
+
+    fn step(&mut self, seq: &mut Sequence) -> Result<bool, ForwardError> {
+        let h = self.weights.config.hidden_size;
+        let max_context = self.weights.config.max_position_embeddings;
+        // Prefill the prompt on the first turn, then feed back one token per turn.
+        let pos0 = seq.kv.len();
+        let prompt = std::mem::take(&mut seq.prompt);
+        let input: &[u32] = if pos0 == 0 {
+            &prompt
+        } else {
+            std::slice::from_ref(&seq.last)
+        };
+        let rows = input.len() * h;
+        if self.hidden.len() < rows {
+            self.hidden.resize(rows, 0.0);
+        }
+        let hidden = &mut self.hidden[..rows];
+        self.weights.embed(input, hidden)?;
+        self.weights.forward(hidden, pos0, &mut seq.kv, &mut self.scratch)?;
+        self.weights
+            .logits(&hidden[rows - h..], &mut self.scratch, &mut self.logits)?;
+
+        let id = seq.sampler.sample(&self.logits);
+        seq.generated += 1;
+        let logprobs = seq.logprobs.then(|| self.logprobs(id, seq.top_logprobs));
+        if seq.tx.try_send(TokenEvent::Token { id, logprobs }).is_err() {
+            return Ok(false);
+        }
+        let ends = (!seq.ignore_eos && self.eos_ids.contains(&id)) || seq.stop_token_ids.contains(&id);
+        let reason = if ends {
+            Some(FinishReason::Stop)
+        } else if seq.generated >= seq.max_tokens || seq.kv.len() >= max_context {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        if let Some(reason) = reason {
+            let _ = seq.tx.try_send(TokenEvent::Done { reason });
+            return Ok(false);
+        }
+        seq.last = id;
+        Ok(true)
+    }
+
+    /// Log-softmax of the current logits at `id`, and the `top` most likely tokens.
+    fn logprobs(&mut self, id: u32, top: usize) -> TokenLogprobs {
+        let logits = &self.logits;
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = logits.iter().map(|&x| f64::from(x - max).exp()).sum();
+        let lse = max + sum.ln() as f32;
+        let mut out = TokenLogprobs {
+            logprob: logits[id as usize] - lse,
+            top: Vec::with_capacity(top),
+        };
+        if top > 0 {
+            let r = &mut self.ranked;
+            r.clear();
+            r.extend(logits.iter().enumerate().map(|(i, &l)| (l, i as u32)));
+            let by_rank = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+            if top < r.len() {
+                r.select_nth_unstable_by(top - 1, by_rank);
+                r.truncate(top);
+            }
+            r.sort_unstable_by(by_rank);
+            out.top.extend(r.iter().map(|&(l, i)| (i, l - lse)));
+        }
+        out
+    }
+}

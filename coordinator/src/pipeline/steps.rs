@@ -1,0 +1,252 @@
+//! The step loop: each step sends one micro-batch (new sequences' prompts and running
+//! sequences' last token) down the pipeline and hands the sampled tokens to their requests.
+//! One micro-batch is in flight at a time; pipelining several is the batching work's job.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use baton_shared::proto::{FreeRequest, HealthRequest, MicroBatch, Sampling, SequenceChunk};
+use futures::StreamExt;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::supervisor::Pipeline;
+use super::{NewSequence, PipelineConfig, PipelineStatus};
+use crate::generation::{FinishReason, GenerationRequest, TokenEvent, TokenLogprobs};
+use crate::registry::Cluster;
+
+/// Why the step loop returned.
+pub(crate) enum StepLoopEnd {
+    /// Every `PipelineGenerator` handle is gone.
+    Shutdown,
+    /// A stage failed; `worker_id` names it when it could be identified.
+    StageFailed { reason: String, worker_id: Option<String> },
+}
+
+struct Seq {
+    id: u64,
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    req: GenerationRequest,
+    tx: mpsc::Sender<TokenEvent>,
+    started: bool,
+}
+
+impl Seq {
+    fn chunk(&self) -> SequenceChunk {
+        if self.started {
+            let pos = self.tokens.len() - 1;
+            SequenceChunk {
+                seq_id: self.id,
+                tokens: vec![self.tokens[pos]],
+                pos0: pos as u32,
+                sample: true,
+                sampling: None,
+            }
+        } else {
+            let p = &self.req.params;
+            SequenceChunk {
+                seq_id: self.id,
+                tokens: self.tokens.clone(),
+                pos0: 0,
+                sample: true,
+                sampling: Some(Sampling {
+                    temperature: p.temperature,
+                    top_k: p.top_k as u32,
+                    top_p: p.top_p,
+                    min_p: p.min_p,
+                    seed: p.seed,
+                    logprobs: self.req.logprobs,
+                    top_logprobs: self.req.top_logprobs as u32,
+                }),
+            }
+        }
+    }
+
+    fn finish_reason(&self, config: &PipelineConfig, token: u32) -> Option<FinishReason> {
+        let p = &self.req.params;
+        if (!p.ignore_eos && config.eos_ids.contains(&token)) || p.stop_token_ids.contains(&token) {
+            Some(FinishReason::Stop)
+        } else if self.tokens.len() - self.prompt_len >= p.max_tokens || self.tokens.len() >= config.max_context {
+            Some(FinishReason::Length)
+        } else {
+            None
+        }
+    }
+}
+
+/// Drop sequences' KV on every stage, without waiting.
+fn free_everywhere(pipeline: &Pipeline, ids: Vec<u64>) {
+    if ids.is_empty() {
+        return;
+    }
+    for (_, client) in &pipeline.stages {
+        let mut client = client.clone();
+        let ids = ids.clone();
+        tokio::spawn(async move {
+            if let Err(e) = client.free(FreeRequest { seq_ids: ids }).await {
+                tracing::debug!(error = %e.message(), "free failed");
+            }
+        });
+    }
+}
+
+/// Probe every stage; the first that does not answer is the failed one.
+async fn find_failed_stage(pipeline: &Pipeline, cluster: &Cluster) -> Option<String> {
+    for (a, client) in &pipeline.stages {
+        let mut client = client.clone();
+        let ok = tokio::time::timeout(Duration::from_secs(2), client.health(HealthRequest {})).await;
+        if !matches!(ok, Ok(Ok(_))) || !cluster.is_alive(&a.worker_id) {
+            return Some(a.worker_id.clone());
+        }
+    }
+    None
+}
+
+fn fail_all(active: &mut Vec<Seq>, reason: &str) {
+    for s in active.drain(..) {
+        let _ = s.tx.try_send(TokenEvent::Failed {
+            message: reason.to_string(),
+            retriable: true,
+        });
+    }
+}
+
+/// Run steps until the pipeline fails or the generator is dropped.
+pub(crate) async fn run(
+    config: &PipelineConfig,
+    cluster: &Cluster,
+    pipeline: &Pipeline,
+    submit_rx: &mut mpsc::Receiver<NewSequence>,
+    status: &PipelineStatus,
+) -> StepLoopEnd {
+    let stage_failed = |reason: String, worker_id| StepLoopEnd::StageFailed { reason, worker_id };
+    let mut stage0 = pipeline.stages[0].1.clone();
+    let (batch_tx, batch_rx) = mpsc::channel::<MicroBatch>(4);
+    let mut results = match stage0.forward(ReceiverStream::new(batch_rx)).await {
+        Ok(r) => r.into_inner(),
+        Err(e) => return stage_failed(format!("stage 0 refused the forward stream: {}", e.message()), None),
+    };
+    let mut active: Vec<Seq> = Vec::new();
+    let mut batch_id = 0u64;
+    let mut tick = tokio::time::interval(cluster.heartbeat_interval);
+    let dead_stage = || {
+        pipeline
+            .stages
+            .iter()
+            .find(|(a, _)| !cluster.is_alive(&a.worker_id))
+            .map(|(a, _)| a.clone())
+    };
+    loop {
+        status.active_sequences.store(active.len() as u64, Ordering::Relaxed);
+        if active.is_empty() {
+            tokio::select! {
+                s = submit_rx.recv() => match s {
+                    Some(s) => active.push(new_seq(s)),
+                    None => return StepLoopEnd::Shutdown,
+                },
+                _ = tick.tick() => {
+                    if let Some(a) = dead_stage() {
+                        return stage_failed(format!("worker {} ({}) stopped heartbeating", a.worker_id, a.address), Some(a.worker_id));
+                    }
+                    continue;
+                }
+            }
+        }
+        while let Ok(s) = submit_rx.try_recv() {
+            active.push(new_seq(s));
+        }
+        // Requests whose client went away: stop them and free their KV.
+        let (gone, kept): (Vec<Seq>, Vec<Seq>) = active.into_iter().partition(|s| s.tx.is_closed());
+        active = kept;
+        free_everywhere(pipeline, gone.iter().filter(|s| s.started).map(|s| s.id).collect());
+        if active.is_empty() {
+            continue;
+        }
+        batch_id += 1;
+        let batch = MicroBatch {
+            batch_id,
+            seqs: active.iter().map(Seq::chunk).collect(),
+            hidden: None,
+        };
+        let batch_tokens: usize = batch.seqs.iter().map(|s| s.tokens.len()).sum();
+        let span = tracing::info_span!("scheduler.step", batch_id, sequences = active.len(), batch_tokens);
+        let _guard = span.enter();
+        if batch_tx.send(batch).await.is_err() {
+            let reason = "stage 0 closed the forward stream".to_string();
+            fail_all(&mut active, &reason);
+            return stage_failed(reason, find_failed_stage(pipeline, cluster).await);
+        }
+        let reply = loop {
+            tokio::select! {
+                r = results.next() => break r,
+                _ = tick.tick() => {
+                    if let Some(a) = dead_stage() {
+                        let reason = format!("worker {} ({}) stopped heartbeating", a.worker_id, a.address);
+                        fail_all(&mut active, &reason);
+                        return stage_failed(reason, Some(a.worker_id));
+                    }
+                }
+            }
+        };
+        let reply = match reply {
+            Some(Ok(r)) => r,
+            Some(Err(e)) => {
+                let reason = format!("pipeline stage unavailable: {}", e.message());
+                fail_all(&mut active, &reason);
+                return stage_failed(reason, find_failed_stage(pipeline, cluster).await);
+            }
+            None => {
+                let reason = "stage 0 ended the forward stream".to_string();
+                fail_all(&mut active, &reason);
+                return stage_failed(reason, find_failed_stage(pipeline, cluster).await);
+            }
+        };
+        if !reply.error.is_empty() {
+            // A bad batch (not a dead stage): fail its sequences, keep serving.
+            tracing::warn!(error = %reply.error, "micro-batch failed");
+            let ids: Vec<u64> = active.iter().map(|s| s.id).collect();
+            for s in active.drain(..) {
+                let _ = s.tx.try_send(TokenEvent::Failed {
+                    message: reply.error.clone(),
+                    retriable: false,
+                });
+            }
+            free_everywhere(pipeline, ids);
+            continue;
+        }
+        let mut finished = Vec::new();
+        for r in reply.results {
+            let Some(seq) = active.iter_mut().find(|s| s.id == r.seq_id) else {
+                continue;
+            };
+            seq.started = true;
+            seq.tokens.push(r.token);
+            let logprobs = seq.req.logprobs.then(|| TokenLogprobs {
+                logprob: r.logprob,
+                top: r.top_ids.into_iter().zip(r.top_logprobs).collect(),
+            });
+            let delivered = seq.tx.try_send(TokenEvent::Token { id: r.token, logprobs }).is_ok();
+            let done = seq.finish_reason(config, r.token);
+            if let Some(reason) = done {
+                let _ = seq.tx.try_send(TokenEvent::Done { reason });
+            }
+            if !delivered || done.is_some() {
+                finished.push(seq.id);
+            }
+        }
+        active.retain(|s| !finished.contains(&s.id));
+        free_everywhere(pipeline, finished);
+    }
+}
+
+fn new_seq(s: NewSequence) -> Seq {
+    Seq {
+        id: s.id,
+        prompt_len: s.req.prompt.len(),
+        tokens: s.req.prompt.clone(),
+        req: s.req,
+        tx: s.tx,
+        started: false,
+    }
+}

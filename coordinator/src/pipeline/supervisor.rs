@@ -1,0 +1,129 @@
+//! Builds the pipeline from registered workers (even layer split, LoadStage on each, a Forward
+//! stream into stage 0), runs the step loop, and starts over when a stage fails or leaves.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use baton_shared::proto::LoadStageRequest;
+use baton_worker::service::{AuthedWorkerClient, MAX_MESSAGE, connect_worker};
+use tokio::sync::mpsc;
+
+use super::steps::{self, StepLoopEnd};
+use super::{NewSequence, PipelineConfig, PipelineStatus};
+use crate::generation::TokenEvent;
+use crate::planner::{even_split, ranges_from_cuts};
+use crate::registry::{Cluster, WorkerEntry};
+
+/// Which worker serves which layers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StageAssignment {
+    pub worker_id: String,
+    pub address: String,
+    pub layers: Range<usize>,
+}
+
+/// A built pipeline: clients for every stage, in order.
+pub(crate) struct Pipeline {
+    pub stages: Vec<(StageAssignment, AuthedWorkerClient)>,
+}
+
+async fn build(config: &PipelineConfig, workers: &[WorkerEntry]) -> Result<Pipeline, String> {
+    let ranges = match &config.cuts {
+        Some(cuts) => ranges_from_cuts(config.num_layers, cuts)?,
+        None => even_split(config.num_layers, config.stages),
+    };
+    let mut stages = Vec::with_capacity(ranges.len());
+    for (i, (w, layers)) in workers.iter().zip(ranges).enumerate() {
+        let a = StageAssignment {
+            worker_id: w.id.clone(),
+            address: w.address.clone(),
+            layers,
+        };
+        let client = connect_worker(&w.address, &config.cluster_token)
+            .await
+            .map_err(|e| format!("stage {i} ({}): {}", w.address, e.message()))?;
+        stages.push((a, client.max_encoding_message_size(MAX_MESSAGE)));
+    }
+    // Load every stage (they load in parallel: SmolLM2 takes seconds per stage).
+    let loads = stages.iter().enumerate().map(|(i, (a, client))| {
+        let mut client = client.clone();
+        let next = stages.get(i + 1).map(|(n, _)| n.address.clone()).unwrap_or_default();
+        let req = LoadStageRequest {
+            model: config.model.clone(),
+            layer_start: a.layers.start as u32,
+            layer_end: a.layers.end as u32,
+            weights: "f32".into(),
+            kv_budget_bytes: 0,
+            activation_dtype: config.activation_dtype as i32,
+            next_stage: next,
+            stage_index: i as u32,
+        };
+        let label = format!("stage {i} ({}, layers {:?})", a.address, a.layers);
+        async move {
+            client
+                .load_stage(req)
+                .await
+                .map_err(|e| format!("{label}: {}", e.message()))
+        }
+    });
+    for r in futures::future::join_all(loads).await {
+        r?;
+    }
+    Ok(Pipeline { stages })
+}
+
+/// Fail every waiting submission while the pipeline is down.
+fn reject_waiting(submit_rx: &mut mpsc::Receiver<NewSequence>, why: &str) {
+    while let Ok(s) = submit_rx.try_recv() {
+        let _ = s.tx.try_send(TokenEvent::Failed {
+            message: why.to_string(),
+            retriable: true,
+        });
+    }
+}
+
+/// Supervise forever: wait for workers, build, serve, and rebuild after failures.
+pub(crate) async fn run(
+    config: PipelineConfig,
+    cluster: Arc<Cluster>,
+    mut submit_rx: mpsc::Receiver<NewSequence>,
+    status: Arc<PipelineStatus>,
+) {
+    loop {
+        status.ready.store(false, Ordering::Release);
+        let workers = cluster.alive();
+        if workers.len() < config.stages {
+            reject_waiting(&mut submit_rx, "the pipeline is not ready: waiting for workers");
+            let changed = cluster.changed.notified();
+            let _ = tokio::time::timeout(cluster.heartbeat_interval, changed).await;
+            continue;
+        }
+        let workers = &workers[..config.stages];
+        let span = tracing::info_span!("pipeline.build", stages = config.stages);
+        let pipeline = match tracing::Instrument::instrument(build(&config, workers), span).await {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!("building the pipeline failed: {e}; retrying");
+                reject_waiting(&mut submit_rx, &format!("the pipeline is not ready: {e}"));
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        let assignment: Vec<_> = pipeline.stages.iter().map(|(a, _)| a.clone()).collect();
+        tracing::info!(?assignment, "pipeline ready");
+        *status.assignment.lock().unwrap_or_else(|e| e.into_inner()) = assignment;
+        status.ready.store(true, Ordering::Release);
+        match steps::run(&config, &cluster, &pipeline, &mut submit_rx, &status).await {
+            StepLoopEnd::Shutdown => return,
+            StepLoopEnd::StageFailed { reason, worker_id } => {
+                tracing::error!("pipeline broke: {reason}");
+                status.ready.store(false, Ordering::Release);
+                if let Some(id) = worker_id {
+                    cluster.remove(&id);
+                }
+            }
+        }
+    }
+}

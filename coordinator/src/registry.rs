@@ -1,0 +1,165 @@
+//! The worker registry: workers register, heartbeat and deregister over gRPC; the pipeline
+//! supervisor reads who is alive.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use baton_shared::proto::registry_server::Registry;
+use baton_shared::proto::{
+    DeregisterRequest, DeregisterResponse, HeartbeatRequest, HeartbeatResponse, RegisterRequest, RegisterResponse,
+};
+use tokio::sync::Notify;
+use tonic::{Request, Response, Status};
+
+/// One registered worker.
+#[derive(Debug, Clone)]
+pub struct WorkerEntry {
+    pub id: String,
+    pub address: String,
+    pub device_kind: String,
+    pub cores: u32,
+    pub memory_bytes: u64,
+    pub features: Vec<String>,
+    /// Registration order, so assignments are stable.
+    pub seq: u64,
+    pub last_seen: Instant,
+}
+
+/// Known workers and their liveness.
+#[derive(Debug)]
+pub struct Cluster {
+    workers: Mutex<BTreeMap<String, WorkerEntry>>,
+    /// Signalled whenever membership changes.
+    pub changed: Notify,
+    next: AtomicU64,
+    pub heartbeat_interval: Duration,
+    /// A worker silent for this long is considered dead.
+    pub dead_after: Duration,
+}
+
+impl Cluster {
+    /// An empty cluster with the given heartbeat interval (dead after three missed beats).
+    pub fn new(heartbeat_interval: Duration) -> Self {
+        Self {
+            workers: Mutex::new(BTreeMap::new()),
+            changed: Notify::new(),
+            next: AtomicU64::new(0),
+            heartbeat_interval,
+            dead_after: heartbeat_interval * 3,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, WorkerEntry>> {
+        self.workers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Live workers in registration order.
+    pub fn alive(&self) -> Vec<WorkerEntry> {
+        let now = Instant::now();
+        let mut v: Vec<_> = self
+            .lock()
+            .values()
+            .filter(|w| now - w.last_seen < self.dead_after)
+            .cloned()
+            .collect();
+        v.sort_by_key(|w| w.seq);
+        v
+    }
+
+    /// Whether a worker is registered and heard from recently.
+    pub fn is_alive(&self, id: &str) -> bool {
+        self.lock()
+            .get(id)
+            .is_some_and(|w| w.last_seen.elapsed() < self.dead_after)
+    }
+
+    /// Forget a worker (e.g. after its stream broke), so it must register again.
+    pub fn remove(&self, id: &str) {
+        if self.lock().remove(id).is_some() {
+            self.changed.notify_waiters();
+        }
+    }
+}
+
+/// gRPC face of the cluster.
+pub struct RegistryService {
+    pub cluster: std::sync::Arc<Cluster>,
+}
+
+/// Longest accepted worker id or address.
+const MAX_FIELD: usize = 512;
+
+#[tonic::async_trait]
+impl Registry for RegistryService {
+    async fn register(&self, req: Request<RegisterRequest>) -> Result<Response<RegisterResponse>, Status> {
+        let r = req.into_inner();
+        if r.address.is_empty() || r.address.len() > MAX_FIELD || r.worker_id.len() > MAX_FIELD {
+            return Err(Status::invalid_argument("address must be a URL of at most 512 bytes"));
+        }
+        if !(r.address.starts_with("http://") || r.address.starts_with("https://")) {
+            return Err(Status::invalid_argument(format!(
+                "address '{}' must start with http:// or https://",
+                r.address
+            )));
+        }
+        let seq = self.cluster.next.fetch_add(1, Ordering::Relaxed);
+        let id = if r.worker_id.is_empty() {
+            format!("worker-{seq}")
+        } else {
+            r.worker_id
+        };
+        let entry = WorkerEntry {
+            id: id.clone(),
+            address: r.address,
+            device_kind: r.device_kind,
+            cores: r.cores,
+            memory_bytes: r.memory_bytes,
+            features: r.features,
+            seq,
+            last_seen: Instant::now(),
+        };
+        tracing::info!(worker = %id, address = %entry.address, device = %entry.device_kind, "worker registered");
+        self.cluster.lock().insert(id.clone(), entry);
+        self.cluster.changed.notify_waiters();
+        Ok(Response::new(RegisterResponse {
+            worker_id: id,
+            heartbeat_interval_ms: self.cluster.heartbeat_interval.as_millis() as u64,
+        }))
+    }
+
+    async fn heartbeat(&self, req: Request<HeartbeatRequest>) -> Result<Response<HeartbeatResponse>, Status> {
+        let id = req.into_inner().worker_id;
+        let known = match self.cluster.lock().get_mut(&id) {
+            Some(w) => {
+                w.last_seen = Instant::now();
+                true
+            }
+            None => false,
+        };
+        Ok(Response::new(HeartbeatResponse { known }))
+    }
+
+    async fn deregister(&self, req: Request<DeregisterRequest>) -> Result<Response<DeregisterResponse>, Status> {
+        self.cluster.remove(&req.into_inner().worker_id);
+        Ok(Response::new(DeregisterResponse {}))
+    }
+}
+
+/// Serve the registry on `listener`, accepting only calls with the cluster `token`.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    cluster: std::sync::Arc<Cluster>,
+    token: &str,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), tonic::transport::Error> {
+    use baton_shared::auth::CheckToken;
+    use baton_shared::proto::registry_server::RegistryServer;
+    use tonic::service::interceptor::InterceptedService;
+    let svc = InterceptedService::new(RegistryServer::new(RegistryService { cluster }), CheckToken::new(token));
+    tonic::transport::Server::builder()
+        .add_service(svc)
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
+        .await
+}

@@ -1,0 +1,106 @@
+//! An in-process coordinator (registry + pipeline generator) with real `baton-worker`
+//! processes on loopback, for pipeline tests.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use baton_coordinator::generation::{FinishReason, GenerationRequest, Generator, TokenEvent};
+use baton_coordinator::pipeline::{PipelineConfig, PipelineGenerator};
+use baton_coordinator::registry::{self, Cluster};
+use baton_shared::model_config::ModelConfig;
+use baton_shared::proto::Dtype;
+use baton_shared::sampling::SamplingParams;
+use tokio::process::{Child, Command};
+
+/// The `baton-worker` binary next to `baton`.
+pub fn worker_bin() -> PathBuf {
+    crate::baton_bin().with_file_name(format!("baton-worker{}", std::env::consts::EXE_SUFFIX))
+}
+
+/// A running test cluster; workers are killed when it is dropped.
+pub struct TestCluster {
+    pub generator: Arc<PipelineGenerator>,
+    pub cluster: Arc<Cluster>,
+    pub registry_url: String,
+    pub token: String,
+    pub workers: Vec<Child>,
+}
+
+/// Start a `baton-worker` process that registers at `registry_url`.
+pub fn spawn_worker(registry_url: &str, token: &str) -> Child {
+    Command::new(worker_bin())
+        .args(["--listen", "127.0.0.1:0", "--coordinator", registry_url])
+        .env("BATON_CLUSTER_TOKEN", token)
+        .env("BATON_LOG_LEVEL", "warn")
+        .stdout(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("starting baton-worker")
+}
+
+impl TestCluster {
+    /// Registry + pipeline over `model`, split at `cuts` (empty: one stage), with as many workers.
+    pub async fn start(model: &Path, cfg: &ModelConfig, eos_ids: Vec<u32>, cuts: &[usize]) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let registry_url = format!("http://{}", listener.local_addr().unwrap());
+        let token = "test-cluster-token".to_string();
+        let cluster = Arc::new(Cluster::new(Duration::from_millis(200)));
+        let (c, t) = (cluster.clone(), token.clone());
+        tokio::spawn(async move { registry::serve(listener, c, &t, std::future::pending()).await });
+        let stages = cuts.len() + 1;
+        let config = PipelineConfig {
+            model: model.display().to_string(),
+            num_layers: cfg.num_layers,
+            vocab_size: cfg.vocab_size,
+            max_context: cfg.max_position_embeddings,
+            eos_ids,
+            stages,
+            cuts: (!cuts.is_empty()).then(|| cuts.to_vec()),
+            cluster_token: token.clone(),
+            activation_dtype: Dtype::F32,
+            max_queue: 64,
+        };
+        let generator = Arc::new(PipelineGenerator::start(config, cluster.clone()));
+        let workers = (0..stages).map(|_| spawn_worker(&registry_url, &token)).collect();
+        let tc = Self {
+            generator,
+            cluster,
+            registry_url,
+            token,
+            workers,
+        };
+        tc.wait_ready(Duration::from_secs(120)).await;
+        tc
+    }
+
+    /// Wait until the pipeline is ready, or panic.
+    pub async fn wait_ready(&self, limit: Duration) {
+        let start = Instant::now();
+        while !self.generator.ready() {
+            assert!(start.elapsed() < limit, "pipeline not ready after {limit:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Generate and collect every token; Err carries a `Failed` event's message.
+    pub async fn generate(&self, prompt: &[u32], params: SamplingParams) -> Result<(Vec<u32>, FinishReason), String> {
+        let req = GenerationRequest {
+            prompt: prompt.to_vec(),
+            params,
+            top_logprobs: 0,
+            logprobs: false,
+        };
+        let mut rx = self.generator.submit(req).map_err(|e| e.to_string())?;
+        let mut tokens = Vec::new();
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                TokenEvent::Token { id, .. } => tokens.push(id),
+                TokenEvent::Done { reason } => return Ok((tokens, reason)),
+                TokenEvent::Failed { message, .. } => return Err(message),
+            }
+        }
+        Err("event stream ended without Done".into())
+    }
+}

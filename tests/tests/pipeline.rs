@@ -1,0 +1,259 @@
+//! The distributed pipeline with real `baton-worker` processes on loopback: greedy output through
+//! 1, 2 and 3 stages equals the single-process engine's, token for token; concurrency,
+//! cancellation, authentication and a dying worker.
+
+use std::time::Duration;
+
+use baton_coordinator::generation::{FinishReason, GenerationRequest, Generator, TokenEvent};
+use baton_shared::auth::AddToken;
+use baton_shared::model_files::ModelFiles;
+use baton_shared::model_source::LoadedModel;
+use baton_shared::proto::worker_client::WorkerClient;
+use baton_shared::proto::{HealthRequest, RegisterRequest};
+use baton_shared::sampling::SamplingParams;
+use baton_tests::cluster::{TestCluster, spawn_worker, worker_bin};
+use baton_tests::{default_model, fixtures};
+use baton_worker::engine::Engine;
+use baton_worker::model::StageWeights;
+use baton_worker::service::connect_worker;
+
+fn engine_tokens(model: &std::path::Path, prompt: &[u32], params: &SamplingParams, with_tokenizer: bool) -> Vec<u32> {
+    let loaded = with_tokenizer.then(|| LoadedModel::open(model).unwrap());
+    let files = ModelFiles::open(model).unwrap();
+    let cfg = files.config().unwrap();
+    let mut engine = Engine::new(StageWeights::load_full(&files, &cfg, true).unwrap());
+    engine
+        .generate(prompt, params, loaded.as_ref().map(|m| &m.tokenizer), |_| {})
+        .unwrap()
+        .tokens
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiny_models_every_split_matches_single_process() {
+    for name in ["llama_untied", "qwen3"] {
+        let dir = fixtures().join("tiny").join(name);
+        let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
+        let params = SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(12)
+        };
+        let prompt = [5u32, 17, 200, 3, 99];
+        let want = engine_tokens(&dir, &prompt, &params, false);
+        for cuts in [&[][..], &[1], &[2], &[1, 2]] {
+            let tc = TestCluster::start(&dir, &cfg, vec![], cuts).await;
+            let (got, reason) = tc.generate(&prompt, params.clone()).await.unwrap();
+            assert_eq!(got, want, "{name} with cuts {cuts:?}");
+            assert_eq!(reason, FinishReason::Length);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn smollm2_splits_match_single_process_and_serve_concurrent_requests() {
+    let model = default_model();
+    let loaded = LoadedModel::open(&model).unwrap();
+    let tok = &loaded.tokenizer;
+    let prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Rust is a language that",
+        "1, 2, 3, 4,",
+    ];
+    let params = SamplingParams::greedy(12);
+    let want: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| engine_tokens(&model, &tok.encode(p, true).unwrap(), &params, true))
+        .collect();
+    for cuts in [&[15][..], &[7, 20]] {
+        let tc = TestCluster::start(&model, &loaded.config, tok.eos_ids.clone(), cuts).await;
+        // All prompts at once: each must get exactly its own single-process output.
+        let encoded: Vec<Vec<u32>> = prompts.iter().map(|p| tok.encode(p, true).unwrap()).collect();
+        let runs = encoded.iter().map(|ids| tc.generate(ids, params.clone()));
+        let got = futures::future::join_all(runs).await;
+        for ((p, w), g) in prompts.iter().zip(&want).zip(got) {
+            assert_eq!(&g.unwrap().0, w, "{p:?} with cuts {cuts:?}");
+        }
+    }
+}
+
+async fn stage_usage(tc: &TestCluster) -> Vec<u32> {
+    let assignment = tc.generator.status.assignment.lock().unwrap().clone();
+    let mut out = Vec::new();
+    for a in assignment {
+        let mut c = connect_worker(&a.address, &tc.token).await.unwrap();
+        out.push(c.health(HealthRequest {}).await.unwrap().into_inner().active_sequences);
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancellation_frees_kv_on_every_stage() {
+    let dir = fixtures().join("tiny/llama_tied");
+    let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
+    let tc = TestCluster::start(&dir, &cfg, vec![], &[1, 2]).await;
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(200)
+    };
+    let req = GenerationRequest {
+        prompt: vec![1, 2, 3],
+        params,
+        top_logprobs: 0,
+        logprobs: false,
+    };
+    let mut rx = tc.generator.submit(req).unwrap();
+    for _ in 0..3 {
+        assert!(matches!(rx.recv().await, Some(TokenEvent::Token { .. })));
+    }
+    assert_eq!(
+        stage_usage(&tc).await,
+        vec![1, 1, 1],
+        "the sequence holds KV on all three stages"
+    );
+    drop(rx);
+    let start = std::time::Instant::now();
+    loop {
+        if stage_usage(&tc).await == vec![0, 0, 0] {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "KV not freed after cancellation"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_without_the_cluster_token_are_rejected() {
+    let dir = fixtures().join("tiny/llama_tied");
+    let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
+    let tc = TestCluster::start(&dir, &cfg, vec![], &[]).await;
+    let address = tc.generator.status.assignment.lock().unwrap()[0].address.clone();
+    let mut bare = WorkerClient::connect(address.clone()).await.unwrap();
+    let e = bare.health(HealthRequest {}).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e}");
+    let channel = tonic::transport::Channel::from_shared(address)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut wrong = WorkerClient::with_interceptor(channel, AddToken::new("wrong").unwrap());
+    assert_eq!(
+        wrong.health(HealthRequest {}).await.unwrap_err().code(),
+        tonic::Code::Unauthenticated
+    );
+    let mut registry = baton_shared::proto::registry_client::RegistryClient::connect(tc.registry_url.clone())
+        .await
+        .unwrap();
+    let req = RegisterRequest {
+        address: "http://127.0.0.1:1".into(),
+        ..Default::default()
+    };
+    assert_eq!(
+        registry.register(req).await.unwrap_err().code(),
+        tonic::Code::Unauthenticated
+    );
+    assert_eq!(tc.cluster.alive().len(), 1, "the rejected registration added nobody");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_a_worker_fails_requests_fast_and_recovers_when_it_returns() {
+    let dir = fixtures().join("tiny/llama_tied");
+    let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
+    let mut tc = TestCluster::start(&dir, &cfg, vec![], &[1]).await;
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(250)
+    };
+    let req = GenerationRequest {
+        prompt: vec![1, 2, 3],
+        params: params.clone(),
+        top_logprobs: 0,
+        logprobs: false,
+    };
+    let mut rx = tc.generator.submit(req).unwrap();
+    assert!(matches!(rx.recv().await, Some(TokenEvent::Token { .. })));
+    tc.workers[1].kill().await.unwrap();
+    let failed = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match rx.recv().await {
+                Some(TokenEvent::Token { .. }) => continue,
+                other => return other,
+            }
+        }
+    })
+    .await
+    .expect("in-flight request must fail within 5 s");
+    match failed {
+        Some(TokenEvent::Failed { message, retriable }) => {
+            assert!(retriable && !message.is_empty(), "{message}");
+        }
+        other => panic!("expected a failure, got {other:?}"),
+    }
+    let start = std::time::Instant::now();
+    while tc.generator.ready() {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "still ready after a stage died"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let e = tc.generator.submit(GenerationRequest {
+        prompt: vec![1],
+        params: params.clone(),
+        top_logprobs: 0,
+        logprobs: false,
+    });
+    assert!(e.is_err(), "not-ready pipeline refuses new work");
+    // A replacement worker registers and the pipeline is rebuilt.
+    tc.workers.push(spawn_worker(&tc.registry_url, &tc.token));
+    tc.wait_ready(Duration::from_secs(30)).await;
+    let (tokens, _) = tc
+        .generate(
+            &[1, 2, 3],
+            SamplingParams {
+                ignore_eos: true,
+                ..SamplingParams::greedy(5)
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(tokens.len(), 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_retries_until_the_coordinator_appears() {
+    // Reserve a port, free it, and point a worker at it (by DNS name) before anything listens.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("http://localhost:{port}");
+    let mut worker = tokio::process::Command::new(worker_bin())
+        .args(["--listen", "127.0.0.1:0", "--coordinator", &url])
+        .env("BATON_CLUSTER_TOKEN", "t0k")
+        .env("BATON_LOG_LEVEL", "warn")
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let cluster = std::sync::Arc::new(baton_coordinator::registry::Cluster::new(Duration::from_millis(200)));
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.unwrap();
+    let c = cluster.clone();
+    tokio::spawn(async move { baton_coordinator::registry::serve(listener, c, "t0k", std::future::pending()).await });
+    let start = std::time::Instant::now();
+    while cluster.alive().is_empty() {
+        assert!(start.elapsed() < Duration::from_secs(15), "worker never registered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    worker.kill().await.unwrap();
+    let out = worker.wait_with_output().await.unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        log.contains("cannot register") && log.contains(&url),
+        "the worker says why it retries: {log}"
+    );
+}

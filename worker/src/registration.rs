@@ -1,0 +1,97 @@
+//! Joining the cluster: register with the coordinator (retrying with backoff while it is
+//! unreachable, e.g. while its DNS name does not resolve yet), then heartbeat; register again
+//! whenever the coordinator forgets us.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use baton_shared::auth::AddToken;
+use baton_shared::proto::registry_client::RegistryClient;
+use baton_shared::proto::{HeartbeatRequest, RegisterRequest};
+use tonic::transport::Channel;
+
+use crate::service::WorkerState;
+
+/// What the worker tells the coordinator about itself.
+#[derive(Debug, Clone)]
+pub struct WorkerDescription {
+    pub worker_id: String,
+    pub address: String,
+    pub device_kind: String,
+    pub cores: u32,
+    pub memory_bytes: u64,
+    pub features: Vec<String>,
+}
+
+const MIN_BACKOFF: Duration = Duration::from_millis(200);
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+async fn register_once(url: &str, token: &str, desc: &WorkerDescription) -> Result<(String, Duration), String> {
+    let channel = Channel::from_shared(url.to_string())
+        .map_err(|e| format!("bad coordinator URL '{url}': {e}"))?
+        .connect_timeout(Duration::from_secs(3))
+        .connect()
+        .await
+        .map_err(|e| format!("cannot connect to {url}: {e}"))?;
+    let mut client =
+        RegistryClient::with_interceptor(channel, AddToken::new(token).map_err(|e| e.message().to_string())?);
+    let resp = client
+        .register(RegisterRequest {
+            worker_id: desc.worker_id.clone(),
+            address: desc.address.clone(),
+            device_kind: desc.device_kind.clone(),
+            cores: desc.cores,
+            memory_bytes: desc.memory_bytes,
+            features: desc.features.clone(),
+        })
+        .await
+        .map_err(|e| format!("register rejected by {url}: {} ({:?})", e.message(), e.code()))?
+        .into_inner();
+    Ok((
+        resp.worker_id,
+        Duration::from_millis(resp.heartbeat_interval_ms.clamp(100, 60_000)),
+    ))
+}
+
+/// Register and heartbeat forever (until the process ends).
+pub async fn run(url: String, token: String, desc: WorkerDescription, state: Arc<WorkerState>) {
+    let mut backoff = MIN_BACKOFF;
+    loop {
+        let (id, interval) = match register_once(&url, &token, &desc).await {
+            Ok(ok) => ok,
+            Err(why) => {
+                tracing::warn!(coordinator = %url, retry_in = ?backoff, "cannot register: {why}");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+                continue;
+            }
+        };
+        backoff = MIN_BACKOFF;
+        tracing::info!(worker_id = %id, coordinator = %url, "registered");
+        *state.worker_id.lock().unwrap_or_else(|e| e.into_inner()) = id.clone();
+        let Ok(channel) = Channel::from_shared(url.clone()) else {
+            return;
+        };
+        let channel = channel.connect_lazy();
+        let Ok(auth) = AddToken::new(&token) else { return };
+        let mut client = RegistryClient::with_interceptor(channel, auth);
+        let mut misses = 0;
+        loop {
+            tokio::time::sleep(interval).await;
+            match client.heartbeat(HeartbeatRequest { worker_id: id.clone() }).await {
+                Ok(r) if r.get_ref().known => misses = 0,
+                Ok(_) => {
+                    tracing::warn!("coordinator no longer knows this worker; registering again");
+                    break;
+                }
+                Err(e) => {
+                    misses += 1;
+                    tracing::warn!(error = %e.message(), misses, "heartbeat failed");
+                    if misses >= 3 {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}

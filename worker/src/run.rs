@@ -1,0 +1,128 @@
+//! `baton worker` / `baton-worker`: start the gRPC server and join the cluster.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use baton_shared::auth::CheckToken;
+use baton_shared::proto::worker_server::WorkerServer;
+use baton_shared::settings::Settings;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::service::interceptor::InterceptedService;
+
+use crate::registration::{self, WorkerDescription};
+use crate::service::{MAX_MESSAGE, WorkerService, WorkerState};
+
+/// Command-line flags of a worker.
+#[derive(Debug, Clone, clap::Args)]
+pub struct WorkerArgs {
+    /// Address to listen on for gRPC (port 0: any free port).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// Address other processes reach this worker at (default: the bound listen address).
+    #[arg(long)]
+    pub advertise: Option<String>,
+    /// Coordinator registry URL, e.g. http://coordinator:50051 (DNS names are retried until they resolve).
+    #[arg(long)]
+    pub coordinator: String,
+    /// Device: `cpu` or `cpu:N` (N = threads; the reference path uses one).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Shared cluster token (or BATON_CLUSTER_TOKEN).
+    #[arg(long, env = "BATON_CLUSTER_TOKEN", hide_env_values = true)]
+    pub cluster_token: Option<String>,
+    /// Stable worker id (default: assigned by the coordinator).
+    #[arg(long, default_value = "")]
+    pub worker_id: String,
+}
+
+fn total_memory() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Run a worker until the process is stopped.
+pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
+    let token = args.cluster_token.clone().or(settings.cluster_token.clone()).filter(|t| !t.is_empty()).context(
+        "a cluster token is required: pass --cluster-token, set BATON_CLUSTER_TOKEN, or put cluster_token in baton.toml \
+         (the same on coordinator and workers)",
+    )?;
+    let (kind, threads) = match args.device.split_once(':') {
+        None => (args.device.as_str(), None),
+        Some((k, n)) => (
+            k,
+            Some(
+                n.parse::<u32>()
+                    .with_context(|| format!("bad device '{}': expected cpu or cpu:N", args.device))?,
+            ),
+        ),
+    };
+    if kind != "cpu" {
+        bail!(
+            "device '{}' is not available in this build (supported: cpu, cpu:N)",
+            args.device
+        );
+    }
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    let bound = listener.local_addr()?;
+    let address = args.advertise.clone().unwrap_or_else(|| format!("http://{bound}"));
+    let state = Arc::new(WorkerState::new(
+        token.clone(),
+        settings.home(),
+        settings.sources(),
+        settings.check_weights,
+    ));
+    let service = WorkerService { state: state.clone() };
+    let server = InterceptedService::new(
+        WorkerServer::new(service)
+            .max_decoding_message_size(MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE),
+        CheckToken::new(&token),
+    );
+    let cores = threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u32));
+    let desc = WorkerDescription {
+        worker_id: args.worker_id.clone(),
+        address: address.clone(),
+        device_kind: "cpu".into(),
+        cores,
+        memory_bytes: total_memory(),
+        features: vec!["fp32-reference".into()],
+    };
+    tracing::info!(%address, coordinator = %args.coordinator, "worker listening");
+    tokio::spawn(registration::run(args.coordinator.clone(), token, desc, state));
+    tonic::transport::Server::builder()
+        .add_service(server)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown_signal())
+        .await
+        .context("worker gRPC server")?;
+    Ok(())
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

@@ -1,0 +1,256 @@
+//! The worker's gRPC service: load a stage, run micro-batches and pass their hidden states
+//! straight to the next stage, relay sampled tokens back, free sequences, report health.
+
+use std::sync::{Arc, Mutex};
+
+use baton_shared::auth::AddToken;
+use baton_shared::fetch::Sources;
+use baton_shared::model_files::ModelFiles;
+use baton_shared::model_source::resolve_model;
+use baton_shared::proto::worker_client::WorkerClient;
+use baton_shared::proto::worker_server::Worker;
+use baton_shared::proto::{
+    BatchResult, Dtype, FreeRequest, FreeResponse, HealthRequest, HealthResponse, LoadStageRequest, LoadStageResponse,
+    MicroBatch, ProfileRequest, ProfileResponse,
+};
+use futures::StreamExt;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::model::StageWeights;
+use crate::stage::{Stage, StageOutput};
+
+/// Client for a worker, with the cluster token attached.
+pub type AuthedWorkerClient = WorkerClient<InterceptedService<Channel, AddToken>>;
+
+/// Connect to a worker at `url` with the cluster token.
+pub async fn connect_worker(url: &str, token: &str) -> Result<AuthedWorkerClient, Status> {
+    let channel = Channel::from_shared(url.to_string())
+        .map_err(|e| Status::invalid_argument(format!("bad worker URL '{url}': {e}")))?
+        .connect()
+        .await
+        .map_err(|e| Status::unavailable(format!("cannot connect to {url}: {e}")))?;
+    Ok(WorkerClient::with_interceptor(channel, AddToken::new(token)?).max_decoding_message_size(MAX_MESSAGE))
+}
+
+/// Largest gRPC message accepted (hidden states of a large prefill chunk).
+pub const MAX_MESSAGE: usize = 256 << 20;
+
+/// Everything a worker process knows.
+pub struct WorkerState {
+    pub worker_id: Mutex<String>,
+    stage: Arc<Mutex<Option<Stage>>>,
+    next_stage: Mutex<String>,
+    token: String,
+    home: std::path::PathBuf,
+    sources: Sources,
+    check_weights: bool,
+}
+
+impl WorkerState {
+    /// State for a worker that resolves models under `home` and talks with `token`.
+    pub fn new(token: String, home: std::path::PathBuf, sources: Sources, check_weights: bool) -> Self {
+        Self {
+            worker_id: Mutex::new(String::new()),
+            stage: Arc::new(Mutex::new(None)),
+            next_stage: Mutex::new(String::new()),
+            token,
+            home,
+            sources,
+            check_weights,
+        }
+    }
+}
+
+/// The gRPC service.
+#[derive(Clone)]
+pub struct WorkerService {
+    pub state: Arc<WorkerState>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A panic while holding the lock is a bug; keep serving rather than poisoning everything.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[tonic::async_trait]
+impl Worker for WorkerService {
+    async fn load_stage(&self, req: Request<LoadStageRequest>) -> Result<Response<LoadStageResponse>, Status> {
+        let r = req.into_inner();
+        let state = self.state.clone();
+        let span = tracing::info_span!("stage.load", stage = r.stage_index, layers = ?(r.layer_start..r.layer_end));
+        let stage = tokio::task::spawn_blocking(move || {
+            let _g = span.entered();
+            if !r.weights.is_empty() && r.weights != "f32" {
+                return Err(Status::invalid_argument(format!(
+                    "weight format '{}' is not available (only f32)",
+                    r.weights
+                )));
+            }
+            let model = (!r.model.is_empty()).then_some(r.model.as_str());
+            let path = resolve_model(model, &state.home, &state.sources, false)
+                .map_err(|e| Status::failed_precondition(e.to_string()))?;
+            let files = ModelFiles::open(&path).map_err(|e| Status::failed_precondition(e.to_string()))?;
+            let cfg = files.config().map_err(|e| Status::failed_precondition(e.to_string()))?;
+            let (start, end) = (r.layer_start as usize, r.layer_end as usize);
+            if start >= end || end > cfg.num_layers {
+                return Err(Status::invalid_argument(format!(
+                    "layer range {start}..{end} is not a non-empty range inside 0..{}",
+                    cfg.num_layers
+                )));
+            }
+            let weights = StageWeights::load(
+                &files,
+                &cfg,
+                start..end,
+                start == 0,
+                end == cfg.num_layers,
+                state.check_weights,
+            )
+            .map_err(|e| Status::failed_precondition(e.to_string()))?;
+            let dtype = Dtype::try_from(r.activation_dtype).unwrap_or(Dtype::F32);
+            Ok((Stage::new(weights, r.stage_index, dtype), r.next_stage))
+        })
+        .await
+        .map_err(|e| Status::internal(format!("stage load task failed: {e}")))??;
+        let (stage, next) = stage;
+        let info = stage.info();
+        if !info.last && next.is_empty() {
+            return Err(Status::invalid_argument("a stage that is not last needs next_stage"));
+        }
+        tracing::info!(layers = ?(info.layer_start..info.layer_end), first = info.first, last = info.last, next = %next, "stage loaded");
+        *lock(&self.state.stage) = Some(stage);
+        *lock(&self.state.next_stage) = next;
+        Ok(Response::new(LoadStageResponse { stage: Some(info) }))
+    }
+
+    type ForwardStream = ReceiverStream<Result<BatchResult, Status>>;
+
+    async fn forward(&self, req: Request<Streaming<MicroBatch>>) -> Result<Response<Self::ForwardStream>, Status> {
+        let mut inbound = req.into_inner();
+        let (up_tx, up_rx) = mpsc::channel::<Result<BatchResult, Status>>(64);
+        let stage = self.state.stage.clone();
+        let next_url = lock(&self.state.next_stage).clone();
+        let token = self.state.token.clone();
+        tokio::spawn(async move {
+            let mut down: Option<mpsc::Sender<MicroBatch>> = None;
+            while let Some(msg) = inbound.next().await {
+                let batch = match msg {
+                    Ok(b) => b,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "upstream closed the forward stream");
+                        break;
+                    }
+                };
+                let batch_id = batch.batch_id;
+                let st = stage.clone();
+                let out = tokio::task::spawn_blocking(move || match lock(&st).as_mut() {
+                    Some(stage) => {
+                        let _span = tracing::info_span!(
+                            "stage.forward",
+                            stage = stage.stage_index,
+                            batch_tokens = batch.seqs.iter().map(|s| s.tokens.len()).sum::<usize>(),
+                            sequences = batch.seqs.len()
+                        )
+                        .entered();
+                        stage.run(batch)
+                    }
+                    None => Err("no stage loaded on this worker".to_string()),
+                })
+                .await
+                .unwrap_or_else(|e| Err(format!("stage task failed: {e}")));
+                let sent = match out {
+                    Ok(StageOutput::Sampled(result)) => up_tx.send(Ok(result)).await.is_ok(),
+                    Err(error) => up_tx
+                        .send(Ok(BatchResult {
+                            batch_id,
+                            results: vec![],
+                            error,
+                        }))
+                        .await
+                        .is_ok(),
+                    Ok(StageOutput::Forward(mb)) => {
+                        if down.is_none() {
+                            match open_downstream(&next_url, &token, up_tx.clone()).await {
+                                Ok(tx) => down = Some(tx),
+                                Err(e) => {
+                                    let _ = up_tx.send(Err(e)).await;
+                                    break;
+                                }
+                            }
+                        }
+                        match down.as_ref() {
+                            Some(tx) => tx.send(mb).await.is_ok(),
+                            None => false,
+                        }
+                    }
+                };
+                if !sent {
+                    break;
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(up_rx)))
+    }
+
+    async fn free(&self, req: Request<FreeRequest>) -> Result<Response<FreeResponse>, Status> {
+        let ids = req.into_inner().seq_ids;
+        let freed = lock(&self.state.stage).as_mut().map_or(0, |s| s.free(&ids));
+        Ok(Response::new(FreeResponse { freed: freed as u32 }))
+    }
+
+    async fn health(&self, _req: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
+        let guard = lock(&self.state.stage);
+        let (active, kv) = guard.as_ref().map_or((0, 0), |s| s.usage());
+        Ok(Response::new(HealthResponse {
+            worker_id: lock(&self.state.worker_id).clone(),
+            loaded: guard.is_some(),
+            stage: guard.as_ref().map(Stage::info),
+            active_sequences: active as u32,
+            kv_tokens: kv as u64,
+        }))
+    }
+
+    async fn profile(&self, _req: Request<ProfileRequest>) -> Result<Response<ProfileResponse>, Status> {
+        Err(Status::unimplemented("stage profiling is not implemented yet"))
+    }
+}
+
+/// Open the Forward stream to the next stage; its results are relayed into `up_tx`.
+async fn open_downstream(
+    url: &str,
+    token: &str,
+    up_tx: mpsc::Sender<Result<BatchResult, Status>>,
+) -> Result<mpsc::Sender<MicroBatch>, Status> {
+    let mut client = connect_worker(url, token).await?;
+    client = client.max_encoding_message_size(MAX_MESSAGE);
+    let (tx, rx) = mpsc::channel::<MicroBatch>(64);
+    let mut responses = client
+        .forward(ReceiverStream::new(rx))
+        .await
+        .map_err(|e| Status::unavailable(format!("next stage {url}: {}", e.message())))?
+        .into_inner();
+    let url = url.to_string();
+    tokio::spawn(async move {
+        loop {
+            match responses.next().await {
+                Some(Ok(r)) => {
+                    if up_tx.send(Ok(r)).await.is_err() {
+                        break;
+                    }
+                }
+                Some(Err(e)) => {
+                    let _ = up_tx
+                        .send(Err(Status::unavailable(format!("next stage {url}: {}", e.message()))))
+                        .await;
+                    break;
+                }
+                None => break,
+            }
+        }
+    });
+    Ok(tx)
+}
