@@ -12,6 +12,8 @@ use baton_worker::engine::Engine;
 use baton_worker::model::StageWeights;
 use clap::{Parser, Subcommand};
 
+mod serve_decode;
+
 #[derive(Parser)]
 #[command(name = "baton-bench", about = "Baton benchmarks")]
 struct Cli {
@@ -21,6 +23,22 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Batch-1 decode through `baton serve` with 0 (in-process), 1 and 2 worker processes,
+    /// interleaved round by round; prints per-configuration medians and the per-hop cost.
+    ServeDecode {
+        /// Model path or name passed to `baton serve` (default: the default model).
+        #[arg(long)]
+        model: Option<String>,
+        /// Tokens generated per request.
+        #[arg(long, default_value_t = 128)]
+        gen_tokens: usize,
+        /// Rounds; each round runs one request on every configuration.
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
+        /// Worker counts to compare.
+        #[arg(long, value_delimiter = ',', default_value = "0,1,2")]
+        workers: Vec<usize>,
+    },
     /// Prefill and decode throughput of the fp32 reference engine (one thread).
     Reference {
         /// Model path or name (default: smollm2-135m).
@@ -45,6 +63,12 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() -> Result<()> {
     match Cli::parse().command {
+        Cmd::ServeDecode {
+            model,
+            gen_tokens,
+            rounds,
+            workers,
+        } => serve_decode::run(model, gen_tokens, rounds, &workers)?,
         Cmd::Reference {
             model,
             prompt_tokens,

@@ -27,24 +27,7 @@ pub struct TokenLogprobs {
     pub top: Vec<(u32, f32)>,
 }
 
-/// Why a generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    /// EOS or a stop token id.
-    Stop,
-    /// `max_tokens` or the context limit.
-    Length,
-}
-
-impl FinishReason {
-    /// OpenAI's name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Stop => "stop",
-            Self::Length => "length",
-        }
-    }
-}
+pub use baton_shared::sampling::FinishReason;
 
 /// What a generator sends back, in order: tokens, then exactly one `Done` or `Failed`.
 #[derive(Debug, Clone, PartialEq)]

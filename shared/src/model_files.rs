@@ -348,33 +348,23 @@ fn check_shape(source_name: &str, name: &str, found: &[usize], expected: &[usize
 /// The converter reorders each head's rows from "first half, second half" (rotate-half RoPE) to
 /// interleaved pairs; row `2i + j` of a GGUF head is row `j * head_dim/2 + i` of the HF head.
 pub fn unpermute_rows(w: &[f32], n_heads: usize, cols: usize) -> Vec<f32> {
-    let rows = w.len() / cols;
-    let head_dim = rows / n_heads;
-    let half = head_dim / 2;
-    let mut out = vec![0f32; w.len()];
-    for h in 0..n_heads {
-        for i in 0..half {
-            for j in 0..2 {
-                let src = h * head_dim + 2 * i + j;
-                let dst = h * head_dim + j * half + i;
-                out[dst * cols..(dst + 1) * cols].copy_from_slice(&w[src * cols..(src + 1) * cols]);
-            }
-        }
-    }
-    out
+    move_rows(w, n_heads, cols, |gguf, hf| (gguf, hf))
 }
 
 /// Inverse of [`unpermute_rows`]: Hugging Face layout to GGUF layout.
 pub fn permute_rows(w: &[f32], n_heads: usize, cols: usize) -> Vec<f32> {
-    let rows = w.len() / cols;
-    let head_dim = rows / n_heads;
+    move_rows(w, n_heads, cols, |gguf, hf| (hf, gguf))
+}
+
+/// Copy rows between the GGUF and HF orders; `pick(gguf_row, hf_row)` gives `(src, dst)`.
+fn move_rows(w: &[f32], n_heads: usize, cols: usize, pick: impl Fn(usize, usize) -> (usize, usize)) -> Vec<f32> {
+    let head_dim = w.len() / cols / n_heads;
     let half = head_dim / 2;
     let mut out = vec![0f32; w.len()];
     for h in 0..n_heads {
         for i in 0..half {
             for j in 0..2 {
-                let dst = h * head_dim + 2 * i + j;
-                let src = h * head_dim + j * half + i;
+                let (src, dst) = pick(h * head_dim + 2 * i + j, h * head_dim + j * half + i);
                 out[dst * cols..(dst + 1) * cols].copy_from_slice(&w[src * cols..(src + 1) * cols]);
             }
         }

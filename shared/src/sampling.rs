@@ -42,6 +42,25 @@ impl Default for SamplingParams {
     }
 }
 
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS, a stop token id or a stop string.
+    Stop,
+    /// `max_tokens` or the model's context reached.
+    Length,
+}
+
+impl FinishReason {
+    /// OpenAI's name for it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+        }
+    }
+}
+
 /// A sampling parameter outside its valid range.
 #[derive(Debug, thiserror::Error, PartialEq)]
 #[error("invalid sampling parameter '{param}': {message}")]

@@ -2,6 +2,7 @@
 //! and a loopback cluster of real worker processes.
 
 pub mod cluster;
+pub mod serve;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -257,3 +257,42 @@ async fn worker_retries_until_the_coordinator_appears() {
         "the worker says why it retries: {log}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_take_new_layer_ranges_without_restarting() {
+    let dir = fixtures().join("tiny/llama_untied");
+    let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
+    let tc = TestCluster::start(&dir, &cfg, vec![], &[1]).await;
+    let assignment = tc.generator.status.assignment.lock().unwrap().clone();
+    let (mut first, mut second) = (
+        connect_worker(&assignment[0].address, &tc.token).await.unwrap(),
+        connect_worker(&assignment[1].address, &tc.token).await.unwrap(),
+    );
+    // Move the cut from 1 to 2 on the live processes.
+    let load = |start: u32, end: u32, next: &str| baton_shared::proto::LoadStageRequest {
+        model: dir.display().to_string(),
+        layer_start: start,
+        layer_end: end,
+        weights: "f32".into(),
+        next_stage: next.into(),
+        stage_index: u32::from(start > 0),
+        ..Default::default()
+    };
+    first.load_stage(load(0, 2, &assignment[1].address)).await.unwrap();
+    second.load_stage(load(2, 3, "")).await.unwrap();
+    let h = first.health(HealthRequest {}).await.unwrap().into_inner();
+    assert_eq!(
+        h.stage.map(|s| (s.layer_start, s.layer_end, s.first, s.last)),
+        Some((0, 2, true, false))
+    );
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(8)
+    };
+    let prompt = [9u32, 8, 7];
+    let (got, _) = tc.generate(&prompt, params.clone()).await.unwrap();
+    assert_eq!(got, engine_tokens(&dir, &prompt, &params, false));
+    // A bad range is refused with a clear error and leaves the stage as it was.
+    let e = first.load_stage(load(2, 9, "")).await.unwrap_err();
+    assert!(e.message().contains("layer range 2..9"), "{}", e.message());
+}

@@ -1,6 +1,7 @@
 //! Single-process generation on one stage holding the whole model: prompt in, tokens and text
 //! out, with stop conditions. This is the reference every pipelined run is compared against.
 
+pub use baton_shared::sampling::FinishReason;
 use baton_shared::sampling::{SamplingError, SamplingParams};
 use baton_shared::stop::StopMatcher;
 use baton_shared::tokenizer::{IncrementalDecoder, Tokenizer, TokenizerError};
@@ -8,25 +9,6 @@ use baton_shared::tokenizer::{IncrementalDecoder, Tokenizer, TokenizerError};
 use crate::kv_cache::SequenceKv;
 use crate::model::{ForwardError, Scratch, StageWeights};
 use crate::sampler::Sampler;
-
-/// Why generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    /// EOS, a stop token id or a stop string.
-    Stop,
-    /// `max_tokens` or the model's context reached.
-    Length,
-}
-
-impl FinishReason {
-    /// OpenAI's name for it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Stop => "stop",
-            Self::Length => "length",
-        }
-    }
-}
 
 /// Result of one generation.
 #[derive(Debug, Clone, PartialEq)]

@@ -34,6 +34,10 @@ pub struct WorkerArgs {
     /// Stable worker id (default: assigned by the coordinator).
     #[arg(long, default_value = "")]
     pub worker_id: String,
+    /// Exit when standard input closes: `baton serve` holds the other end, so its workers end
+    /// with it even when it is killed outright.
+    #[arg(long, hide = true)]
+    pub exit_with_stdin: bool,
 }
 
 fn total_memory() -> u64 {
@@ -96,6 +100,14 @@ pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
         memory_bytes: total_memory(),
         features: vec!["fp32-reference".into()],
     };
+    if args.exit_with_stdin {
+        std::thread::spawn(|| {
+            let mut sink = [0u8; 64];
+            while matches!(std::io::Read::read(&mut std::io::stdin(), &mut sink), Ok(n) if n > 0) {}
+            tracing::info!("parent process gone (stdin closed); exiting");
+            std::process::exit(0);
+        });
+    }
     tracing::info!(%address, coordinator = %args.coordinator, "worker listening");
     tokio::spawn(registration::run(args.coordinator.clone(), token, desc, state));
     tonic::transport::Server::builder()

@@ -210,11 +210,19 @@ async fn build_generator(
     let mut children = Vec::with_capacity(a.workers);
     for i in 0..a.workers {
         let child = tokio::process::Command::new(&exe)
-            .args(["worker", "--listen", "127.0.0.1:0", "--coordinator", &registry_url])
+            .args([
+                "worker",
+                "--exit-with-stdin",
+                "--listen",
+                "127.0.0.1:0",
+                "--coordinator",
+                &registry_url,
+            ])
             .env("BATON_CLUSTER_TOKEN", &token)
             .env("BATON_HOME", ctx.settings.home())
             .env("BATON_LOG_LEVEL", &ctx.settings.log_level)
             .env("BATON_CHECK_WEIGHTS", ctx.settings.check_weights.to_string())
+            .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::null())
             .kill_on_drop(true)
             .spawn()

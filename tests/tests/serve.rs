@@ -1,0 +1,90 @@
+//! `baton serve` with worker processes, from the outside: a worker dying mid-stream ends the
+//! stream with a clear error (no hang, no silent truncation) and `/ready` reports 503.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use baton_tests::default_model;
+use baton_tests::serve::{Server, http_request, http_status};
+
+#[test]
+fn killing_a_worker_fails_streams_and_flips_ready() {
+    let model = default_model();
+    let (mut server, url) = Server::start(&model, &["--workers", "2"]);
+    let addr = url.trim_start_matches("http://").trim_end_matches("/v1").to_string();
+    let workers = server.children();
+    assert_eq!(workers.len(), 2, "baton serve runs two worker processes: {workers:?}");
+
+    let body =
+        r#"{"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": true, "stream": true, "temperature": 0}"#;
+    let mut conn = TcpStream::connect(&addr).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        conn,
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut lines = BufReader::new(conn).lines();
+    // Wait for generated text, then kill the second stage.
+    let mut seen_tokens = 0;
+    for line in lines.by_ref() {
+        if line.unwrap().starts_with("data: {") {
+            seen_tokens += 1;
+            if seen_tokens == 3 {
+                break;
+            }
+        }
+    }
+    let killed_at = Instant::now();
+    let status = std::process::Command::new("kill")
+        .args(["-9", &workers[1].to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut error_event = None;
+    let mut done = false;
+    for line in lines {
+        let Ok(line) = line else { break };
+        if line.starts_with("data: {\"error\"") {
+            error_event = Some(line);
+        } else if line == "data: [DONE]" {
+            done = true;
+        }
+        if error_event.is_some() {
+            break;
+        }
+    }
+    let event = error_event.unwrap_or_else(|| {
+        panic!(
+            "no error event after the worker died; stderr:\n{}",
+            server.stderr_text()
+        )
+    });
+    assert!(
+        killed_at.elapsed() < Duration::from_secs(10),
+        "the failure took {:?}",
+        killed_at.elapsed()
+    );
+    assert!(!done, "a failed stream must not end with [DONE]");
+    assert!(event.contains("\"message\""), "{event}");
+
+    let start = Instant::now();
+    while http_status(&addr, "/ready") != Some(503) {
+        assert!(start.elapsed() < Duration::from_secs(10), "/ready still not 503");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (code, body) = http_request(&addr, "POST", "/v1/completions", r#"{"prompt": "Hi", "max_tokens": 4}"#);
+    assert_eq!(code, 503, "{body}");
+    let err: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert!(
+        err["error"]["message"].as_str().unwrap().contains("not ready"),
+        "{body}"
+    );
+    assert_eq!(
+        http_status(&addr, "/health"),
+        Some(200),
+        "the coordinator itself is alive"
+    );
+}
