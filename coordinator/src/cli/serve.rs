@@ -16,6 +16,7 @@ use baton_coordinator::pipeline::PipelineConfig;
 use baton_shared::fetch::{DEFAULT_MODEL, HF_REPO};
 use baton_shared::model_source::LoadedModel;
 use baton_shared::proto::Dtype;
+use baton_shared::wire::parse_dtype;
 use baton_worker::model::StageWeights;
 
 use super::{Ctx, ModelArg};
@@ -46,6 +47,9 @@ pub struct ServeArgs {
     /// Largest accepted request body in bytes (HTTP 413 beyond).
     #[arg(long, default_value_t = DEFAULT_MAX_BODY_BYTES)]
     pub max_body_bytes: usize,
+    /// Wire type of hidden states between worker processes: f32, bf16 or f16.
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16", "f16"])]
+    pub activation_dtype: String,
     /// Most tokens (prompt + completion) per request; default and upper bound: the model's
     /// context length.
     #[arg(long)]
@@ -201,7 +205,7 @@ async fn build_generator(
         stages: a.workers,
         cuts: None,
         cluster_token: token.clone(),
-        activation_dtype: Dtype::F32,
+        activation_dtype: parse_dtype(&a.activation_dtype).unwrap_or(Dtype::F32),
         max_queue: a.max_queue,
     };
     let server = cluster::start(registry, config)?;
