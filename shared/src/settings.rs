@@ -1,5 +1,6 @@
 //! Process-wide settings: built-in defaults < `baton.toml` < `BATON_*` environment < flags.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use figment::Figment;
@@ -35,6 +36,123 @@ pub struct Settings {
     pub check_weights: bool,
     /// Shared secret every gRPC call between coordinator and workers carries.
     pub cluster_token: Option<String>,
+    /// `baton serve`.
+    pub serve: ServeSettings,
+    /// `baton coordinator`.
+    pub coordinator: CoordinatorSettings,
+    /// `baton worker` / `baton-worker`.
+    pub worker: WorkerSettings,
+}
+
+/// Default request body limit of the HTTP API (4 MiB).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 4 << 20;
+
+/// Settings of `baton serve` (`[serve]` in baton.toml, `BATON_SERVE__*`, flags).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServeSettings {
+    /// Address the HTTP API listens on.
+    pub host: String,
+    /// Port of the HTTP API (0: any free port, printed when ready).
+    pub port: u16,
+    /// Worker processes the model is split across; 0 runs it in this process.
+    pub workers: usize,
+    /// Name clients pass as `model` (default: `smollm2-135m` or the model's file name).
+    pub served_model_name: Option<String>,
+    /// Requests allowed to wait; more get HTTP 429.
+    pub max_queue: usize,
+    /// Sequences generated at once by the in-process engine (`workers = 0`).
+    pub max_running: usize,
+    /// Largest request body in bytes (HTTP 413 beyond).
+    pub max_body_bytes: usize,
+    /// Most tokens (prompt + completion) per request; default: the model's context.
+    pub max_model_len: Option<usize>,
+    /// Wire type of hidden states between workers: f32, bf16 or f16.
+    pub activation_dtype: String,
+}
+
+impl Default for ServeSettings {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 8000,
+            workers: 2,
+            served_model_name: None,
+            max_queue: 64,
+            max_running: 8,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            max_model_len: None,
+            activation_dtype: "f32".into(),
+        }
+    }
+}
+
+/// Settings of `baton coordinator` (`[coordinator]`, `BATON_COORDINATOR__*`, flags).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CoordinatorSettings {
+    /// gRPC address workers register at.
+    pub listen: SocketAddr,
+    /// HTTP address of the OpenAI-compatible API.
+    pub http: SocketAddr,
+    /// Pipeline stages (one worker each).
+    pub workers: usize,
+    /// Explicit layer cut points between stages (empty: even split).
+    pub layer_cuts: Vec<usize>,
+    /// Model name or path workers resolve themselves (default: the coordinator's resolved path).
+    pub worker_model: Option<String>,
+    /// Wire type of hidden states between stages: f32, bf16 or f16.
+    pub activation_dtype: String,
+    /// Name clients pass as `model`.
+    pub served_model_name: Option<String>,
+    /// Requests allowed to wait; more get HTTP 429.
+    pub max_queue: usize,
+    /// Largest request body in bytes (HTTP 413 beyond).
+    pub max_body_bytes: usize,
+}
+
+impl Default for CoordinatorSettings {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 50051)),
+            http: SocketAddr::from(([127, 0, 0, 1], 8000)),
+            workers: 2,
+            layer_cuts: Vec::new(),
+            worker_model: None,
+            activation_dtype: "f32".into(),
+            served_model_name: None,
+            max_queue: 64,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+        }
+    }
+}
+
+/// Settings of a worker (`[worker]`, `BATON_WORKER__*`, flags).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WorkerSettings {
+    /// gRPC listen address (port 0: any free port).
+    pub listen: SocketAddr,
+    /// URL other processes reach this worker at (default: the bound listen address).
+    pub advertise: Option<String>,
+    /// Coordinator registry URL (required), e.g. `http://coordinator:50051`.
+    pub coordinator: Option<String>,
+    /// `cpu` or `cpu:N`.
+    pub device: String,
+    /// Stable worker id (default: assigned by the coordinator).
+    pub worker_id: String,
+}
+
+impl Default for WorkerSettings {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            advertise: None,
+            coordinator: None,
+            device: "cpu".into(),
+            worker_id: String::new(),
+        }
+    }
 }
 
 impl Default for Settings {
@@ -48,6 +166,9 @@ impl Default for Settings {
             log_level: "warn".into(),
             check_weights: true,
             cluster_token: None,
+            serve: ServeSettings::default(),
+            coordinator: CoordinatorSettings::default(),
+            worker: WorkerSettings::default(),
         }
     }
 }
@@ -57,8 +178,8 @@ impl Default for Settings {
 #[error("invalid configuration: {0}")]
 pub struct SettingsError(#[from] Box<figment::Error>);
 
-/// Settings read from `BATON_*` variables; other variables with the prefix (BATON_CONFIG,
-/// test helpers' BATON_BIN, ...) are not settings and are left alone.
+/// Settings read from `BATON_*` variables (sections as `BATON_SERVE__PORT`); other variables
+/// with the prefix (BATON_CONFIG, test helpers' BATON_BIN, ...) are not settings and are left alone.
 const ENV_SETTINGS: &[&str] = &[
     "home",
     "hf_endpoint",
@@ -68,6 +189,12 @@ const ENV_SETTINGS: &[&str] = &[
     "check_weights",
     "cluster_token",
 ];
+const ENV_SECTIONS: &[&str] = &["serve__", "coordinator__", "worker__"];
+
+fn is_env_setting(key: &str) -> bool {
+    let key = key.to_ascii_lowercase();
+    ENV_SETTINGS.contains(&key.as_str()) || ENV_SECTIONS.iter().any(|s| key.starts_with(s))
+}
 
 impl Settings {
     /// Load from defaults, then `config_file` (or `./baton.toml` if present), then `BATON_*`
@@ -80,7 +207,11 @@ impl Settings {
             None => fig = fig.merge(Toml::file("baton.toml")),
         }
         fig = fig
-            .merge(Env::prefixed("BATON_").only(ENV_SETTINGS))
+            .merge(
+                Env::prefixed("BATON_")
+                    .filter(|k| is_env_setting(k.as_str()))
+                    .split("__"),
+            )
             .merge(Serialized::globals(flags));
         fig.extract().map_err(|e| SettingsError(Box::new(e)))
     }
@@ -135,6 +266,31 @@ mod tests {
             )
             .unwrap();
             assert_eq!(s.log_level, "debug");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn sections_from_file_env_and_flags() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file(
+                "b.toml",
+                "[serve]\nport = 9000\nworkers = 3\n[worker]\ndevice = \"cpu:2\"",
+            )?;
+            jail.set_env("BATON_SERVE__PORT", "9100");
+            jail.set_env("BATON_BIN", "/not/a/setting");
+            let flags = serde_json::json!({"serve": {"workers": 1}});
+            let s = Settings::load(Some(Path::new("b.toml")), flags).unwrap();
+            assert_eq!(
+                (s.serve.port, s.serve.workers, s.worker.device.as_str()),
+                (9100, 1, "cpu:2")
+            );
+            assert_eq!(s.serve.host, "127.0.0.1");
+            jail.create_file("c.toml", "[coordinator]\nlisten = \"not an address\"")?;
+            let e = Settings::load(Some(Path::new("c.toml")), Flags { log_level: None })
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("listen"), "{e}");
             Ok(())
         });
     }

@@ -11,7 +11,7 @@ struct Cli {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let settings = baton_shared::settings::Settings::load(None, serde_json::json!({}))?;
+    let settings = baton_shared::settings::Settings::load(None, serde_json::json!({ "worker": &cli.args }))?;
     let filter = tracing_subscriber::EnvFilter::try_new(&settings.log_level)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     tracing_subscriber::fmt()

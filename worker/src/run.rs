@@ -13,30 +13,38 @@ use tonic::service::interceptor::InterceptedService;
 use crate::registration::{self, WorkerDescription};
 use crate::service::{MAX_MESSAGE, WorkerService, WorkerState};
 
-/// Command-line flags of a worker.
-#[derive(Debug, Clone, clap::Args)]
+/// Command-line flags of a worker; each overrides `[worker]` in baton.toml and
+/// `BATON_WORKER__*` (defaults in `WorkerSettings`).
+#[derive(Debug, Clone, clap::Args, serde::Serialize)]
 pub struct WorkerArgs {
-    /// Address to listen on for gRPC (port 0: any free port).
-    #[arg(long, default_value = "127.0.0.1:0")]
-    pub listen: SocketAddr,
+    /// Address to listen on for gRPC (port 0: any free port) [default: 127.0.0.1:0].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub listen: Option<SocketAddr>,
     /// Address other processes reach this worker at (default: the bound listen address).
     #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub advertise: Option<String>,
     /// Coordinator registry URL, e.g. http://coordinator:50051 (DNS names are retried until they resolve).
     #[arg(long)]
-    pub coordinator: String,
-    /// Device: `cpu` or `cpu:N` (N = threads; the reference path uses one).
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
-    /// Shared cluster token (or BATON_CLUSTER_TOKEN).
-    #[arg(long, env = "BATON_CLUSTER_TOKEN", hide_env_values = true)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub coordinator: Option<String>,
+    /// Device: `cpu` or `cpu:N` (N = threads; the reference path uses one) [default: cpu].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+    /// Shared cluster token (or BATON_CLUSTER_TOKEN / `cluster_token` in baton.toml).
+    #[arg(long, hide_env_values = true)]
+    #[serde(skip)]
     pub cluster_token: Option<String>,
     /// Stable worker id (default: assigned by the coordinator).
-    #[arg(long, default_value = "")]
-    pub worker_id: String,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worker_id: Option<String>,
     /// Exit when standard input closes: `baton serve` holds the other end, so its workers end
     /// with it even when it is killed outright.
     #[arg(long, hide = true)]
+    #[serde(skip)]
     pub exit_with_stdin: bool,
 }
 
@@ -53,31 +61,36 @@ fn total_memory() -> u64 {
 
 /// Run a worker until the process is stopped.
 pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
+    let w = &settings.worker;
+    let coordinator = w.coordinator.clone().filter(|c| !c.is_empty()).context(
+        "the coordinator's registry URL is required: pass --coordinator, set BATON_WORKER__COORDINATOR, \
+         or put coordinator under [worker] in baton.toml",
+    )?;
     let token = args.cluster_token.clone().or(settings.cluster_token.clone()).filter(|t| !t.is_empty()).context(
         "a cluster token is required: pass --cluster-token, set BATON_CLUSTER_TOKEN, or put cluster_token in baton.toml \
          (the same on coordinator and workers)",
     )?;
-    let (kind, threads) = match args.device.split_once(':') {
-        None => (args.device.as_str(), None),
+    let (kind, threads) = match w.device.split_once(':') {
+        None => (w.device.as_str(), None),
         Some((k, n)) => (
             k,
             Some(
                 n.parse::<u32>()
-                    .with_context(|| format!("bad device '{}': expected cpu or cpu:N", args.device))?,
+                    .with_context(|| format!("bad device '{}': expected cpu or cpu:N", w.device))?,
             ),
         ),
     };
     if kind != "cpu" {
         bail!(
             "device '{}' is not available in this build (supported: cpu, cpu:N)",
-            args.device
+            w.device
         );
     }
-    let listener = tokio::net::TcpListener::bind(args.listen)
+    let listener = tokio::net::TcpListener::bind(w.listen)
         .await
-        .with_context(|| format!("binding {}", args.listen))?;
+        .with_context(|| format!("binding {}", w.listen))?;
     let bound = listener.local_addr()?;
-    let address = args.advertise.clone().unwrap_or_else(|| format!("http://{bound}"));
+    let address = w.advertise.clone().unwrap_or_else(|| format!("http://{bound}"));
     let state = Arc::new(WorkerState::new(
         token.clone(),
         settings.home(),
@@ -93,7 +106,7 @@ pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
     );
     let cores = threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u32));
     let desc = WorkerDescription {
-        worker_id: args.worker_id.clone(),
+        worker_id: w.worker_id.clone(),
         address: address.clone(),
         device_kind: "cpu".into(),
         cores,
@@ -108,8 +121,8 @@ pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
             std::process::exit(0);
         });
     }
-    tracing::info!(%address, coordinator = %args.coordinator, "worker listening");
-    tokio::spawn(registration::run(args.coordinator.clone(), token, desc, state));
+    tracing::info!(%address, coordinator = %coordinator, "worker listening");
+    tokio::spawn(registration::run(coordinator.clone(), token, desc, state));
     tonic::transport::Server::builder()
         .add_service(server)
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown_signal())

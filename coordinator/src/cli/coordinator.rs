@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use baton_coordinator::api::{self, AppState, DEFAULT_MAX_BODY_BYTES};
+use baton_coordinator::api::{self, AppState};
 use baton_coordinator::cluster;
 use baton_coordinator::pipeline::PipelineConfig;
 use baton_shared::wire::parse_dtype;
@@ -13,50 +13,64 @@ use baton_shared::wire::parse_dtype;
 use super::serve::{default_served_name, shutdown_signal};
 use super::{Ctx, ModelArg};
 
-#[derive(Debug, clap::Args)]
+/// Flags of `baton coordinator`; each overrides `[coordinator]` in baton.toml and
+/// `BATON_COORDINATOR__*` (defaults in `CoordinatorSettings`).
+#[derive(Debug, clap::Args, serde::Serialize)]
 pub struct CoordinatorArgs {
     #[command(flatten)]
+    #[serde(skip)]
     pub model: ModelArg,
-    /// gRPC address workers register at.
-    #[arg(long, default_value = "127.0.0.1:50051")]
-    pub listen: SocketAddr,
-    /// HTTP address of the OpenAI-compatible API.
-    #[arg(long, default_value = "127.0.0.1:8000")]
-    pub http: SocketAddr,
-    /// Pipeline stages (one worker each); the model's layers are split evenly.
-    #[arg(long, default_value_t = 2)]
-    pub workers: usize,
+    /// gRPC address workers register at [default: 127.0.0.1:50051].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub listen: Option<SocketAddr>,
+    /// HTTP address of the OpenAI-compatible API [default: 127.0.0.1:8000].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub http: Option<SocketAddr>,
+    /// Pipeline stages (one worker each); the model's layers are split evenly [default: 2].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workers: Option<usize>,
     /// Explicit layer cut points between stages, e.g. `10,20` for three stages.
     #[arg(long, value_delimiter = ',')]
-    pub layer_cuts: Vec<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub layer_cuts: Option<Vec<usize>>,
     /// Model name workers resolve themselves (default: the path this coordinator resolved).
     #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub worker_model: Option<String>,
     /// Shared cluster token (or BATON_CLUSTER_TOKEN / `cluster_token` in baton.toml).
-    #[arg(long, env = "BATON_CLUSTER_TOKEN", hide_env_values = true)]
+    #[arg(long, hide_env_values = true)]
+    #[serde(skip)]
     pub cluster_token: Option<String>,
-    /// Wire type of hidden states between stages: f32, bf16 or f16.
-    #[arg(long, default_value = "f32")]
-    pub activation_dtype: String,
+    /// Wire type of hidden states between stages [default: f32].
+    #[arg(long, value_parser = ["f32", "bf16", "f16"])]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub activation_dtype: Option<String>,
     /// Name clients pass as `model`.
     #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub served_model_name: Option<String>,
-    /// Requests allowed to wait; more are answered with HTTP 429.
-    #[arg(long, default_value_t = 64)]
-    pub max_queue: usize,
-    /// Largest accepted request body in bytes (HTTP 413 beyond).
-    #[arg(long, default_value_t = DEFAULT_MAX_BODY_BYTES)]
-    pub max_body_bytes: usize,
+    /// Requests allowed to wait; more are answered with HTTP 429 [default: 64].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_queue: Option<usize>,
+    /// Largest accepted request body in bytes (HTTP 413 beyond) [default: 4194304].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_body_bytes: Option<usize>,
 }
 
-pub fn run(ctx: &Ctx, a: CoordinatorArgs) -> Result<()> {
-    let token = a
+pub fn run(ctx: &Ctx, args: CoordinatorArgs) -> Result<()> {
+    let a = ctx.settings.coordinator.clone();
+    let token = args
         .cluster_token
         .clone()
         .or(ctx.settings.cluster_token.clone())
         .filter(|t| !t.is_empty())
         .context("a cluster token is required: pass --cluster-token, set BATON_CLUSTER_TOKEN, or put cluster_token in baton.toml")?;
-    let path = ctx.model_path(&a.model)?;
+    let path = ctx.model_path(&args.model)?;
     let model = super::open_model_at(&path)?;
     let dtype = parse_dtype(&a.activation_dtype)
         .with_context(|| format!("--activation-dtype '{}': expected f32, bf16 or f16", a.activation_dtype))?;
@@ -85,7 +99,7 @@ pub fn run(ctx: &Ctx, a: CoordinatorArgs) -> Result<()> {
     let name = a
         .served_model_name
         .clone()
-        .unwrap_or_else(|| default_served_name(a.model.model.as_deref()));
+        .unwrap_or_else(|| default_served_name(args.model.model.as_deref()));
     let max_context = model.config.max_position_embeddings;
     let tokenizer = Arc::new(model.tokenizer);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

@@ -120,7 +120,18 @@ fn init_logging(settings: &Settings) {
 
 /// Load settings and run the chosen subcommand.
 pub fn run(cli: Cli) -> Result<()> {
-    let settings = Settings::load(cli.global.config.as_deref(), &cli.global)?;
+    // Command flags override their section of the settings ([serve], [coordinator], [worker]).
+    let mut flags = serde_json::to_value(&cli.global)?;
+    let section = match &cli.command {
+        Command::Serve(a) => Some(("serve", serde_json::to_value(a)?)),
+        Command::Coordinator(a) => Some(("coordinator", serde_json::to_value(a)?)),
+        Command::Worker(a) => Some(("worker", serde_json::to_value(a)?)),
+        _ => None,
+    };
+    if let (Some((name, value)), Some(map)) = (section, flags.as_object_mut()) {
+        map.insert(name.to_string(), value);
+    }
+    let settings = Settings::load(cli.global.config.as_deref(), flags)?;
     init_logging(&settings);
     let ctx = Ctx { settings };
     match cli.command {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use baton_coordinator::api::{self, AppState, DEFAULT_MAX_BODY_BYTES};
+use baton_coordinator::api::{self, AppState};
 use baton_coordinator::cluster;
 use baton_coordinator::generation::Generator;
 use baton_coordinator::local::{LocalConfig, LocalGenerator};
@@ -16,60 +16,75 @@ use baton_coordinator::pipeline::PipelineConfig;
 use baton_shared::fetch::{DEFAULT_MODEL, HF_REPO};
 use baton_shared::model_source::LoadedModel;
 use baton_shared::proto::Dtype;
+use baton_shared::settings::ServeSettings;
 use baton_shared::wire::parse_dtype;
 use baton_worker::model::StageWeights;
 
 use super::{Ctx, ModelArg};
 
-#[derive(Debug, clap::Args)]
+/// Flags of `baton serve`; each overrides `[serve]` in baton.toml and `BATON_SERVE__*`
+/// (defaults in `ServeSettings`).
+#[derive(Debug, clap::Args, serde::Serialize)]
 pub struct ServeArgs {
     #[command(flatten)]
+    #[serde(skip)]
     pub model: ModelArg,
-    /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1")]
-    pub host: String,
-    /// Port to listen on (0: any free port; the address is printed).
-    #[arg(long, default_value_t = 8000)]
-    pub port: u16,
-    /// Worker processes to split the model across; 0 runs the whole model in this process.
-    #[arg(long, default_value_t = 2)]
-    pub workers: usize,
+    /// Address to listen on [default: 127.0.0.1].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    /// Port to listen on (0: any free port; the address is printed) [default: 8000].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// Worker processes to split the model across; 0 runs the whole model in this process
+    /// [default: 2].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workers: Option<usize>,
     /// Name clients pass as `model` (default: `smollm2-135m` for the default model, else the
     /// model file or directory name).
     #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub served_model_name: Option<String>,
-    /// Requests allowed to wait for a slot; more are answered with HTTP 429.
-    #[arg(long, default_value_t = 64)]
-    pub max_queue: usize,
-    /// Sequences generated at once (they take turns token by token).
-    #[arg(long, default_value_t = 8)]
-    pub max_running: usize,
-    /// Largest accepted request body in bytes (HTTP 413 beyond).
-    #[arg(long, default_value_t = DEFAULT_MAX_BODY_BYTES)]
-    pub max_body_bytes: usize,
-    /// Wire type of hidden states between worker processes: f32, bf16 or f16.
-    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16", "f16"])]
-    pub activation_dtype: String,
+    /// Requests allowed to wait for a slot; more are answered with HTTP 429 [default: 64].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_queue: Option<usize>,
+    /// Sequences the in-process engine generates at once [default: 8].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_running: Option<usize>,
+    /// Largest accepted request body in bytes (HTTP 413 beyond) [default: 4194304].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_body_bytes: Option<usize>,
+    /// Wire type of hidden states between worker processes [default: f32].
+    #[arg(long, value_parser = ["f32", "bf16", "f16"])]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub activation_dtype: Option<String>,
     /// Most tokens (prompt + completion) per request; default and upper bound: the model's
     /// context length.
     #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_model_len: Option<usize>,
 }
 
 /// How long in-flight requests may run on after Ctrl-C/SIGTERM before the process exits.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
-pub fn run(ctx: &Ctx, a: ServeArgs) -> Result<()> {
+pub fn run(ctx: &Ctx, args: ServeArgs) -> Result<()> {
+    let a = &ctx.settings.serve;
     let name = a
         .served_model_name
         .clone()
-        .unwrap_or_else(|| default_served_name(a.model.model.as_deref()));
+        .unwrap_or_else(|| default_served_name(args.model.model.as_deref()));
     // Bind before the slow model load so a taken port fails at once.
     let listener = std::net::TcpListener::bind((a.host.as_str(), a.port))
         .with_context(|| format!("listening on {}:{}", a.host, a.port))?;
     listener.set_nonblocking(true)?;
 
-    let model_path = ctx.model_path(&a.model)?;
+    let model_path = ctx.model_path(&args.model)?;
     let model = super::open_model_at(&model_path)?;
     let model_context = model.config.max_position_embeddings;
     let max_context = match a.max_model_len {
@@ -98,7 +113,7 @@ pub fn run(ctx: &Ctx, a: ServeArgs) -> Result<()> {
         let listener = tokio::net::TcpListener::from_std(listener)?;
         let addr = listener.local_addr()?;
         let shutdown = shutdown_signal()?;
-        let (generator, mut workers) = build_generator(ctx, &a, &model_path, model, max_context).await?;
+        let (generator, mut workers) = build_generator(ctx, a, &model_path, model, max_context).await?;
         let state = AppState {
             max_body_bytes: a.max_body_bytes,
             ..AppState::new(name.clone(), tokenizer, max_context, generator.clone())
@@ -172,7 +187,7 @@ impl LocalWorkers {
 /// The token generator for the chosen mode, and the worker processes it drives.
 async fn build_generator(
     ctx: &Ctx,
-    a: &ServeArgs,
+    a: &ServeSettings,
     model_path: &Path,
     model: LoadedModel,
     max_context: usize,
