@@ -272,3 +272,41 @@ fn fetch_names_both_sources_when_unreachable() {
     );
     assert!(!Path::new(&tmp.path().join("models/SmolLM2-135M-Instruct.Q4_1.gguf")).exists());
 }
+
+#[test]
+fn serving_commands_explain_missing_settings() {
+    let out = std::process::Command::new(baton_tests::baton_bin())
+        .arg("worker")
+        .env_remove("BATON_CLUSTER_TOKEN")
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && e.contains("registry URL is required"), "{e}");
+    let out = std::process::Command::new(baton_tests::baton_bin())
+        .args(["worker", "--coordinator", "http://127.0.0.1:9"])
+        .env_remove("BATON_CLUSTER_TOKEN")
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && e.contains("cluster token is required"), "{e}");
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("baton.toml");
+    std::fs::write(&cfg, "[serve]\nport = \"eighty\"\n").unwrap();
+    let e = stderr_of_failure(&["--config", cfg.to_str().unwrap(), "serve"]);
+    assert!(e.contains("port") && e.contains("invalid configuration"), "{e}");
+    std::fs::write(
+        &cfg,
+        "[worker]\ncoordinator = \"http://127.0.0.1:9\"\ndevice = \"gpu:7\"\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(baton_tests::baton_bin())
+        .args(["--config", cfg.to_str().unwrap(), "worker"])
+        .env("BATON_CLUSTER_TOKEN", "x")
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && e.contains("device 'gpu:7' is not available"),
+        "config file reaches the worker: {e}"
+    );
+}
