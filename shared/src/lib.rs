@@ -13,6 +13,7 @@ pub mod safetensors_dir;
 pub mod sampling;
 pub mod settings;
 pub mod stop;
+pub mod telemetry;
 pub mod tokenizer;
 pub mod wire;
 

@@ -141,6 +141,8 @@ pub struct WorkerSettings {
     pub device: String,
     /// Stable worker id (default: assigned by the coordinator).
     pub worker_id: String,
+    /// Address of the worker's Prometheus `/metrics` endpoint (none: not served).
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl Default for WorkerSettings {
@@ -151,6 +153,7 @@ impl Default for WorkerSettings {
             coordinator: None,
             device: "cpu".into(),
             worker_id: String::new(),
+            metrics_listen: None,
         }
     }
 }

@@ -30,8 +30,14 @@ pub struct TestCluster {
 
 /// Start a `baton-worker` process that registers at `registry_url`.
 pub fn spawn_worker(registry_url: &str, token: &str) -> Child {
+    spawn_worker_with(registry_url, token, &[])
+}
+
+/// Start a `baton-worker` process with extra flags.
+pub fn spawn_worker_with(registry_url: &str, token: &str, extra: &[String]) -> Child {
     Command::new(worker_bin())
         .args(["--listen", "127.0.0.1:0", "--coordinator", registry_url])
+        .args(extra)
         .env("BATON_CLUSTER_TOKEN", token)
         .env("BATON_LOG_LEVEL", "warn")
         .stdout(Stdio::null())
@@ -43,6 +49,17 @@ pub fn spawn_worker(registry_url: &str, token: &str) -> Child {
 impl TestCluster {
     /// Registry + pipeline over `model`, split at `cuts` (empty: one stage), with as many workers.
     pub async fn start(model: &Path, cfg: &ModelConfig, eos_ids: Vec<u32>, cuts: &[usize]) -> Self {
+        Self::start_with(model, cfg, eos_ids, cuts, &[]).await
+    }
+
+    /// Like [`TestCluster::start`], with extra flags for each worker (by index).
+    pub async fn start_with(
+        model: &Path,
+        cfg: &ModelConfig,
+        eos_ids: Vec<u32>,
+        cuts: &[usize],
+        worker_flags: &[Vec<String>],
+    ) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let registry_url = format!("http://{}", listener.local_addr().unwrap());
         let token = "test-cluster-token".to_string();
@@ -63,7 +80,15 @@ impl TestCluster {
             max_queue: 64,
         };
         let generator = Arc::new(PipelineGenerator::start(config, cluster.clone()));
-        let workers = (0..stages).map(|_| spawn_worker(&registry_url, &token)).collect();
+        let workers = (0..stages)
+            .map(|i| {
+                spawn_worker_with(
+                    &registry_url,
+                    &token,
+                    worker_flags.get(i).map_or(&[][..], Vec::as_slice),
+                )
+            })
+            .collect();
         let tc = Self {
             generator,
             cluster,

@@ -296,3 +296,63 @@ async fn workers_take_new_layer_ranges_without_restarting() {
     let e = first.load_stage(load(2, 9, "")).await.unwrap_err();
     assert!(e.message().contains("layer range 2..9"), "{}", e.message());
 }
+
+/// GET http://addr/metrics.
+fn scrape(addr: &str) -> String {
+    let (code, body) = baton_tests::serve::http_request(addr, "GET", "/metrics", "");
+    assert_eq!(code, 200, "{body}");
+    body
+}
+
+/// Every non-comment line is `name{labels} value` with a numeric value.
+fn assert_prometheus_text(text: &str) {
+    for line in text.lines().filter(|l| !l.is_empty() && !l.starts_with('#')) {
+        let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("bad line {line:?}"));
+        assert!(series.starts_with("baton_"), "unprefixed series {line:?}");
+        assert!(
+            value.parse::<f64>().is_ok() || ["+Inf", "-Inf", "NaN"].contains(&value),
+            "bad value in {line:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_export_stage_metrics() {
+    let dir = fixtures().join("tiny/llama_tied");
+    let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
+    let ports: Vec<u16> = (0..2)
+        .map(|_| {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port()
+        })
+        .collect();
+    let flags: Vec<Vec<String>> = ports
+        .iter()
+        .map(|p| vec!["--metrics-listen".into(), format!("127.0.0.1:{p}")])
+        .collect();
+    let tc = TestCluster::start_with(&dir, &cfg, vec![], &[1], &flags).await;
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(6)
+    };
+    tc.generate(&[1, 2, 3], params).await.unwrap();
+    let first = scrape(&format!("127.0.0.1:{}", ports[0]));
+    let second = scrape(&format!("127.0.0.1:{}", ports[1]));
+    for (text, stage) in [(&first, "0"), (&second, "1")] {
+        assert_prometheus_text(text);
+        assert!(
+            text.contains(&format!("baton_stage_forward_seconds_bucket{{stage=\"{stage}\"")),
+            "{text}"
+        );
+        assert!(text.contains("baton_worker_kv_tokens"), "{text}");
+        assert!(text.contains("baton_kernel_info{path=\"fp32-reference\"} 1"), "{text}");
+    }
+    // Stage 0 sends 64-float hidden rows: 3 prompt rows + 5 decode rows of 4 bytes each.
+    assert!(
+        first.contains("baton_transfer_bytes_total{stage=\"0\"} 2048"),
+        "{first}"
+    );
+}

@@ -105,4 +105,20 @@ fn bf16_activations_between_stages() {
     // bf16 rounding of the hidden states leaves such a confident prediction unchanged.
     assert!(v["choices"][0]["text"].as_str().unwrap().contains("Paris"), "{body}");
     assert_eq!(v["usage"]["completion_tokens"], 4);
+
+    // The coordinator's metrics saw that request.
+    let (code, metrics) = http_request(&addr, "GET", "/metrics", "");
+    assert_eq!(code, 200);
+    for series in [
+        "baton_time_to_first_token_seconds_bucket",
+        "baton_inter_token_latency_seconds_count",
+        "baton_request_duration_seconds_sum",
+        "baton_requests_finished_total{outcome=\"length\"} 1",
+        "baton_pipeline_ready 1",
+        "baton_pipeline_stages 2",
+        "baton_prefill_tokens_total 5",
+        "baton_decode_tokens_total 3",
+    ] {
+        assert!(metrics.contains(series), "missing {series}:\n{metrics}");
+    }
 }

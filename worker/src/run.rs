@@ -41,6 +41,10 @@ pub struct WorkerArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub worker_id: Option<String>,
+    /// Serve Prometheus metrics at http://ADDR/metrics.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics_listen: Option<SocketAddr>,
     /// Exit when standard input closes: `baton serve` holds the other end, so its workers end
     /// with it even when it is killed outright.
     #[arg(long, hide = true)]
@@ -113,6 +117,19 @@ pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
         memory_bytes: total_memory(),
         features: vec!["fp32-reference".into()],
     };
+    baton_shared::telemetry::prometheus();
+    metrics::gauge!("baton_kernel_info", "path" => "fp32-reference").set(1.0);
+    if let Some(addr) = w.metrics_listen {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding metrics on {addr}"))?;
+        tracing::info!(addr = %listener.local_addr()?, "metrics at /metrics");
+        let app = axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(|| async { baton_shared::telemetry::render() }),
+        );
+        tokio::spawn(async move { axum::serve(listener, app).await });
+    }
     if args.exit_with_stdin {
         std::thread::spawn(|| {
             let mut sink = [0u8; 64];

@@ -148,16 +148,7 @@ impl Worker for WorkerService {
                 let batch_id = batch.batch_id;
                 let st = stage.clone();
                 let out = tokio::task::spawn_blocking(move || match lock(&st).as_mut() {
-                    Some(stage) => {
-                        let _span = tracing::info_span!(
-                            "stage.forward",
-                            stage = stage.stage_index,
-                            batch_tokens = batch.seqs.iter().map(|s| s.tokens.len()).sum::<usize>(),
-                            sequences = batch.seqs.len()
-                        )
-                        .entered();
-                        stage.run(batch)
-                    }
+                    Some(stage) => run_instrumented(stage, batch),
                     None => Err("no stage loaded on this worker".to_string()),
                 })
                 .await
@@ -198,7 +189,11 @@ impl Worker for WorkerService {
 
     async fn free(&self, req: Request<FreeRequest>) -> Result<Response<FreeResponse>, Status> {
         let ids = req.into_inner().seq_ids;
-        let freed = lock(&self.state.stage).as_mut().map_or(0, |s| s.free(&ids));
+        let freed = lock(&self.state.stage).as_mut().map_or(0, |s| {
+            let n = s.free(&ids);
+            record_usage(s);
+            n
+        });
         Ok(Response::new(FreeResponse { freed: freed as u32 }))
     }
 
@@ -217,6 +212,41 @@ impl Worker for WorkerService {
     async fn profile(&self, _req: Request<ProfileRequest>) -> Result<Response<ProfileResponse>, Status> {
         Err(Status::unimplemented("stage profiling is not implemented yet"))
     }
+}
+
+/// Run one micro-batch with its span and metrics.
+fn run_instrumented(stage: &mut Stage, batch: MicroBatch) -> Result<StageOutput, String> {
+    let tokens: usize = batch.seqs.iter().map(|s| s.tokens.len()).sum();
+    let info = stage.info();
+    let _span = tracing::info_span!(
+        "stage.forward",
+        stage = stage.stage_index,
+        layers = ?(info.layer_start..info.layer_end),
+        batch_tokens = tokens,
+        sequences = batch.seqs.len()
+    )
+    .entered();
+    let started = std::time::Instant::now();
+    let out = stage.run(batch);
+    let label = [("stage", stage.stage_index.to_string())];
+    metrics::histogram!("baton_stage_forward_seconds", &label).record(started.elapsed().as_secs_f64());
+    metrics::histogram!("baton_stage_batch_tokens", &label).record(tokens as f64);
+    if let Ok(StageOutput::Forward(mb)) = &out {
+        let bytes = mb.hidden.as_ref().map_or(0, |t| t.data.len());
+        metrics::counter!("baton_transfer_bytes_total", &label).increment(bytes as u64);
+    }
+    if out.is_err() {
+        metrics::counter!("baton_stage_errors_total", &label).increment(1);
+    }
+    record_usage(stage);
+    out
+}
+
+/// Gauges of what this worker holds.
+fn record_usage(stage: &Stage) {
+    let (seqs, kv_tokens) = stage.usage();
+    metrics::gauge!("baton_worker_sequences").set(seqs as f64);
+    metrics::gauge!("baton_worker_kv_tokens").set(kv_tokens as f64);
 }
 
 /// Open the Forward stream to the next stage; its results are relayed into `up_tx`.

@@ -84,6 +84,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models/{*id}", get(get_model))
         .route("/health", get(health))
         .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
         .fallback(unknown_route)
         .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(limit))
@@ -123,6 +124,14 @@ async fn get_model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -
     } else {
         Err(ApiError::model_not_found(&id))
     }
+}
+
+/// Prometheus metrics of this process.
+async fn metrics() -> impl IntoResponse {
+    (
+        [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        baton_shared::telemetry::render(),
+    )
 }
 
 /// Liveness: the process answers.

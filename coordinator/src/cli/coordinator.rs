@@ -103,6 +103,7 @@ pub fn run(ctx: &Ctx, args: CoordinatorArgs) -> Result<()> {
     let max_context = model.config.max_position_embeddings;
     let tokenizer = Arc::new(model.tokenizer);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    baton_shared::telemetry::prometheus();
     runtime.block_on(async move {
         let registry = tokio::net::TcpListener::bind(a.listen).await.with_context(|| format!("binding {}", a.listen))?;
         let http = tokio::net::TcpListener::bind(a.http).await.with_context(|| format!("binding {}", a.http))?;

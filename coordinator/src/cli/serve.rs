@@ -109,6 +109,7 @@ pub fn run(ctx: &Ctx, args: ServeArgs) -> Result<()> {
         .thread_name("baton-http")
         .build()
         .context("starting the async runtime")?;
+    baton_shared::telemetry::prometheus();
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(listener)?;
         let addr = listener.local_addr()?;

@@ -41,6 +41,8 @@ pub struct PipelineConfig {
 #[derive(Debug)]
 pub(crate) struct NewSequence {
     pub id: u64,
+    /// When the request was accepted (for time-to-first-token).
+    pub submitted: std::time::Instant,
     pub req: GenerationRequest,
     pub tx: mpsc::Sender<TokenEvent>,
 }
@@ -106,7 +108,12 @@ impl Generator for PipelineGenerator {
         let (tx, rx) = mpsc::channel(req.params.max_tokens.clamp(1, 4096) + 1);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         self.submit_tx
-            .try_send(NewSequence { id, req, tx })
+            .try_send(NewSequence {
+                id,
+                submitted: std::time::Instant::now(),
+                req,
+                tx,
+            })
             .map_err(|e| match e {
                 mpsc::error::TrySendError::Full(_) => {
                     SubmitError::Overloaded(format!("more than {} requests are waiting", self.config.max_queue))

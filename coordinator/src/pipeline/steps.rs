@@ -3,7 +3,7 @@
 //! One micro-batch is in flight at a time; pipelining several is the batching work's job.
 
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use baton_shared::proto::{FreeRequest, HealthRequest, MicroBatch, Sampling, SequenceChunk};
 use futures::StreamExt;
@@ -25,6 +25,8 @@ pub(crate) enum StepLoopEnd {
 
 struct Seq {
     id: u64,
+    submitted: Instant,
+    last_token: Option<Instant>,
     tokens: Vec<u32>,
     prompt_len: usize,
     req: GenerationRequest,
@@ -103,8 +105,15 @@ async fn find_failed_stage(pipeline: &Pipeline, cluster: &Cluster) -> Option<Str
     None
 }
 
+/// Count a finished request by how it ended, with its end-to-end latency.
+fn record_outcome(seq: &Seq, outcome: &'static str) {
+    metrics::counter!("baton_requests_finished_total", "outcome" => outcome).increment(1);
+    metrics::histogram!("baton_request_duration_seconds").record(seq.submitted.elapsed().as_secs_f64());
+}
+
 fn fail_all(active: &mut Vec<Seq>, reason: &str) {
     for s in active.drain(..) {
+        record_outcome(&s, "failed");
         let _ = s.tx.try_send(TokenEvent::Failed {
             message: reason.to_string(),
             retriable: true,
@@ -159,6 +168,7 @@ pub(crate) async fn run(
         // Requests whose client went away: stop them and free their KV.
         let (gone, kept): (Vec<Seq>, Vec<Seq>) = active.into_iter().partition(|s| s.tx.is_closed());
         active = kept;
+        gone.iter().for_each(|s| record_outcome(s, "cancelled"));
         free_everywhere(pipeline, gone.iter().filter(|s| s.started).map(|s| s.id).collect());
         if active.is_empty() {
             continue;
@@ -170,6 +180,13 @@ pub(crate) async fn run(
             hidden: None,
         };
         let batch_tokens: usize = batch.seqs.iter().map(|s| s.tokens.len()).sum();
+        let prefill: usize = batch.seqs.iter().filter(|c| c.pos0 == 0).map(|c| c.tokens.len()).sum();
+        metrics::counter!("baton_prefill_tokens_total").increment(prefill as u64);
+        metrics::counter!("baton_decode_tokens_total").increment((batch_tokens - prefill) as u64);
+        metrics::histogram!("baton_step_batch_tokens").record(batch_tokens as f64);
+        metrics::gauge!("baton_running_sequences").set(active.len() as f64);
+        metrics::gauge!("baton_queue_depth").set(submit_rx.len() as f64);
+        let step_started = Instant::now();
         let span = tracing::info_span!("scheduler.step", batch_id, sequences = active.len(), batch_tokens);
         let _guard = span.enter();
         if batch_tx.send(batch).await.is_err() {
@@ -207,6 +224,7 @@ pub(crate) async fn run(
             tracing::warn!(error = %reply.error, "micro-batch failed");
             let ids: Vec<u64> = active.iter().map(|s| s.id).collect();
             for s in active.drain(..) {
+                record_outcome(&s, "failed");
                 let _ = s.tx.try_send(TokenEvent::Failed {
                     message: reply.error.clone(),
                     retriable: false,
@@ -215,6 +233,7 @@ pub(crate) async fn run(
             free_everywhere(pipeline, ids);
             continue;
         }
+        metrics::histogram!("baton_step_seconds").record(step_started.elapsed().as_secs_f64());
         let mut finished = Vec::new();
         for r in reply.results {
             let Some(seq) = active.iter_mut().find(|s| s.id == r.seq_id) else {
@@ -222,6 +241,16 @@ pub(crate) async fn run(
             };
             seq.started = true;
             seq.tokens.push(r.token);
+            let now = Instant::now();
+            match seq.last_token {
+                None => {
+                    metrics::histogram!("baton_time_to_first_token_seconds").record((now - seq.submitted).as_secs_f64())
+                }
+                Some(prev) => {
+                    metrics::histogram!("baton_inter_token_latency_seconds").record((now - prev).as_secs_f64())
+                }
+            }
+            seq.last_token = Some(now);
             let logprobs = seq.req.logprobs.then(|| TokenLogprobs {
                 logprob: r.logprob,
                 top: r.top_ids.into_iter().zip(r.top_logprobs).collect(),
@@ -230,6 +259,9 @@ pub(crate) async fn run(
             let done = seq.finish_reason(config, r.token);
             if let Some(reason) = done {
                 let _ = seq.tx.try_send(TokenEvent::Done { reason });
+                record_outcome(seq, reason.as_str());
+            } else if !delivered {
+                record_outcome(seq, "cancelled");
             }
             if !delivered || done.is_some() {
                 finished.push(seq.id);
@@ -243,6 +275,8 @@ pub(crate) async fn run(
 fn new_seq(s: NewSequence) -> Seq {
     Seq {
         id: s.id,
+        submitted: s.submitted,
+        last_token: None,
         prompt_len: s.req.prompt.len(),
         tokens: s.req.prompt.clone(),
         req: s.req,

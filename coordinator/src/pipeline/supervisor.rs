@@ -115,10 +115,14 @@ pub(crate) async fn run(
         tracing::info!(?assignment, "pipeline ready");
         *status.assignment.lock().unwrap_or_else(|e| e.into_inner()) = assignment;
         status.ready.store(true, Ordering::Release);
+        metrics::gauge!("baton_pipeline_ready").set(1.0);
+        metrics::gauge!("baton_pipeline_stages").set(pipeline.stages.len() as f64);
         match steps::run(&config, &cluster, &pipeline, &mut submit_rx, &status).await {
             StepLoopEnd::Shutdown => return,
             StepLoopEnd::StageFailed { reason, worker_id } => {
                 tracing::error!("pipeline broke: {reason}");
+                metrics::gauge!("baton_pipeline_ready").set(0.0);
+                metrics::counter!("baton_pipeline_failures_total").increment(1);
                 status.ready.store(false, Ordering::Release);
                 if let Some(id) = worker_id {
                     cluster.remove(&id);
