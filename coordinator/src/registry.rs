@@ -160,6 +160,9 @@ pub async fn serve(
     let svc = InterceptedService::new(RegistryServer::new(RegistryService { cluster }), CheckToken::new(token));
     tonic::transport::Server::builder()
         .add_service(svc)
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            shutdown,
+        )
         .await
 }

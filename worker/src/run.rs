@@ -7,8 +7,8 @@ use anyhow::{Context, Result, bail};
 use baton_shared::auth::CheckToken;
 use baton_shared::proto::worker_server::WorkerServer;
 use baton_shared::settings::Settings;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::service::interceptor::InterceptedService;
+use tonic::transport::server::TcpIncoming;
 
 use crate::registration::{self, WorkerDescription};
 use crate::service::{MAX_MESSAGE, WorkerService, WorkerState};
@@ -142,7 +142,8 @@ pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
     tokio::spawn(registration::run(coordinator.clone(), token, desc, state));
     tonic::transport::Server::builder()
         .add_service(server)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown_signal())
+        // Small messages (sampled ids) must not wait for Nagle's algorithm.
+        .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), shutdown_signal())
         .await
         .context("worker gRPC server")?;
     Ok(())

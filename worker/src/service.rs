@@ -146,13 +146,12 @@ impl Worker for WorkerService {
                     }
                 };
                 let batch_id = batch.batch_id;
-                let st = stage.clone();
-                let out = tokio::task::spawn_blocking(move || match lock(&st).as_mut() {
+                // Compute on this runtime thread (tokio moves its other tasks away) rather than
+                // handing the batch to a blocking-pool thread: one thread switch less per hop.
+                let out = tokio::task::block_in_place(|| match lock(&stage).as_mut() {
                     Some(stage) => run_instrumented(stage, batch),
                     None => Err("no stage loaded on this worker".to_string()),
-                })
-                .await
-                .unwrap_or_else(|e| Err(format!("stage task failed: {e}")));
+                });
                 let sent = match out {
                     Ok(StageOutput::Sampled(result)) => up_tx.send(Ok(result)).await.is_ok(),
                     Err(error) => up_tx
