@@ -11,16 +11,17 @@ use baton_shared::tokenizer::Tokenizer;
 use serde_json::Value;
 use tracing::Instrument;
 
+use super::AppState;
 use super::error::{ApiError, JsonBody};
-use super::output::{TokenText, collect};
+use super::output::TokenText;
 use super::params::{DefaultMaxTokens, PromptField, check_model, parse_top_logprobs};
-use super::stream::{ChunkFormat, StreamJob, sse_response};
+use super::respond::{Answer, ResponseIds, Submission, submit};
+use super::stream::ChunkFormat;
 use super::types::{
     ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatMessageIn, ChatMessageOut, ChatRequest,
     ChatResponse, ChatTokenLogprob, ChatTopLogprob, Usage,
 };
-use super::{AppState, request_id, unix_now};
-use crate::generation::{FinishReason, GenerationRequest};
+use crate::generation::FinishReason;
 
 /// Compile the tokenizer's chat template, with its BOS/EOS token text exposed as in
 /// transformers. `Ok(None)` when the model has none.
@@ -108,42 +109,32 @@ async fn run(state: Arc<AppState>, req: ChatRequest) -> Result<Response, ApiErro
         max_tokens_param,
         PromptField("messages"),
     )?;
-    let prompt_tokens = prompt.len();
-    let stops = params.stop.clone();
-    let rx = state.generator.submit(GenerationRequest {
+    let sub = Submission {
         prompt,
         params,
-        top_logprobs: top_logprobs.unwrap_or(0),
-        logprobs: top_logprobs.is_some(),
-    })?;
-    let (id, created, model) = (request_id("chatcmpl"), unix_now(), state.model_name.clone());
-    if req.stream.unwrap_or(false) {
-        let include_usage = req.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
-        let format = ChatChunks {
-            id,
-            created,
-            model,
-            include_usage,
-        };
-        let job = StreamJob {
-            tokenizer: state.tokenizer.clone(),
-            stops,
+        top_logprobs,
+        stream: req.stream.unwrap_or(false),
+        include_usage: req.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
+    };
+    let chunks = |ids: ResponseIds, include_usage| ChatChunks {
+        id: ids.id,
+        created: ids.created,
+        model: ids.model,
+        include_usage,
+    };
+    let (ids, out, prompt_tokens) = match submit(&state, sub, "chatcmpl", chunks).await? {
+        Answer::Streamed(response) => return Ok(response),
+        Answer::Collected {
+            ids,
+            out,
             prompt_tokens,
-            include_usage,
-        };
-        return Ok(sse_response(format, job, rx));
-    }
-    let out = collect(&state.tokenizer, &stops, rx).await?;
-    tracing::info!(
-        completion_tokens = out.completion_tokens,
-        finish_reason = out.finish_reason.as_str(),
-        "request finished"
-    );
+        } => (ids, out, prompt_tokens),
+    };
     let body = ChatResponse {
-        id,
+        id: ids.id,
         object: "chat.completion",
-        created,
-        model,
+        created: ids.created,
+        model: ids.model,
         choices: vec![ChatChoice {
             index: 0,
             message: ChatMessageOut {

@@ -7,6 +7,7 @@ pub mod completions;
 pub mod error;
 pub mod output;
 pub mod params;
+pub mod respond;
 pub mod stream;
 pub mod types;
 
