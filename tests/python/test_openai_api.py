@@ -9,6 +9,7 @@ with `--model M` when given. Expects the default model (SmolLM2-135M-Instruct).
 """
 
 import argparse
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -174,6 +175,24 @@ def test_ignore_eos_runs_to_max_tokens():
         model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
     )
     assert r.usage.completion_tokens == 20 and r.choices[0].finish_reason == "length", r
+
+
+def test_concurrent_requests_get_their_own_output():
+    # Different prompts at once, half of them streamed: each must equal its own answer alone.
+    prompts = ["The capital of France is", "def fibonacci(n):", "Rust is a language that",
+               "1, 2, 3, 4,", "The sky is", "Once upon a time"]
+    args = dict(model=MODEL, max_tokens=10, temperature=0)
+    alone = [client.completions.create(prompt=p, **args).choices[0].text for p in prompts]
+
+    def run(i):
+        if i % 2:
+            return "".join(c.choices[0].text for c in client.completions.create(prompt=prompts[i], stream=True, **args)
+                           if c.choices)
+        return client.completions.create(prompt=prompts[i], **args).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(run, range(len(prompts))))
+    assert together == alone, list(zip(prompts, alone, together))
 
 
 def test_errors():

@@ -356,3 +356,93 @@ async fn workers_export_stage_metrics() {
         "{first}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trim_keeps_a_prefix_of_a_sequence() {
+    use baton_shared::proto::{MicroBatch, Sampling, SequenceChunk, TrimRequest};
+    let dir = fixtures().join("tiny/llama_tied");
+    let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
+    let tc = TestCluster::start(&dir, &cfg, vec![], &[]).await;
+    let address = tc.generator.status.assignment.lock().unwrap()[0].address.clone();
+    let mut client = connect_worker(&address, &tc.token).await.unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let mut results = client
+        .forward(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let chunk = |seq_id, tokens: Vec<u32>, pos0| SequenceChunk {
+        seq_id,
+        tokens,
+        pos0,
+        sample: true,
+        sampling: (pos0 == 0).then(Sampling::default),
+    };
+    let mut step = async |c: SequenceChunk| {
+        tx.send(MicroBatch {
+            batch_id: 1,
+            seqs: vec![c],
+            hidden: None,
+        })
+        .await
+        .unwrap();
+        futures::StreamExt::next(&mut results).await.unwrap().unwrap()
+    };
+    step(chunk(900, vec![1, 2, 3, 4, 5], 0)).await;
+    let trimmed = client
+        .trim(TrimRequest { seq_id: 900, length: 2 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(trimmed.length, 2);
+    let continued = step(chunk(900, vec![7], 2)).await;
+    let fresh = step(chunk(901, vec![1, 2, 7], 0)).await;
+    assert!(continued.error.is_empty() && fresh.error.is_empty());
+    assert_eq!(
+        continued.results[0].token, fresh.results[0].token,
+        "trim + continue equals a fresh prefix"
+    );
+    let wrong = step(chunk(900, vec![8], 9)).await;
+    assert!(wrong.error.contains("KV cache holds 3 positions"), "{}", wrong.error);
+    let e = client
+        .trim(TrimRequest {
+            seq_id: 12345,
+            length: 1,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_worker_deregisters() {
+    // Heartbeats every 5 s: only an explicit Deregister can remove the worker quickly.
+    let cluster = std::sync::Arc::new(baton_coordinator::registry::Cluster::new(Duration::from_secs(5)));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let c = cluster.clone();
+    tokio::spawn(async move { baton_coordinator::registry::serve(listener, c, "tok", std::future::pending()).await });
+    let mut worker = spawn_worker(&url, "tok");
+    let start = std::time::Instant::now();
+    while cluster.alive().is_empty() {
+        assert!(start.elapsed() < Duration::from_secs(15), "worker never registered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let pid = worker.id().unwrap().to_string();
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let status = tokio::time::timeout(Duration::from_secs(5), worker.wait())
+        .await
+        .expect("worker exits")
+        .unwrap();
+    assert!(status.success(), "{status}");
+    assert!(
+        cluster.alive().is_empty(),
+        "the worker removed itself from the registry"
+    );
+}

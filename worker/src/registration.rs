@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use baton_shared::auth::AddToken;
 use baton_shared::proto::registry_client::RegistryClient;
-use baton_shared::proto::{HeartbeatRequest, RegisterRequest};
+use baton_shared::proto::{DeregisterRequest, HeartbeatRequest, RegisterRequest};
 use tonic::transport::Channel;
 
 use crate::service::WorkerState;
@@ -93,5 +93,27 @@ pub async fn run(url: String, token: String, desc: WorkerDescription, state: Arc
                 }
             }
         }
+    }
+}
+
+/// Tell the coordinator this worker is leaving (best effort, bounded to one second), so it
+/// re-plans at once instead of waiting for missed heartbeats.
+pub async fn deregister(url: &str, token: &str, worker_id: &str) {
+    if worker_id.is_empty() {
+        return;
+    }
+    let attempt = async {
+        let channel = Channel::from_shared(url.to_string()).ok()?.connect().await.ok()?;
+        let mut client = RegistryClient::with_interceptor(channel, AddToken::new(token).ok()?);
+        client
+            .deregister(DeregisterRequest {
+                worker_id: worker_id.to_string(),
+            })
+            .await
+            .ok()
+    };
+    match tokio::time::timeout(Duration::from_secs(1), attempt).await {
+        Ok(Some(_)) => tracing::info!(worker_id, "deregistered"),
+        _ => tracing::warn!(worker_id, coordinator = %url, "could not deregister"),
     }
 }

@@ -139,13 +139,21 @@ pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
         });
     }
     tracing::info!(%address, coordinator = %coordinator, "worker listening");
-    tokio::spawn(registration::run(coordinator.clone(), token, desc, state));
+    let membership = tokio::spawn(registration::run(
+        coordinator.clone(),
+        token.clone(),
+        desc,
+        state.clone(),
+    ));
     tonic::transport::Server::builder()
         .add_service(server)
         // Small messages (sampled ids) must not wait for Nagle's algorithm.
         .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), shutdown_signal())
         .await
         .context("worker gRPC server")?;
+    membership.abort();
+    let id = state.worker_id.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    registration::deregister(&coordinator, &token, &id).await;
     Ok(())
 }
 

@@ -11,7 +11,7 @@ use baton_shared::proto::worker_client::WorkerClient;
 use baton_shared::proto::worker_server::Worker;
 use baton_shared::proto::{
     BatchResult, Dtype, FreeRequest, FreeResponse, HealthRequest, HealthResponse, LoadStageRequest, LoadStageResponse,
-    MicroBatch, ProfileRequest, ProfileResponse,
+    MicroBatch, ProfileRequest, ProfileResponse, TrimRequest, TrimResponse,
 };
 use futures::StreamExt;
 use tokio::sync::mpsc;
@@ -194,6 +194,19 @@ impl Worker for WorkerService {
             n
         });
         Ok(Response::new(FreeResponse { freed: freed as u32 }))
+    }
+
+    async fn trim(&self, req: Request<TrimRequest>) -> Result<Response<TrimResponse>, Status> {
+        let r = req.into_inner();
+        let mut guard = lock(&self.state.stage);
+        let stage = guard
+            .as_mut()
+            .ok_or_else(|| Status::failed_precondition("no stage loaded on this worker"))?;
+        let length = stage
+            .trim(r.seq_id, r.length as usize)
+            .ok_or_else(|| Status::not_found(format!("sequence {} is not on this worker", r.seq_id)))?;
+        record_usage(stage);
+        Ok(Response::new(TrimResponse { length: length as u32 }))
     }
 
     async fn health(&self, _req: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {

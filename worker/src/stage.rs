@@ -76,6 +76,13 @@ impl Stage {
         (self.seqs.len(), self.seqs.values().map(|s| s.kv.len()).sum())
     }
 
+    /// Keep the first `len` positions of a sequence; returns its new length, None if unknown.
+    pub fn trim(&mut self, seq_id: u64, len: usize) -> Option<usize> {
+        let seq = self.seqs.get_mut(&seq_id)?;
+        seq.kv.truncate(len);
+        Some(seq.kv.len())
+    }
+
     /// Drop sequences; returns how many existed.
     pub fn free(&mut self, ids: &[u64]) -> usize {
         ids.iter().filter(|id| self.seqs.remove(id).is_some()).count()
