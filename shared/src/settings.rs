@@ -61,7 +61,7 @@ pub struct ServeSettings {
     pub served_model_name: Option<String>,
     /// Requests allowed to wait; more get HTTP 429.
     pub max_queue: usize,
-    /// Sequences generated at once by the in-process engine (`workers = 0`).
+    /// Sequences generated at once (each holds KV); more wait in the queue.
     pub max_running: usize,
     /// Largest request body in bytes (HTTP 413 beyond).
     pub max_body_bytes: usize,
@@ -107,6 +107,8 @@ pub struct CoordinatorSettings {
     pub served_model_name: Option<String>,
     /// Requests allowed to wait; more get HTTP 429.
     pub max_queue: usize,
+    /// Sequences generated at once (each holds KV on every stage); more wait in the queue.
+    pub max_running: usize,
     /// Largest request body in bytes (HTTP 413 beyond).
     pub max_body_bytes: usize,
 }
@@ -122,6 +124,7 @@ impl Default for CoordinatorSettings {
             activation_dtype: "f32".into(),
             served_model_name: None,
             max_queue: 64,
+            max_running: 8,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
         }
     }

@@ -19,6 +19,22 @@ pub fn worker_bin() -> PathBuf {
     crate::baton_bin().with_file_name(format!("baton-worker{}", std::env::consts::EXE_SUFFIX))
 }
 
+/// Admission limits of the pipeline under test.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub max_running: usize,
+    pub max_queue: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_running: 8,
+            max_queue: 64,
+        }
+    }
+}
+
 /// A running test cluster; workers are killed when it is dropped.
 pub struct TestCluster {
     pub generator: Arc<PipelineGenerator>,
@@ -60,6 +76,18 @@ impl TestCluster {
         cuts: &[usize],
         worker_flags: &[Vec<String>],
     ) -> Self {
+        Self::start_full(model, cfg, eos_ids, cuts, worker_flags, Limits::default()).await
+    }
+
+    /// Everything configurable.
+    pub async fn start_full(
+        model: &Path,
+        cfg: &ModelConfig,
+        eos_ids: Vec<u32>,
+        cuts: &[usize],
+        worker_flags: &[Vec<String>],
+        limits: Limits,
+    ) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let registry_url = format!("http://{}", listener.local_addr().unwrap());
         let token = "test-cluster-token".to_string();
@@ -77,7 +105,8 @@ impl TestCluster {
             cuts: (!cuts.is_empty()).then(|| cuts.to_vec()),
             cluster_token: token.clone(),
             activation_dtype: Dtype::F32,
-            max_queue: 64,
+            max_queue: limits.max_queue,
+            max_running: limits.max_running,
         };
         let generator = Arc::new(PipelineGenerator::start(config, cluster.clone()));
         let workers = (0..stages)

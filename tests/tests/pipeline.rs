@@ -446,3 +446,52 @@ async fn a_stopping_worker_deregisters() {
         "the worker removed itself from the registry"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_is_bounded_by_running_and_queue_limits() {
+    use baton_coordinator::generation::SubmitError;
+    use baton_tests::cluster::Limits;
+    let dir = fixtures().join("tiny/llama_tied");
+    let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
+    let limits = Limits {
+        max_running: 1,
+        max_queue: 1,
+    };
+    let tc = TestCluster::start_full(&dir, &cfg, vec![], &[], &[], limits).await;
+    let long = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(200)
+    };
+    let req = |params: SamplingParams| GenerationRequest {
+        prompt: vec![1, 2],
+        params,
+        top_logprobs: 0,
+        logprobs: false,
+    };
+    let mut running = tc.generator.submit(req(long.clone())).unwrap();
+    assert!(
+        matches!(running.recv().await, Some(TokenEvent::Token { .. })),
+        "the first request runs"
+    );
+    let mut queued = tc
+        .generator
+        .submit(req(SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(3)
+        }))
+        .unwrap();
+    let e = tc.generator.submit(req(long.clone())).unwrap_err();
+    assert!(matches!(e, SubmitError::Overloaded(_)), "{e}");
+    assert_eq!(stage_usage(&tc).await, vec![1], "only one sequence holds KV");
+    // Cancelling the running request lets the queued one through.
+    drop(running);
+    let mut tokens = 0;
+    while let Some(ev) = queued.recv().await {
+        match ev {
+            TokenEvent::Token { .. } => tokens += 1,
+            TokenEvent::Done { .. } => break,
+            TokenEvent::Failed { message, .. } => panic!("{message}"),
+        }
+    }
+    assert_eq!(tokens, 3);
+}

@@ -56,6 +56,10 @@ pub struct CoordinatorArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_queue: Option<usize>,
+    /// Sequences generated at once; more wait in the queue [default: 8].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_running: Option<usize>,
     /// Largest accepted request body in bytes (HTTP 413 beyond) [default: 4194304].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -95,6 +99,7 @@ pub fn run(ctx: &Ctx, args: CoordinatorArgs) -> Result<()> {
         cluster_token: token,
         activation_dtype: dtype,
         max_queue: a.max_queue,
+        max_running: a.max_running,
     };
     let name = a
         .served_model_name

@@ -223,6 +223,7 @@ async fn build_generator(
         cluster_token: token.clone(),
         activation_dtype: parse_dtype(&a.activation_dtype).unwrap_or(Dtype::F32),
         max_queue: a.max_queue,
+        max_running: a.max_running,
     };
     let server = cluster::start(registry, config)?;
     let registry_url = format!("http://{}", server.registry_addr);

@@ -35,6 +35,8 @@ pub struct PipelineConfig {
     pub activation_dtype: Dtype,
     /// Requests waiting to start, beyond which submissions get 429.
     pub max_queue: usize,
+    /// Sequences generated at once (each holds KV on every stage); others wait in the queue.
+    pub max_running: usize,
 }
 
 /// A new sequence handed to the step loop.

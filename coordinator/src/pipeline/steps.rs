@@ -162,7 +162,11 @@ pub(crate) async fn run(
                 }
             }
         }
-        while let Ok(s) = submit_rx.try_recv() {
+        // Admit waiting requests up to the running limit; the rest stay queued in the channel,
+        // whose capacity bounds the queue (submissions beyond it get 429).
+        while active.len() < config.max_running
+            && let Ok(s) = submit_rx.try_recv()
+        {
             active.push(new_seq(s));
         }
         // Requests whose client went away: stop them and free their KV.
