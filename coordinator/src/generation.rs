@@ -67,4 +67,8 @@ pub trait Generator: Send + Sync + 'static {
     fn submit(&self, req: GenerationRequest) -> Result<mpsc::Receiver<TokenEvent>, SubmitError>;
     /// Whether requests can be served right now (`/ready`).
     fn ready(&self) -> bool;
+    /// What serves the requests, as JSON for `/admin/cluster` (topology, assignment, load).
+    fn describe(&self) -> serde_json::Value {
+        serde_json::json!({ "mode": "unknown", "ready": self.ready() })
+    }
 }

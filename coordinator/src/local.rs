@@ -153,6 +153,10 @@ impl Generator for LocalGenerator {
     fn ready(&self) -> bool {
         self.alive.load(Ordering::Acquire)
     }
+
+    fn describe(&self) -> serde_json::Value {
+        serde_json::json!({ "mode": "in-process", "ready": self.ready(), "max_queue": self.max_queue })
+    }
 }
 
 /// Clears the liveness flag when the engine thread ends, however it ends.

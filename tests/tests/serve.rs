@@ -15,6 +15,18 @@ fn killing_a_worker_fails_streams_and_flips_ready() {
     let addr = url.trim_start_matches("http://").trim_end_matches("/v1").to_string();
     let workers = server.children();
     assert_eq!(workers.len(), 2, "baton serve runs two worker processes: {workers:?}");
+    let (code, body) = http_request(&addr, "GET", "/admin/cluster", "");
+    assert_eq!(code, 200, "{body}");
+    let view: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(view["mode"], "pipeline");
+    assert_eq!(view["workers"].as_array().unwrap().len(), 2, "{view}");
+    let ranges: Vec<_> = view["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| (s["layer_start"].clone(), s["layer_end"].clone()))
+        .collect();
+    assert_eq!(ranges, vec![(0.into(), 15.into()), (15.into(), 30.into())], "{view}");
 
     let body =
         r#"{"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": true, "stream": true, "temperature": 0}"#;

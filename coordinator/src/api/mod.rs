@@ -86,6 +86,7 @@ pub fn router(state: AppState) -> Router {
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
+        .route("/admin/cluster", get(admin_cluster))
         .fallback(unknown_route)
         .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(limit))
@@ -130,6 +131,13 @@ async fn get_model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -
     } else {
         Err(ApiError::model_not_found(&id))
     }
+}
+
+/// The serving topology (workers, layer ranges, load) as JSON.
+async fn admin_cluster(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    let mut view = state.generator.describe();
+    view["model"] = serde_json::json!(state.model_name);
+    Json(view)
 }
 
 /// Prometheus metrics of this process.

@@ -62,6 +62,7 @@ pub struct PipelineStatus {
 /// Generator backed by a pipeline of gRPC workers.
 pub struct PipelineGenerator {
     config: PipelineConfig,
+    cluster: Arc<Cluster>,
     submit_tx: mpsc::Sender<NewSequence>,
     next_id: AtomicU64,
     pub status: Arc<PipelineStatus>,
@@ -72,9 +73,15 @@ impl PipelineGenerator {
     pub fn start(config: PipelineConfig, cluster: Arc<Cluster>) -> Self {
         let (submit_tx, submit_rx) = mpsc::channel(config.max_queue.max(1));
         let status = Arc::new(PipelineStatus::default());
-        tokio::spawn(supervisor::run(config.clone(), cluster, submit_rx, status.clone()));
+        tokio::spawn(supervisor::run(
+            config.clone(),
+            cluster.clone(),
+            submit_rx,
+            status.clone(),
+        ));
         Self {
             config,
+            cluster,
             submit_tx,
             next_id: AtomicU64::new(1),
             status,
@@ -127,5 +134,42 @@ impl Generator for PipelineGenerator {
 
     fn ready(&self) -> bool {
         self.status.ready.load(Ordering::Acquire)
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        let assignment = self.status.assignment.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let stages: Vec<_> = assignment
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                serde_json::json!({
+                    "stage": i, "worker_id": a.worker_id, "address": a.address,
+                    "layer_start": a.layers.start, "layer_end": a.layers.end,
+                })
+            })
+            .collect();
+        let workers: Vec<_> = self
+            .cluster
+            .alive()
+            .into_iter()
+            .map(|w| {
+                serde_json::json!({
+                    "worker_id": w.id, "address": w.address, "device": w.device_kind, "cores": w.cores,
+                    "memory_bytes": w.memory_bytes, "features": w.features,
+                    "last_seen_ms_ago": w.last_seen.elapsed().as_millis() as u64,
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "mode": "pipeline",
+            "ready": self.ready(),
+            "num_layers": self.config.num_layers,
+            "stages_wanted": self.config.stages,
+            "stages": stages,
+            "workers": workers,
+            "running_sequences": self.status.active_sequences.load(Ordering::Relaxed),
+            "max_running": self.config.max_running,
+            "max_queue": self.config.max_queue,
+        })
     }
 }
