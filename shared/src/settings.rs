@@ -63,6 +63,8 @@ pub struct ServeSettings {
     pub max_queue: usize,
     /// Sequences generated at once (each holds KV); more wait in the queue.
     pub max_running: usize,
+    /// Tokens per pipeline step; longer prompts are prefilled in chunks.
+    pub max_batch_tokens: usize,
     /// Largest request body in bytes (HTTP 413 beyond).
     pub max_body_bytes: usize,
     /// Most tokens (prompt + completion) per request; default: the model's context.
@@ -80,6 +82,7 @@ impl Default for ServeSettings {
             served_model_name: None,
             max_queue: 64,
             max_running: 8,
+            max_batch_tokens: 512,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_model_len: None,
             activation_dtype: "f32".into(),
@@ -109,6 +112,8 @@ pub struct CoordinatorSettings {
     pub max_queue: usize,
     /// Sequences generated at once (each holds KV on every stage); more wait in the queue.
     pub max_running: usize,
+    /// Tokens per pipeline step; longer prompts are prefilled in chunks.
+    pub max_batch_tokens: usize,
     /// Largest request body in bytes (HTTP 413 beyond).
     pub max_body_bytes: usize,
 }
@@ -125,6 +130,7 @@ impl Default for CoordinatorSettings {
             served_model_name: None,
             max_queue: 64,
             max_running: 8,
+            max_batch_tokens: 512,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
         }
     }

@@ -24,6 +24,7 @@ pub fn worker_bin() -> PathBuf {
 pub struct Limits {
     pub max_running: usize,
     pub max_queue: usize,
+    pub max_batch_tokens: usize,
 }
 
 impl Default for Limits {
@@ -31,6 +32,7 @@ impl Default for Limits {
         Self {
             max_running: 8,
             max_queue: 64,
+            max_batch_tokens: 512,
         }
     }
 }
@@ -107,6 +109,7 @@ impl TestCluster {
             activation_dtype: Dtype::F32,
             max_queue: limits.max_queue,
             max_running: limits.max_running,
+            max_batch_tokens: limits.max_batch_tokens,
         };
         let generator = Arc::new(PipelineGenerator::start(config, cluster.clone()));
         let workers = (0..stages)

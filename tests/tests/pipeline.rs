@@ -456,6 +456,7 @@ async fn admission_is_bounded_by_running_and_queue_limits() {
     let limits = Limits {
         max_running: 1,
         max_queue: 1,
+        ..Limits::default()
     };
     let tc = TestCluster::start_full(&dir, &cfg, vec![], &[], &[], limits).await;
     let long = SamplingParams {
@@ -494,4 +495,28 @@ async fn admission_is_bounded_by_running_and_queue_limits() {
         }
     }
     assert_eq!(tokens, 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunked_prefill_gives_the_same_tokens() {
+    use baton_tests::cluster::Limits;
+    let dir = fixtures().join("tiny/qwen2");
+    let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(10)
+    };
+    let long: Vec<u32> = (0..41).map(|i| (i * 7 % 300) as u32 + 3).collect();
+    let short = [5u32, 6, 7];
+    let want_long = engine_tokens(&dir, &long, &params, false);
+    let want_short = engine_tokens(&dir, &short, &params, false);
+    // A 5-token step budget: the long prompt takes many steps while the short one decodes.
+    let limits = Limits {
+        max_batch_tokens: 5,
+        ..Limits::default()
+    };
+    let tc = TestCluster::start_full(&dir, &cfg, vec![], &[2], &[], limits).await;
+    let (a, b) = tokio::join!(tc.generate(&short, params.clone()), tc.generate(&long, params.clone()));
+    assert_eq!(a.unwrap().0, want_short);
+    assert_eq!(b.unwrap().0, want_long);
 }

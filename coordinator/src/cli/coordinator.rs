@@ -60,6 +60,10 @@ pub struct CoordinatorArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_running: Option<usize>,
+    /// Tokens per pipeline step; longer prompts are prefilled in chunks [default: 512].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_batch_tokens: Option<usize>,
     /// Largest accepted request body in bytes (HTTP 413 beyond) [default: 4194304].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -100,6 +104,7 @@ pub fn run(ctx: &Ctx, args: CoordinatorArgs) -> Result<()> {
         activation_dtype: dtype,
         max_queue: a.max_queue,
         max_running: a.max_running,
+        max_batch_tokens: a.max_batch_tokens.max(a.max_running),
     };
     let name = a
         .served_model_name

@@ -55,6 +55,10 @@ pub struct ServeArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_running: Option<usize>,
+    /// Tokens per pipeline step; longer prompts are prefilled in chunks [default: 512].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_batch_tokens: Option<usize>,
     /// Largest accepted request body in bytes (HTTP 413 beyond) [default: 4194304].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -224,6 +228,7 @@ async fn build_generator(
         activation_dtype: parse_dtype(&a.activation_dtype).unwrap_or(Dtype::F32),
         max_queue: a.max_queue,
         max_running: a.max_running,
+        max_batch_tokens: a.max_batch_tokens.max(a.max_running),
     };
     let server = cluster::start(registry, config)?;
     let registry_url = format!("http://{}", server.registry_addr);

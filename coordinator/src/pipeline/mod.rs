@@ -37,6 +37,8 @@ pub struct PipelineConfig {
     pub max_queue: usize,
     /// Sequences generated at once (each holds KV on every stage); others wait in the queue.
     pub max_running: usize,
+    /// Tokens per step (decode tokens first, then prompt chunks), bounding every stage's batch.
+    pub max_batch_tokens: usize,
 }
 
 /// A new sequence handed to the step loop.

@@ -29,39 +29,53 @@ struct Seq {
     last_token: Option<Instant>,
     tokens: Vec<u32>,
     prompt_len: usize,
+    /// Prompt tokens already sent down the pipeline (prefill may take several steps).
+    prefilled: usize,
     req: GenerationRequest,
     tx: mpsc::Sender<TokenEvent>,
-    started: bool,
 }
 
 impl Seq {
-    fn chunk(&self) -> SequenceChunk {
-        if self.started {
-            let pos = self.tokens.len() - 1;
-            SequenceChunk {
-                seq_id: self.id,
-                tokens: vec![self.tokens[pos]],
-                pos0: pos as u32,
-                sample: true,
-                sampling: None,
-            }
-        } else {
-            let p = &self.req.params;
-            SequenceChunk {
-                seq_id: self.id,
-                tokens: self.tokens.clone(),
-                pos0: 0,
-                sample: true,
-                sampling: Some(Sampling {
-                    temperature: p.temperature,
-                    top_k: p.top_k as u32,
-                    top_p: p.top_p,
-                    min_p: p.min_p,
-                    seed: p.seed,
-                    logprobs: self.req.logprobs,
-                    top_logprobs: self.req.top_logprobs as u32,
-                }),
-            }
+    /// Whether the workers hold KV for this sequence.
+    fn holds_kv(&self) -> bool {
+        self.prefilled > 0
+    }
+
+    fn decoding(&self) -> bool {
+        self.prefilled == self.prompt_len
+    }
+
+    /// The last sampled token, to extend the sequence by one position.
+    fn decode_chunk(&self) -> SequenceChunk {
+        let pos = self.tokens.len() - 1;
+        SequenceChunk {
+            seq_id: self.id,
+            tokens: vec![self.tokens[pos]],
+            pos0: pos as u32,
+            sample: true,
+            sampling: None,
+        }
+    }
+
+    /// The next `n` prompt tokens; the chunk that completes the prompt samples the first token.
+    fn prefill_chunk(&mut self, n: usize) -> SequenceChunk {
+        let p = &self.req.params;
+        let pos0 = self.prefilled;
+        self.prefilled += n;
+        SequenceChunk {
+            seq_id: self.id,
+            tokens: self.tokens[pos0..pos0 + n].to_vec(),
+            pos0: pos0 as u32,
+            sample: self.prefilled == self.prompt_len,
+            sampling: (pos0 == 0).then(|| Sampling {
+                temperature: p.temperature,
+                top_k: p.top_k as u32,
+                top_p: p.top_p,
+                min_p: p.min_p,
+                seed: p.seed,
+                logprobs: self.req.logprobs,
+                top_logprobs: self.req.top_logprobs as u32,
+            }),
         }
     }
 
@@ -75,6 +89,26 @@ impl Seq {
             None
         }
     }
+}
+
+/// One step's chunks: every decoding sequence's next token first (running sequences keep their
+/// pace), then prompt chunks in arrival order while the step's token budget lasts, so a long
+/// prompt is prefilled over several steps instead of stalling everyone's decode.
+/// Returns the chunks and how many of them are decode tokens.
+fn compose_step(active: &mut [Seq], budget: usize) -> (Vec<SequenceChunk>, usize) {
+    let mut chunks: Vec<SequenceChunk> = active.iter().filter(|s| s.decoding()).map(Seq::decode_chunk).collect();
+    let decode = chunks.len();
+    let mut used = decode;
+    for seq in active.iter_mut().filter(|s| !s.decoding()) {
+        let left = budget.saturating_sub(used);
+        if left == 0 {
+            break;
+        }
+        let n = left.min(seq.prompt_len - seq.prefilled);
+        chunks.push(seq.prefill_chunk(n));
+        used += n;
+    }
+    (chunks, decode)
 }
 
 /// Drop sequences' KV on every stage, without waiting.
@@ -173,20 +207,21 @@ pub(crate) async fn run(
         let (gone, kept): (Vec<Seq>, Vec<Seq>) = active.into_iter().partition(|s| s.tx.is_closed());
         active = kept;
         gone.iter().for_each(|s| record_outcome(s, "cancelled"));
-        free_everywhere(pipeline, gone.iter().filter(|s| s.started).map(|s| s.id).collect());
+        free_everywhere(pipeline, gone.iter().filter(|s| s.holds_kv()).map(|s| s.id).collect());
         if active.is_empty() {
             continue;
         }
         batch_id += 1;
+        let (seqs, decode) = compose_step(&mut active, config.max_batch_tokens);
         let batch = MicroBatch {
             batch_id,
-            seqs: active.iter().map(Seq::chunk).collect(),
+            seqs,
             hidden: None,
         };
         let batch_tokens: usize = batch.seqs.iter().map(|s| s.tokens.len()).sum();
-        let prefill: usize = batch.seqs.iter().filter(|c| c.pos0 == 0).map(|c| c.tokens.len()).sum();
+        let prefill = batch_tokens - decode;
         metrics::counter!("baton_prefill_tokens_total").increment(prefill as u64);
-        metrics::counter!("baton_decode_tokens_total").increment((batch_tokens - prefill) as u64);
+        metrics::counter!("baton_decode_tokens_total").increment(decode as u64);
         metrics::histogram!("baton_step_batch_tokens").record(batch_tokens as f64);
         metrics::gauge!("baton_running_sequences").set(active.len() as f64);
         metrics::gauge!("baton_queue_depth").set(submit_rx.len() as f64);
@@ -226,7 +261,7 @@ pub(crate) async fn run(
         if !reply.error.is_empty() {
             // A bad batch (not a dead stage): fail its sequences, keep serving.
             tracing::warn!(error = %reply.error, "micro-batch failed");
-            let ids: Vec<u64> = active.iter().map(|s| s.id).collect();
+            let ids: Vec<u64> = active.iter().filter(|s| s.holds_kv()).map(|s| s.id).collect();
             for s in active.drain(..) {
                 record_outcome(&s, "failed");
                 let _ = s.tx.try_send(TokenEvent::Failed {
@@ -243,7 +278,6 @@ pub(crate) async fn run(
             let Some(seq) = active.iter_mut().find(|s| s.id == r.seq_id) else {
                 continue;
             };
-            seq.started = true;
             seq.tokens.push(r.token);
             let now = Instant::now();
             match seq.last_token {
@@ -281,10 +315,77 @@ fn new_seq(s: NewSequence) -> Seq {
         id: s.id,
         submitted: s.submitted,
         last_token: None,
+        prefilled: 0,
         prompt_len: s.req.prompt.len(),
         tokens: s.req.prompt.clone(),
         req: s.req,
         tx: s.tx,
-        started: false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seq(id: u64, prompt: usize, generated: usize) -> Seq {
+        let (tx, _rx) = mpsc::channel(1);
+        let tokens: Vec<u32> = (0..(prompt + generated) as u32).collect();
+        let req = GenerationRequest {
+            prompt: tokens[..prompt].to_vec(),
+            params: baton_shared::sampling::SamplingParams::greedy(100),
+            top_logprobs: 0,
+            logprobs: false,
+        };
+        let prefilled = if generated > 0 { prompt } else { 0 };
+        Seq {
+            id,
+            submitted: Instant::now(),
+            last_token: None,
+            tokens,
+            prompt_len: prompt,
+            prefilled,
+            req,
+            tx,
+        }
+    }
+
+    #[test]
+    fn long_prompt_is_chunked_under_the_budget_while_others_decode() {
+        // Three sequences decoding, one 2,000-token prompt arriving; budget 256 tokens a step.
+        let mut active = vec![seq(1, 5, 3), seq(2, 9, 1), seq(3, 4, 7), seq(4, 2000, 0)];
+        let mut steps = 0;
+        let mut sent = 0;
+        while !active[3].decoding() {
+            let (chunks, decode) = compose_step(&mut active, 256);
+            steps += 1;
+            let tokens: usize = chunks.iter().map(|c| c.tokens.len()).sum();
+            assert!(tokens <= 256, "step {steps} has {tokens} tokens");
+            assert_eq!(decode, 3, "every running sequence decodes in every step");
+            for id in 1..=3 {
+                assert!(chunks.iter().any(|c| c.seq_id == id && c.tokens.len() == 1 && c.sample));
+            }
+            let long: Vec<_> = chunks.iter().filter(|c| c.seq_id == 4).collect();
+            assert_eq!(long.len(), 1);
+            assert_eq!(long[0].pos0 as usize, sent, "chunks are contiguous");
+            assert_eq!(
+                long[0].sampling.is_some(),
+                sent == 0,
+                "sampling settings travel with the first chunk"
+            );
+            sent += long[0].tokens.len();
+            assert_eq!(long[0].sample, sent == 2000, "only the last chunk samples");
+        }
+        assert_eq!(sent, 2000);
+        assert_eq!(steps, 2000_usize.div_ceil(253));
+    }
+
+    #[test]
+    fn prompts_wait_when_decodes_fill_the_budget() {
+        let mut active = vec![seq(1, 3, 1), seq(2, 3, 1), seq(3, 10, 0)];
+        let (chunks, decode) = compose_step(&mut active, 2);
+        assert_eq!((chunks.len(), decode), (2, 2));
+        assert!(!active[2].holds_kv());
+        let (chunks, _) = compose_step(&mut active, 5);
+        assert_eq!(chunks.iter().find(|c| c.seq_id == 3).map(|c| c.tokens.len()), Some(3));
     }
 }
