@@ -67,7 +67,7 @@ impl Seq {
             tokens: self.tokens[pos0..pos0 + n].to_vec(),
             pos0: pos0 as u32,
             sample: self.prefilled == self.prompt_len,
-            sampling: (pos0 == 0).then(|| Sampling {
+            sampling: (pos0 == 0).then_some(Sampling {
                 temperature: p.temperature,
                 top_k: p.top_k as u32,
                 top_p: p.top_p,
