@@ -73,6 +73,17 @@ async fn smollm2_splits_match_single_process_and_serve_concurrent_requests() {
         for ((p, w), g) in prompts.iter().zip(&want).zip(got) {
             assert_eq!(&g.unwrap().0, w, "{p:?} with cuts {cuts:?}");
         }
+        // Under load every stage had a micro-batch of its own.
+        let depth = tc
+            .generator
+            .status
+            .max_in_flight
+            .load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(
+            depth as usize,
+            cuts.len() + 1,
+            "micro-batches in flight with cuts {cuts:?}"
+        );
     }
 }
 
@@ -320,15 +331,12 @@ fn assert_prometheus_text(text: &str) {
 async fn workers_export_stage_metrics() {
     let dir = fixtures().join("tiny/llama_tied");
     let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
-    let ports: Vec<u16> = (0..2)
-        .map(|_| {
-            std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port()
-        })
+    // Hold both reservations until both ports are known, so they differ.
+    let held: Vec<_> = (0..2)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
         .collect();
+    let ports: Vec<u16> = held.iter().map(|l| l.local_addr().unwrap().port()).collect();
+    drop(held);
     let flags: Vec<Vec<String>> = ports
         .iter()
         .map(|p| vec!["--metrics-listen".into(), format!("127.0.0.1:{p}")])
@@ -339,18 +347,24 @@ async fn workers_export_stage_metrics() {
         ..SamplingParams::greedy(6)
     };
     tc.generate(&[1, 2, 3], params).await.unwrap();
-    let first = scrape(&format!("127.0.0.1:{}", ports[0]));
-    let second = scrape(&format!("127.0.0.1:{}", ports[1]));
-    for (text, stage) in [(&first, "0"), (&second, "1")] {
+    let texts: Vec<String> = ports.iter().map(|p| scrape(&format!("127.0.0.1:{p}"))).collect();
+    // Workers register in any order, so find which one became which stage.
+    let stage_of = |text: &str| {
+        ["0", "1"]
+            .into_iter()
+            .find(|s| text.contains(&format!("baton_stage_forward_seconds_bucket{{stage=\"{s}\"")))
+            .unwrap_or_else(|| panic!("no stage_forward histogram: {text}"))
+    };
+    let mut stages: Vec<&str> = texts.iter().map(|t| stage_of(t)).collect();
+    stages.sort();
+    assert_eq!(stages, vec!["0", "1"]);
+    for text in &texts {
         assert_prometheus_text(text);
-        assert!(
-            text.contains(&format!("baton_stage_forward_seconds_bucket{{stage=\"{stage}\"")),
-            "{text}"
-        );
         assert!(text.contains("baton_worker_kv_tokens"), "{text}");
         assert!(text.contains("baton_kernel_info{path=\"fp32-reference\"} 1"), "{text}");
     }
     // Stage 0 sends 64-float hidden rows: 3 prompt rows + 5 decode rows of 4 bytes each.
+    let first = texts.iter().find(|t| stage_of(t) == "0").unwrap();
     assert!(
         first.contains("baton_transfer_bytes_total{stage=\"0\"} 2048"),
         "{first}"

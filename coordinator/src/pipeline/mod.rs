@@ -57,6 +57,8 @@ pub struct PipelineStatus {
     pub ready: AtomicBool,
     /// Sequences currently holding KV on the workers.
     pub active_sequences: AtomicU64,
+    /// Most micro-batches ever in flight at once (at most one per stage).
+    pub max_in_flight: AtomicU64,
     /// The current assignment, for `/admin` views and tests.
     pub assignment: std::sync::Mutex<Vec<StageAssignment>>,
 }
@@ -170,6 +172,7 @@ impl Generator for PipelineGenerator {
             "stages": stages,
             "workers": workers,
             "running_sequences": self.status.active_sequences.load(Ordering::Relaxed),
+            "max_micro_batches_in_flight": self.status.max_in_flight.load(Ordering::Relaxed),
             "max_running": self.config.max_running,
             "max_queue": self.config.max_queue,
         })

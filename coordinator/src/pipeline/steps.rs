@@ -2,6 +2,7 @@
 //! sequences' last token) down the pipeline and hands the sampled tokens to their requests.
 //! One micro-batch is in flight at a time; pipelining several is the batching work's job.
 
+use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -31,6 +32,8 @@ struct Seq {
     prompt_len: usize,
     /// Prompt tokens already sent down the pipeline (prefill may take several steps).
     prefilled: usize,
+    /// Part of a micro-batch that has not come back yet.
+    in_flight: bool,
     req: GenerationRequest,
     tx: mpsc::Sender<TokenEvent>,
 }
@@ -95,8 +98,12 @@ impl Seq {
 /// pace), then prompt chunks in arrival order while the step's token budget lasts, so a long
 /// prompt is prefilled over several steps instead of stalling everyone's decode.
 /// Returns the chunks and how many of them are decode tokens.
-fn compose_step(active: &mut [Seq], budget: usize) -> (Vec<SequenceChunk>, usize) {
-    let mut chunks: Vec<SequenceChunk> = active.iter().filter(|s| s.decoding()).map(Seq::decode_chunk).collect();
+fn compose_step(active: &mut [&mut Seq], budget: usize) -> (Vec<SequenceChunk>, usize) {
+    let mut chunks: Vec<SequenceChunk> = active
+        .iter()
+        .filter(|s| s.decoding())
+        .map(|s| s.decode_chunk())
+        .collect();
     let decode = chunks.len();
     let mut used = decode;
     for seq in active.iter_mut().filter(|s| !s.decoding()) {
@@ -171,6 +178,9 @@ pub(crate) async fn run(
         Err(e) => return stage_failed(format!("stage 0 refused the forward stream: {}", e.message()), None),
     };
     let mut active: Vec<Seq> = Vec::new();
+    // Micro-batches sent and not yet answered, oldest first (stage streams keep order).
+    let mut in_flight: VecDeque<InFlight> = VecDeque::new();
+    let depth = pipeline.stages.len();
     let mut batch_id = 0u64;
     let mut tick = tokio::time::interval(cluster.heartbeat_interval);
     let dead_stage = || {
@@ -203,36 +213,71 @@ pub(crate) async fn run(
         {
             active.push(new_seq(s));
         }
-        // Requests whose client went away: stop them and free their KV.
-        let (gone, kept): (Vec<Seq>, Vec<Seq>) = active.into_iter().partition(|s| s.tx.is_closed());
+        // Requests whose client went away: stop them and free their KV. One with a micro-batch
+        // in flight is dropped when that batch returns, so Free cannot overtake it.
+        let (gone, kept): (Vec<Seq>, Vec<Seq>) = active.into_iter().partition(|s| s.tx.is_closed() && !s.in_flight);
         active = kept;
         gone.iter().for_each(|s| record_outcome(s, "cancelled"));
         free_everywhere(pipeline, gone.iter().filter(|s| s.holds_kv()).map(|s| s.id).collect());
-        if active.is_empty() {
-            continue;
-        }
-        batch_id += 1;
-        let (seqs, decode) = compose_step(&mut active, config.max_batch_tokens);
-        let batch = MicroBatch {
-            batch_id,
-            seqs,
-            hidden: None,
-        };
-        let batch_tokens: usize = batch.seqs.iter().map(|s| s.tokens.len()).sum();
-        let prefill = batch_tokens - decode;
-        metrics::counter!("baton_prefill_tokens_total").increment(prefill as u64);
-        metrics::counter!("baton_decode_tokens_total").increment(decode as u64);
-        metrics::histogram!("baton_step_batch_tokens").record(batch_tokens as f64);
         metrics::gauge!("baton_running_sequences").set(active.len() as f64);
         metrics::gauge!("baton_queue_depth").set(submit_rx.len() as f64);
-        let step_started = Instant::now();
-        let span = tracing::info_span!("scheduler.step", batch_id, sequences = active.len(), batch_tokens);
-        let _guard = span.enter();
-        if batch_tx.send(batch).await.is_err() {
-            let reason = "stage 0 closed the forward stream".to_string();
-            fail_all(&mut active, &reason);
-            return stage_failed(reason, find_failed_stage(pipeline, cluster).await);
+
+        // Keep up to one micro-batch per stage in flight, over disjoint sequences, so every
+        // stage has work under load. Each takes its share of the idle sequences.
+        while in_flight.len() < depth {
+            let idle_count = active.iter().filter(|s| !s.in_flight).count();
+            let share = idle_count.div_ceil(depth - in_flight.len()).max(1);
+            let mut idle: Vec<&mut Seq> = active.iter_mut().filter(|s| !s.in_flight).take(share).collect();
+            if idle.is_empty() {
+                break;
+            }
+            let (seqs, decode) = compose_step(&mut idle, config.max_batch_tokens);
+            if seqs.is_empty() {
+                break;
+            }
+            let members: Vec<u64> = seqs.iter().map(|c| c.seq_id).collect();
+            for s in idle.iter_mut().filter(|s| members.contains(&s.id)) {
+                s.in_flight = true;
+            }
+            batch_id += 1;
+            let batch_tokens: usize = seqs.iter().map(|c| c.tokens.len()).sum();
+            metrics::counter!("baton_prefill_tokens_total").increment((batch_tokens - decode) as u64);
+            metrics::counter!("baton_decode_tokens_total").increment(decode as u64);
+            metrics::histogram!("baton_step_batch_tokens").record(batch_tokens as f64);
+            tracing::debug!(
+                batch_id,
+                sequences = members.len(),
+                batch_tokens,
+                in_flight = in_flight.len() + 1,
+                "micro-batch sent"
+            );
+            if batch_tx
+                .send(MicroBatch {
+                    batch_id,
+                    seqs,
+                    hidden: None,
+                })
+                .await
+                .is_err()
+            {
+                let reason = "stage 0 closed the forward stream".to_string();
+                fail_all(&mut active, &reason);
+                return stage_failed(reason, find_failed_stage(pipeline, cluster).await);
+            }
+            in_flight.push_back(InFlight {
+                batch_id,
+                members,
+                sent: Instant::now(),
+            });
+            status
+                .max_in_flight
+                .fetch_max(in_flight.len() as u64, Ordering::Relaxed);
+            metrics::gauge!("baton_micro_batches_in_flight").set(in_flight.len() as f64);
         }
+        if in_flight.is_empty() {
+            continue;
+        }
+
         let reply = loop {
             tokio::select! {
                 r = results.next() => break r,
@@ -258,21 +303,37 @@ pub(crate) async fn run(
                 return stage_failed(reason, find_failed_stage(pipeline, cluster).await);
             }
         };
+        let Some(done_batch) = in_flight.pop_front().filter(|b| b.batch_id == reply.batch_id) else {
+            let reason = format!("stage 0 answered micro-batch {} out of order", reply.batch_id);
+            fail_all(&mut active, &reason);
+            return stage_failed(reason, None);
+        };
+        let _span = tracing::info_span!(
+            "scheduler.step",
+            batch_id = done_batch.batch_id,
+            sequences = done_batch.members.len()
+        )
+        .entered();
+        metrics::histogram!("baton_step_seconds").record(done_batch.sent.elapsed().as_secs_f64());
+        for s in active.iter_mut().filter(|s| done_batch.members.contains(&s.id)) {
+            s.in_flight = false;
+        }
         if !reply.error.is_empty() {
-            // A bad batch (not a dead stage): fail its sequences, keep serving.
+            // A bad batch (not a dead stage): fail its sequences, keep serving the others.
             tracing::warn!(error = %reply.error, "micro-batch failed");
-            let ids: Vec<u64> = active.iter().filter(|s| s.holds_kv()).map(|s| s.id).collect();
-            for s in active.drain(..) {
-                record_outcome(&s, "failed");
+            let (failed, kept): (Vec<Seq>, Vec<Seq>) =
+                active.into_iter().partition(|s| done_batch.members.contains(&s.id));
+            active = kept;
+            for s in &failed {
+                record_outcome(s, "failed");
                 let _ = s.tx.try_send(TokenEvent::Failed {
                     message: reply.error.clone(),
                     retriable: false,
                 });
             }
-            free_everywhere(pipeline, ids);
+            free_everywhere(pipeline, failed.iter().map(|s| s.id).collect());
             continue;
         }
-        metrics::histogram!("baton_step_seconds").record(step_started.elapsed().as_secs_f64());
         let mut finished = Vec::new();
         for r in reply.results {
             let Some(seq) = active.iter_mut().find(|s| s.id == r.seq_id) else {
@@ -310,12 +371,20 @@ pub(crate) async fn run(
     }
 }
 
+/// A micro-batch on its way through the pipeline.
+struct InFlight {
+    batch_id: u64,
+    members: Vec<u64>,
+    sent: Instant,
+}
+
 fn new_seq(s: NewSequence) -> Seq {
     Seq {
         id: s.id,
         submitted: s.submitted,
         last_token: None,
         prefilled: 0,
+        in_flight: false,
         prompt_len: s.req.prompt.len(),
         tokens: s.req.prompt.clone(),
         req: s.req,
@@ -344,9 +413,16 @@ mod tests {
             tokens,
             prompt_len: prompt,
             prefilled,
+            in_flight: false,
             req,
             tx,
         }
+    }
+
+    /// Compose over every sequence, as the step loop does when nothing is in flight.
+    fn compose_all(active: &mut [Seq], budget: usize) -> (Vec<SequenceChunk>, usize) {
+        let mut all: Vec<&mut Seq> = active.iter_mut().collect();
+        compose_step(&mut all, budget)
     }
 
     #[test]
@@ -356,7 +432,7 @@ mod tests {
         let mut steps = 0;
         let mut sent = 0;
         while !active[3].decoding() {
-            let (chunks, decode) = compose_step(&mut active, 256);
+            let (chunks, decode) = compose_all(&mut active, 256);
             steps += 1;
             let tokens: usize = chunks.iter().map(|c| c.tokens.len()).sum();
             assert!(tokens <= 256, "step {steps} has {tokens} tokens");
@@ -382,10 +458,10 @@ mod tests {
     #[test]
     fn prompts_wait_when_decodes_fill_the_budget() {
         let mut active = vec![seq(1, 3, 1), seq(2, 3, 1), seq(3, 10, 0)];
-        let (chunks, decode) = compose_step(&mut active, 2);
+        let (chunks, decode) = compose_all(&mut active, 2);
         assert_eq!((chunks.len(), decode), (2, 2));
         assert!(!active[2].holds_kv());
-        let (chunks, _) = compose_step(&mut active, 5);
+        let (chunks, _) = compose_all(&mut active, 5);
         assert_eq!(chunks.iter().find(|c| c.seq_id == 3).map(|c| c.tokens.len()), Some(3));
     }
 }
