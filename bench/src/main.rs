@@ -1,6 +1,8 @@
-//! `baton-bench`: timing of Baton's engines. Today: the fp32 reference path (prefill and
-//! batch-1 decode); kernel and load benchmarks join as those parts land.
+//! `baton-bench`: timing of Baton's engines: the CPU path per weight format and thread count
+//! against the fp32 reference (prefill and batch-1 decode), matrix-vector kernels, and decode
+//! through `baton serve`.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -9,9 +11,13 @@ use baton_shared::model_files::ModelFiles;
 use baton_shared::model_source::resolve_model;
 use baton_shared::sampling::SamplingParams;
 use baton_worker::engine::Engine;
-use baton_worker::model::StageWeights;
+use baton_worker::kernels::cpu::dispatch::{KernelPath, Kernels};
+use baton_worker::kernels::cpu::matmul::WeightFormat;
+use baton_worker::model::{LoadOptions, StageWeights};
+use baton_worker::threads::ThreadPool;
 use clap::{Parser, Subcommand};
 
+mod kernels;
 mod serve_decode;
 
 #[derive(Parser)]
@@ -38,8 +44,12 @@ enum Cmd {
         /// Worker counts to compare.
         #[arg(long, value_delimiter = ',', default_value = "0,1,2")]
         workers: Vec<usize>,
+        /// Concurrent streams per measurement (1: batch-1 decode speed; more: aggregate tok/s).
+        #[arg(long, default_value_t = 1)]
+        concurrency: usize,
     },
-    /// Prefill and decode throughput of the fp32 reference engine (one thread).
+    /// Prefill and batch-1 decode throughput per weight format and thread count, measured side
+    /// by side (round-robin) with the fp32 reference (f32, scalar kernels, one thread).
     Reference {
         /// Model path or name (default: smollm2-135m).
         #[arg(long)]
@@ -52,6 +62,27 @@ enum Cmd {
         gen_tokens: usize,
         /// Repetitions; the median is reported.
         #[arg(long, default_value_t = 3)]
+        reps: usize,
+        /// Weight formats to measure (f32, q8_0).
+        #[arg(long, value_delimiter = ',', default_value = "f32")]
+        weights: Vec<WeightFormat>,
+        /// Thread counts to measure.
+        #[arg(long, value_delimiter = ',', default_value = "1")]
+        threads: Vec<usize>,
+        /// Kernel path (scalar, avx2, avx512, avx512-vnni); default: the fastest supported.
+        #[arg(long)]
+        kernel_path: Option<KernelPath>,
+    },
+    /// Matrix-vector GB/s per weight format, kernel path and thread count at SmolLM2's shapes.
+    Kernels {
+        /// Thread counts to measure.
+        #[arg(long, value_delimiter = ',', default_value = "1,2")]
+        threads: Vec<usize>,
+        /// Milliseconds per measurement; the median of `reps` is reported.
+        #[arg(long, default_value_t = 200)]
+        ms: u64,
+        /// Repetitions.
+        #[arg(long, default_value_t = 5)]
         reps: usize,
     },
 }
@@ -68,48 +99,143 @@ fn main() -> Result<()> {
             gen_tokens,
             rounds,
             workers,
-        } => serve_decode::run(model, gen_tokens, rounds, &workers)?,
+            concurrency,
+        } => serve_decode::run(model, gen_tokens, rounds, &workers, concurrency)?,
         Cmd::Reference {
             model,
             prompt_tokens,
             gen_tokens,
             reps,
-        } => {
-            let path = resolve_model(model.as_deref(), &baton_home(), &Sources::default(), true)?;
-            let files = ModelFiles::open(&path).with_context(|| path.display().to_string())?;
-            let cfg = files.config()?;
-            let mut engine = Engine::new(StageWeights::load_full(&files, &cfg, false)?);
-            // Deterministic, in-vocabulary prompt; content does not matter for timing.
-            let prompt: Vec<u32> = (0..prompt_tokens).map(|i| (100 + i * 37 % 5000) as u32).collect();
-            let (mut prefill, mut decode) = (Vec::new(), Vec::new());
-            for _ in 0..reps.max(1) {
-                let t = Instant::now();
-                engine.prompt_logits(&prompt, false)?;
-                prefill.push(prompt_tokens as f64 / t.elapsed().as_secs_f64());
-                let params = SamplingParams {
-                    ignore_eos: true,
-                    ..SamplingParams::greedy(gen_tokens)
-                };
-                let t = Instant::now();
-                let out = engine.generate(&prompt[..8.min(prompt.len())], &params, None, |_| {})?;
-                decode.push(out.tokens.len() as f64 / t.elapsed().as_secs_f64());
-            }
-            let weight_bytes: usize = 4 * ModelFiles::required(&cfg, 0..cfg.num_layers, true, true)
-                .iter()
-                .map(|(r, _)| r.shape(&cfg).iter().product::<usize>())
-                .sum::<usize>();
-            let out = serde_json::json!({
-                "engine": "fp32-reference",
-                "model": path.display().to_string(),
-                "threads": 1,
-                "weight_bytes": weight_bytes,
-                "prompt_tokens": prompt_tokens,
-                "prefill_tok_per_s": median(prefill),
-                "gen_tokens": gen_tokens,
-                "decode_tok_per_s": median(decode),
-            });
-            println!("{out}");
-        }
+            weights,
+            threads,
+            kernel_path,
+        } => reference(model, prompt_tokens, gen_tokens, reps, &weights, &threads, kernel_path)?,
+        Cmd::Kernels { threads, ms, reps } => kernels::run(&threads, ms, reps)?,
     }
     Ok(())
+}
+
+/// One configuration of `reference`: which loaded weights, on which kernels and pool.
+struct Config {
+    label: String,
+    engine: usize,
+    kernels: Kernels,
+    pool: Arc<ThreadPool>,
+    prefill: Vec<f64>,
+    decode: Vec<f64>,
+}
+
+fn reference(
+    model: Option<String>,
+    prompt_tokens: usize,
+    gen_tokens: usize,
+    reps: usize,
+    weights: &[WeightFormat],
+    threads: &[usize],
+    kernel_path: Option<KernelPath>,
+) -> Result<()> {
+    let path = resolve_model(model.as_deref(), &baton_home(), &Sources::default(), true)?;
+    let files = ModelFiles::open(&path).with_context(|| path.display().to_string())?;
+    let cfg = files.config()?;
+    let kernels = match kernel_path {
+        Some(p) => Kernels::with_path(p)?,
+        None => Kernels::detect(),
+    };
+    let scalar = Kernels::with_path(KernelPath::Scalar)?;
+    // One engine per format; configurations swap the pool and kernel path between runs, so
+    // every configuration is measured round-robin in the same process.
+    let mut formats = vec![WeightFormat::F32];
+    formats.extend(weights.iter().filter(|&&w| w != WeightFormat::F32));
+    let mut engines = formats
+        .iter()
+        .map(|&format| {
+            let opts = LoadOptions {
+                format,
+                ..LoadOptions::default()
+            };
+            Ok(Engine::new(StageWeights::load_full_with(&files, &cfg, false, &opts)?))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut pools: Vec<(usize, Arc<ThreadPool>)> = Vec::new();
+    let mut pool = |n: usize| {
+        if let Some((_, p)) = pools.iter().find(|(m, _)| *m == n) {
+            return Arc::clone(p);
+        }
+        let p = Arc::new(ThreadPool::new(n));
+        pools.push((n, Arc::clone(&p)));
+        p
+    };
+    let mut configs = vec![Config {
+        label: "fp32-reference".into(),
+        engine: 0,
+        kernels: scalar,
+        pool: pool(1),
+        prefill: Vec::new(),
+        decode: Vec::new(),
+    }];
+    for &w in weights {
+        for &t in threads {
+            configs.push(Config {
+                label: format!("{w} {t}T {}", kernels.path()),
+                engine: formats.iter().position(|&f| f == w).unwrap_or(0),
+                kernels,
+                pool: pool(t),
+                prefill: Vec::new(),
+                decode: Vec::new(),
+            });
+        }
+    }
+    // Deterministic, in-vocabulary prompt; content does not matter for timing.
+    let prompt: Vec<u32> = (0..prompt_tokens).map(|i| (100 + i * 37 % 5000) as u32).collect();
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(gen_tokens)
+    };
+    for _ in 0..reps.max(1) {
+        for c in &mut configs {
+            let engine = &mut engines[c.engine];
+            engine.weights.kernels = c.kernels;
+            engine.weights.pool = Arc::clone(&c.pool);
+            let t = Instant::now();
+            engine.prompt_logits(&prompt, false)?;
+            c.prefill.push(prompt_tokens as f64 / t.elapsed().as_secs_f64());
+            let t = Instant::now();
+            let out = engine.generate(&prompt[..8.min(prompt.len())], &params, None, |_| {})?;
+            c.decode.push(out.tokens.len() as f64 / t.elapsed().as_secs_f64());
+        }
+    }
+    let (base_prefill, base_decode) = (median(configs[0].prefill.clone()), median(configs[0].decode.clone()));
+    for c in &configs {
+        let weights = &engines[c.engine].weights;
+        let (prefill, decode) = (median(c.prefill.clone()), median(c.decode.clone()));
+        let out = serde_json::json!({
+            "config": c.label,
+            "engine": if c.label == "fp32-reference" { "fp32-reference" } else { "cpu" },
+            "weights": weights.format.name(),
+            "kernel_path": c.kernels.path().name(),
+            "threads": c.pool.threads(),
+            "model": path.display().to_string(),
+            "matrix_bytes": weights.matrix_bytes(),
+            "weight_bytes": weights.weight_bytes(),
+            "prompt_tokens": prompt_tokens,
+            "prefill_tok_per_s": prefill,
+            "prefill_min_max": [min(&c.prefill), max(&c.prefill)],
+            "gen_tokens": gen_tokens,
+            "decode_tok_per_s": decode,
+            "decode_min_max": [min(&c.decode), max(&c.decode)],
+            "decode_gb_per_s": decode * weights.matrix_bytes() as f64 / 1e9,
+            "prefill_vs_reference": prefill / base_prefill,
+            "decode_vs_reference": decode / base_decode,
+        });
+        println!("{out}");
+    }
+    Ok(())
+}
+
+fn min(v: &[f64]) -> f64 {
+    v.iter().copied().fold(f64::INFINITY, f64::min)
+}
+
+fn max(v: &[f64]) -> f64 {
+    v.iter().copied().fold(0.0, f64::max)
 }

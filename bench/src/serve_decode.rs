@@ -49,10 +49,10 @@ fn start(model: Option<&str>, workers: usize) -> Result<Serve> {
     })
 }
 
-/// Decode tok/s of one streamed request: tokens after the first over the time they took.
-fn decode_once(agent: &ureq::Agent, url: &str, gen_tokens: usize) -> Result<f64> {
+/// Token arrival times of one streamed request.
+fn stream_once(agent: &ureq::Agent, url: &str, gen_tokens: usize, prompt: &str) -> Result<Vec<Instant>> {
     let body = serde_json::json!({
-        "prompt": "Once upon a time", "max_tokens": gen_tokens, "temperature": 0,
+        "prompt": prompt, "max_tokens": gen_tokens, "temperature": 0,
         "ignore_eos": true, "stream": true,
     });
     let mut resp = agent
@@ -76,8 +76,31 @@ fn decode_once(agent: &ureq::Agent, url: &str, gen_tokens: usize) -> Result<f64>
     if stamps.len() < 2 {
         bail!("only {} chunks arrived", stamps.len());
     }
-    let span = stamps[stamps.len() - 1] - stamps[0];
-    Ok((stamps.len() - 1) as f64 / span.as_secs_f64())
+    Ok(stamps)
+}
+
+/// With one stream: decode tok/s (tokens after the first over the time they took). With
+/// several concurrent streams (different prompts): aggregate tokens over wall time.
+fn measure(agent: &ureq::Agent, url: &str, gen_tokens: usize, concurrency: usize) -> Result<f64> {
+    if concurrency <= 1 {
+        let stamps = stream_once(agent, url, gen_tokens, "Once upon a time")?;
+        let span = stamps[stamps.len() - 1] - stamps[0];
+        return Ok((stamps.len() - 1) as f64 / span.as_secs_f64());
+    }
+    let start = Instant::now();
+    let total: usize = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..concurrency)
+            .map(|i| {
+                let prompt = format!("Story number {i}: once upon a time");
+                scope.spawn(move || stream_once(agent, url, gen_tokens, &prompt).map(|s| s.len()))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().map_err(|_| anyhow::anyhow!("stream thread panicked"))?)
+            .sum::<Result<usize>>()
+    })?;
+    Ok(total as f64 / start.elapsed().as_secs_f64())
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -85,7 +108,13 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-pub fn run(model: Option<String>, gen_tokens: usize, rounds: usize, workers: &[usize]) -> Result<()> {
+pub fn run(
+    model: Option<String>,
+    gen_tokens: usize,
+    rounds: usize,
+    workers: &[usize],
+    concurrency: usize,
+) -> Result<()> {
     let servers = workers
         .iter()
         .map(|&w| start(model.as_deref(), w))
@@ -96,19 +125,19 @@ pub fn run(model: Option<String>, gen_tokens: usize, rounds: usize, workers: &[u
         .into();
     // Warm-up, then rounds that visit every configuration so noise hits them alike.
     for s in &servers {
-        decode_once(&agent, &s.url, 8)?;
+        measure(&agent, &s.url, 8, 1)?;
     }
     let mut samples = vec![Vec::new(); servers.len()];
     for _ in 0..rounds.max(1) {
         for (i, s) in servers.iter().enumerate() {
-            samples[i].push(decode_once(&agent, &s.url, gen_tokens)?);
+            samples[i].push(measure(&agent, &s.url, gen_tokens, concurrency)?);
         }
     }
     let medians: Vec<f64> = samples.into_iter().map(median).collect();
     let rows: Vec<_> = workers
         .iter()
         .zip(&medians)
-        .map(|(w, m)| serde_json::json!({ "workers": w, "decode_tok_per_s": m, "ms_per_token": 1000.0 / m }))
+        .map(|(w, m)| serde_json::json!({ "workers": w, "tok_per_s": m, "ms_per_token": 1000.0 / m }))
         .collect();
     // Each worker beyond the first adds one stage-to-stage hop per token.
     let per_hop_ms = match (

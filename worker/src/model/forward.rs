@@ -1,5 +1,9 @@
-//! The fp32 forward pass over a stage's layer range: "run layers [a, b) on these hidden states".
+//! The forward pass over a stage's layer range: "run layers [a, b) on these hidden states".
+//! Matrix products go through the dispatched kernels on the stage's pool; everything else is the
+//! fp32 reference kernels.
 
+use crate::kernels::cpu::matmul::{MatRef, Product, matmul, matmul_many};
+use crate::kernels::cpu::q8::QuantizedRows;
 use crate::kernels::cpu::reference::{self as k, AttnShape};
 use crate::kv_cache::SequenceKv;
 
@@ -37,6 +41,8 @@ pub struct Scratch {
     scores: Vec<f32>,
     cos: Vec<f32>,
     sin: Vec<f32>,
+    /// Activations quantized for Q8_0 weights.
+    xq: QuantizedRows,
 }
 
 fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
@@ -47,6 +53,16 @@ fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
 }
 
 impl StageWeights {
+    /// `out = x · wᵀ (+ bias)` on this stage's kernels and pool.
+    fn mm(&self, x: &[f32], w: MatRef<'_>, bias: Option<&[f32]>, out: &mut [f32], xq: &mut QuantizedRows) {
+        matmul(self.kernels, &self.pool, x, w, bias, out, xq);
+    }
+
+    /// Several products of the same `x` in one pool job.
+    fn mm_many<const N: usize>(&self, x: &[f32], products: [Product<'_, '_>; N], xq: &mut QuantizedRows) {
+        matmul_many(self.kernels, &self.pool, x, products, xq);
+    }
+
     /// Embedding rows for `tokens` into `out` (`tokens.len() × hidden`).
     pub fn embed(&self, tokens: &[u32], out: &mut [f32]) -> Result<(), ForwardError> {
         let emb = self
@@ -116,11 +132,17 @@ impl StageWeights {
             let xn = grow(&mut s.xn, t * h);
             k::rmsnorm(hidden, &lw.attn_norm, c.rms_norm_eps, xn);
             let q = grow(&mut s.q, t * qd);
-            k::matmul_t(xn, &lw.wq, lw.bq.as_deref(), h, q);
             let kk = grow(&mut s.kk, t * kvd);
-            k::matmul_t(xn, &lw.wk, lw.bk.as_deref(), h, kk);
             let vv = grow(&mut s.vv, t * kvd);
-            k::matmul_t(xn, &lw.wv, lw.bv.as_deref(), h, vv);
+            self.mm_many(
+                xn,
+                [
+                    (lw.wq.view(), lw.bq.as_deref(), &mut *q),
+                    (lw.wk.view(), lw.bk.as_deref(), &mut *kk),
+                    (lw.wv.view(), lw.bv.as_deref(), &mut *vv),
+                ],
+                &mut s.xq,
+            );
             if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
                 k::rmsnorm_inplace(q, qn, c.rms_norm_eps);
                 k::rmsnorm_inplace(kk, kn, c.rms_norm_eps);
@@ -144,18 +166,21 @@ impl StageWeights {
                 attn,
             );
             let proj = grow(&mut s.proj, t * h);
-            k::matmul_t(attn, &lw.wo, None, qd, proj);
+            self.mm(attn, lw.wo.view(), None, proj, &mut s.xq);
             hidden.iter_mut().zip(proj.iter()).for_each(|(x, p)| *x += p);
 
             let xn = grow(&mut s.xn, t * h);
             k::rmsnorm(hidden, &lw.ffn_norm, c.rms_norm_eps, xn);
             let gate = grow(&mut s.gate, t * f);
-            k::matmul_t(xn, &lw.w_gate, None, h, gate);
             let up = grow(&mut s.up, t * f);
-            k::matmul_t(xn, &lw.w_up, None, h, up);
+            self.mm_many(
+                xn,
+                [(lw.w_gate.view(), None, &mut *gate), (lw.w_up.view(), None, &mut *up)],
+                &mut s.xq,
+            );
             k::silu_mul(gate, up);
             let proj = grow(&mut s.proj, t * h);
-            k::matmul_t(gate, &lw.w_down, None, f, proj);
+            self.mm(gate, lw.w_down.view(), None, proj, &mut s.xq);
             hidden.iter_mut().zip(proj.iter()).for_each(|(x, p)| *x += p);
         }
         kv.set_len(end);
@@ -178,7 +203,7 @@ impl StageWeights {
         }
         let xn = grow(&mut s.xn, hidden.len());
         k::rmsnorm(hidden, norm, self.config.rms_norm_eps, xn);
-        k::matmul_t(xn, head, None, h, out);
+        self.mm(xn, head, None, out, &mut s.xq);
         Ok(())
     }
 }

@@ -1,5 +1,5 @@
-//! Decoder-only transformer (Llama / Qwen2 / Qwen3) in fp32: weights for a contiguous layer
-//! range, and the forward pass over that range.
+//! Decoder-only transformer (Llama / Qwen2 / Qwen3): weights for a contiguous layer range (the
+//! linear layers and head in a chosen [`WeightFormat`]), and the forward pass over that range.
 
 mod forward;
 mod rope;
@@ -7,4 +7,6 @@ mod weights;
 
 pub use forward::{ForwardError, Scratch};
 pub use rope::Rope;
-pub use weights::{LayerWeights, StageWeights};
+pub use weights::{LayerWeights, LoadOptions, StageWeights};
+
+pub use crate::kernels::cpu::matmul::WeightFormat;

@@ -1,29 +1,72 @@
-//! fp32 weights of one pipeline stage: a layer range, plus the embedding and/or head.
+//! Weights of one pipeline stage: a layer range, plus the embedding and/or head. Norms, biases
+//! and the embedding table are f32; the seven linear layers and the head are [`Matrix`] in the
+//! chosen [`WeightFormat`].
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use baton_shared::model_config::ModelConfig;
 use baton_shared::model_files::{LoadError, ModelFiles, TensorRole};
 
 use super::rope::Rope;
+use crate::kernels::cpu::dispatch::Kernels;
+use crate::kernels::cpu::matmul::{MatRef, Matrix, WeightFormat};
+use crate::threads::ThreadPool;
+
+/// How to hold and run a stage's weights; the default is the reference behaviour (f32, one
+/// thread), bit-identical to the fp32 reference kernels.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Storage of the linear layers and the head.
+    pub format: WeightFormat,
+    /// Threads for the matrix products (the calling thread included).
+    pub threads: usize,
+    /// Kernel path; `None` picks the fastest this CPU supports.
+    pub kernels: Option<Kernels>,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            format: WeightFormat::F32,
+            threads: 1,
+            kernels: None,
+        }
+    }
+}
 
 /// One decoder layer's weights, row-major `[out, in]` matrices.
 #[derive(Debug)]
 pub struct LayerWeights {
     pub attn_norm: Vec<f32>,
-    pub wq: Vec<f32>,
-    pub wk: Vec<f32>,
-    pub wv: Vec<f32>,
+    pub wq: Matrix,
+    pub wk: Matrix,
+    pub wv: Matrix,
     pub bq: Option<Vec<f32>>,
     pub bk: Option<Vec<f32>>,
     pub bv: Option<Vec<f32>>,
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
-    pub wo: Vec<f32>,
+    pub wo: Matrix,
     pub ffn_norm: Vec<f32>,
-    pub w_gate: Vec<f32>,
-    pub w_up: Vec<f32>,
-    pub w_down: Vec<f32>,
+    pub w_gate: Matrix,
+    pub w_up: Matrix,
+    pub w_down: Matrix,
+}
+
+impl LayerWeights {
+    /// The seven linear layers.
+    pub fn matrices(&self) -> [&Matrix; 7] {
+        [
+            &self.wq,
+            &self.wk,
+            &self.wv,
+            &self.wo,
+            &self.w_gate,
+            &self.w_up,
+            &self.w_down,
+        ]
+    }
 }
 
 /// Weights a stage holds: layers `layers`, the embedding on the first stage (or for a tied
@@ -35,17 +78,24 @@ pub struct StageWeights {
     pub embedding: Option<Vec<f32>>,
     pub layer_weights: Vec<LayerWeights>,
     pub final_norm: Option<Vec<f32>>,
-    /// Untied head; a tied head uses `embedding`.
-    pub lm_head: Option<Vec<f32>>,
+    /// The head matrix; `None` for a tied f32 head, which borrows `embedding`.
+    pub lm_head: Option<Matrix>,
     /// Whether this stage starts from token ids (holds the embedding for input).
     pub is_first: bool,
     /// Whether this stage produces logits.
     pub is_last: bool,
     pub rope: Rope,
+    /// Storage of the linear layers and the head.
+    pub format: WeightFormat,
+    /// The kernel path the matrix products run on.
+    pub kernels: Kernels,
+    /// Threads for the matrix products.
+    pub pool: Arc<ThreadPool>,
 }
 
 impl StageWeights {
-    /// Load the tensors for `layers` (and the embedding when `first`, the head when `last`).
+    /// Load the tensors for `layers` (and the embedding when `first`, the head when `last`) as
+    /// f32 on one thread (the reference behaviour).
     pub fn load(
         files: &ModelFiles,
         config: &ModelConfig,
@@ -53,6 +103,27 @@ impl StageWeights {
         first: bool,
         last: bool,
         check_finite: bool,
+    ) -> Result<Self, LoadError> {
+        Self::load_with(
+            files,
+            config,
+            layers,
+            first,
+            last,
+            check_finite,
+            &LoadOptions::default(),
+        )
+    }
+
+    /// [`load`](Self::load) with a weight format, thread count and kernel path.
+    pub fn load_with(
+        files: &ModelFiles,
+        config: &ModelConfig,
+        layers: Range<usize>,
+        first: bool,
+        last: bool,
+        check_finite: bool,
+        opts: &LoadOptions,
     ) -> Result<Self, LoadError> {
         if layers.start > layers.end || layers.end > config.num_layers {
             return Err(LoadError::LayerRange {
@@ -65,37 +136,56 @@ impl StageWeights {
         let opt = |cond: bool, role, layer| -> Result<Option<Vec<f32>>, LoadError> {
             if cond { get(role, layer).map(Some) } else { Ok(None) }
         };
+        let fmt = opts.format;
+        // Dequantize to f32 (checked for NaN/Inf), then convert: one path for every file format.
+        let mat = |role: TensorRole, layer: Option<usize>| -> Result<Matrix, LoadError> {
+            let cols = *role.shape(config).last().unwrap_or(&1);
+            Ok(Matrix::from_f32(get(role, layer)?, cols, fmt))
+        };
         let mut layer_weights = Vec::with_capacity(layers.len());
         for l in layers.clone() {
             let l = Some(l);
             layer_weights.push(LayerWeights {
                 attn_norm: get(TensorRole::AttnNorm, l)?,
-                wq: get(TensorRole::Q, l)?,
-                wk: get(TensorRole::K, l)?,
-                wv: get(TensorRole::V, l)?,
+                wq: mat(TensorRole::Q, l)?,
+                wk: mat(TensorRole::K, l)?,
+                wv: mat(TensorRole::V, l)?,
                 bq: opt(config.qkv_bias, TensorRole::QBias, l)?,
                 bk: opt(config.qkv_bias, TensorRole::KBias, l)?,
                 bv: opt(config.qkv_bias, TensorRole::VBias, l)?,
                 q_norm: opt(config.qk_norm, TensorRole::QNorm, l)?,
                 k_norm: opt(config.qk_norm, TensorRole::KNorm, l)?,
-                wo: get(TensorRole::O, l)?,
+                wo: mat(TensorRole::O, l)?,
                 ffn_norm: get(TensorRole::FfnNorm, l)?,
-                w_gate: get(TensorRole::Gate, l)?,
-                w_up: get(TensorRole::Up, l)?,
-                w_down: get(TensorRole::Down, l)?,
+                w_gate: mat(TensorRole::Gate, l)?,
+                w_up: mat(TensorRole::Up, l)?,
+                w_down: mat(TensorRole::Down, l)?,
             });
         }
         let need_embedding = first || (last && config.tie_word_embeddings);
+        let embedding = opt(need_embedding, TensorRole::Embedding, None)?;
+        let lm_head = match (last, config.tie_word_embeddings, fmt) {
+            (false, _, _) | (true, true, WeightFormat::F32) => None,
+            (true, false, _) => Some(mat(TensorRole::LmHead, None)?),
+            (true, true, _) => {
+                let emb = embedding.as_deref().expect("a tied head loads the embedding");
+                let h = config.hidden_size;
+                Some(Matrix::from_f32(emb.to_vec(), h, fmt))
+            }
+        };
         Ok(Self {
             config: config.clone(),
             layers,
-            embedding: opt(need_embedding, TensorRole::Embedding, None)?,
+            embedding,
             layer_weights,
             final_norm: opt(last, TensorRole::FinalNorm, None)?,
-            lm_head: opt(last && !config.tie_word_embeddings, TensorRole::LmHead, None)?,
+            lm_head,
             is_first: first,
             is_last: last,
             rope: Rope::new(config),
+            format: fmt,
+            kernels: opts.kernels.unwrap_or_else(Kernels::detect),
+            pool: Arc::new(ThreadPool::new(opts.threads)),
         })
     }
 
@@ -105,39 +195,62 @@ impl StageWeights {
         Self::load(files, config, 0..config.num_layers, true, true, check_finite)
     }
 
-    /// Bytes of f32 weights held.
+    /// [`load_full`](Self::load_full) with a weight format, thread count and kernel path.
+    pub fn load_full_with(
+        files: &ModelFiles,
+        config: &ModelConfig,
+        check_finite: bool,
+        opts: &LoadOptions,
+    ) -> Result<Self, LoadError> {
+        files.validate_complete(config)?;
+        Self::load_with(files, config, 0..config.num_layers, true, true, check_finite, opts)
+    }
+
+    /// Bytes of weights held (f32 vectors and matrices in their stored format).
     pub fn weight_bytes(&self) -> usize {
         let layer = |l: &LayerWeights| {
-            [
-                &l.attn_norm,
-                &l.wq,
-                &l.wk,
-                &l.wv,
-                &l.wo,
-                &l.ffn_norm,
-                &l.w_gate,
-                &l.w_up,
-                &l.w_down,
-            ]
-            .iter()
-            .map(|v| v.len())
-            .sum::<usize>()
-                + [&l.bq, &l.bk, &l.bv, &l.q_norm, &l.k_norm]
-                    .iter()
-                    .map(|v| v.as_ref().map_or(0, Vec::len))
-                    .sum::<usize>()
+            l.matrices().iter().map(|m| m.bytes()).sum::<usize>()
+                + 4 * (l.attn_norm.len()
+                    + l.ffn_norm.len()
+                    + [&l.bq, &l.bk, &l.bv, &l.q_norm, &l.k_norm]
+                        .iter()
+                        .map(|v| v.as_ref().map_or(0, Vec::len))
+                        .sum::<usize>())
         };
-        let parts = [&self.embedding, &self.final_norm, &self.lm_head]
+        let vectors = [&self.embedding, &self.final_norm]
             .iter()
             .map(|v| v.as_ref().map_or(0, Vec::len))
             .sum::<usize>();
-        4 * (parts + self.layer_weights.iter().map(layer).sum::<usize>())
+        4 * vectors
+            + self.lm_head.as_ref().map_or(0, Matrix::bytes)
+            + self.layer_weights.iter().map(layer).sum::<usize>()
+    }
+
+    /// Bytes of matrix weights one decode step reads (the layers' linears and the head).
+    pub fn matrix_bytes(&self) -> usize {
+        let layers: usize = self
+            .layer_weights
+            .iter()
+            .flat_map(|l| l.matrices())
+            .map(Matrix::bytes)
+            .sum();
+        let head = match (&self.lm_head, self.head()) {
+            (Some(m), _) => m.bytes(),
+            (None, Some(h)) => 4 * h.rows() * h.cols(),
+            (None, None) => 0,
+        };
+        layers + head
     }
 
     /// The head matrix (`[vocab, hidden]`), if this is the last stage.
-    pub fn head(&self) -> Option<&[f32]> {
-        self.lm_head
-            .as_deref()
-            .or(if self.is_last { self.embedding.as_deref() } else { None })
+    pub fn head(&self) -> Option<MatRef<'_>> {
+        if let Some(m) = &self.lm_head {
+            return Some(m.view());
+        }
+        let emb = self.embedding.as_deref().filter(|_| self.is_last)?;
+        Some(MatRef::F32 {
+            data: emb,
+            cols: self.config.hidden_size,
+        })
     }
 }

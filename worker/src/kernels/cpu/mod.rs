@@ -1,3 +1,9 @@
-//! CPU kernels. `reference` is the fp32 correctness oracle every faster kernel is tested against.
+//! CPU kernels. `reference` is the fp32 correctness oracle every faster kernel is tested against;
+//! `f32` and `q8` are its SIMD twins (picked at run time by `dispatch`), and `matmul` runs them
+//! over weight matrices on a thread pool.
 
+pub mod dispatch;
+pub mod f32;
+pub mod matmul;
+pub mod q8;
 pub mod reference;

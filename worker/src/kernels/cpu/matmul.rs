@@ -1,0 +1,324 @@
+//! Weight matrices in a chosen format and the threaded matrix product over them.
+//!
+//! Work is split into fixed chunks of `CHUNK_ROWS` output rows; each output element is computed
+//! by the same code whichever thread claims its chunk, so results do not depend on the thread
+//! count.
+
+use super::dispatch::Kernels;
+use super::q8::{self, Q8Error, Q8Matrix, QuantizedRows};
+use super::{f32 as kf32, reference};
+use crate::threads::{SharedMut, ThreadPool};
+
+/// Output rows per task: small enough to balance 576-row matrices over a few threads, large
+/// enough that claiming a task costs nothing next to it.
+pub const CHUNK_ROWS: usize = 16;
+
+/// How a stage stores its linear-layer and head weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightFormat {
+    /// f32, bit-identical to the reference path.
+    #[default]
+    F32,
+    /// ggml Q8_0 (32-value blocks), re-quantized at load from whatever the file holds.
+    Q8_0,
+}
+
+impl WeightFormat {
+    /// The name used on command lines.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Q8_0 => "q8_0",
+        }
+    }
+}
+
+/// Errors naming a weight format.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("unknown weight format {0:?} (expected f32 or q8_0)")]
+pub struct UnknownFormat(pub String);
+
+impl std::str::FromStr for WeightFormat {
+    type Err = UnknownFormat;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" => Ok(Self::F32),
+            "q8_0" | "q8" => Ok(Self::Q8_0),
+            _ => Err(UnknownFormat(s.to_string())),
+        }
+    }
+}
+
+impl std::fmt::Display for WeightFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A row-major `[rows × cols]` weight matrix.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Matrix {
+    F32 { data: Vec<f32>, cols: usize },
+    Q8_0(Q8Matrix),
+}
+
+/// A borrowed weight matrix (a tied f32 head borrows the embedding table).
+#[derive(Debug, Clone, Copy)]
+pub enum MatRef<'a> {
+    F32 { data: &'a [f32], cols: usize },
+    Q8_0(&'a Q8Matrix),
+}
+
+impl Matrix {
+    /// Convert f32 weights to `format`. Q8_0 needs `cols` to be a multiple of 32; other
+    /// shapes stay f32 (correct, just not compressed).
+    pub fn from_f32(data: Vec<f32>, cols: usize, format: WeightFormat) -> Self {
+        assert!(cols > 0 && data.len().is_multiple_of(cols), "Matrix::from_f32: shape");
+        match format {
+            WeightFormat::Q8_0 => match Q8Matrix::quantize(&data, data.len() / cols, cols) {
+                Ok(m) => Self::Q8_0(m),
+                Err(Q8Error::RowLength(_) | Q8Error::Bytes { .. }) => Self::F32 { data, cols },
+            },
+            WeightFormat::F32 => Self::F32 { data, cols },
+        }
+    }
+
+    /// A borrowed view.
+    pub fn view(&self) -> MatRef<'_> {
+        match self {
+            Self::F32 { data, cols } => MatRef::F32 { data, cols: *cols },
+            Self::Q8_0(m) => MatRef::Q8_0(m),
+        }
+    }
+
+    /// Bytes of weight data held.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Self::F32 { data, .. } => 4 * data.len(),
+            Self::Q8_0(m) => m.bytes(),
+        }
+    }
+
+    /// The f32 data, if stored as f32.
+    pub fn as_f32(&self) -> Option<&[f32]> {
+        match self {
+            Self::F32 { data, .. } => Some(data),
+            Self::Q8_0(_) => None,
+        }
+    }
+}
+
+impl MatRef<'_> {
+    /// Input width.
+    pub fn cols(&self) -> usize {
+        match self {
+            Self::F32 { cols, .. } => *cols,
+            Self::Q8_0(m) => m.cols,
+        }
+    }
+
+    /// Output width.
+    pub fn rows(&self) -> usize {
+        match self {
+            Self::F32 { data, cols } => data.len() / cols,
+            Self::Q8_0(m) => m.rows,
+        }
+    }
+}
+
+/// One product of a [`matmul_many`] job: weights, optional bias, output.
+pub type Product<'a, 'b> = (MatRef<'a>, Option<&'b [f32]>, &'b mut [f32]);
+
+/// `out[t][r] = x[t] · w[r] (+ bias[r])` for every `cols`-wide row of `x`, like
+/// [`reference::matmul_t`], on kernel path `k` across `pool`. `xq` holds quantized activations
+/// for Q8_0 weights (reused between calls).
+pub fn matmul(
+    k: Kernels,
+    pool: &ThreadPool,
+    x: &[f32],
+    w: MatRef<'_>,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    xq: &mut QuantizedRows,
+) {
+    matmul_many(k, pool, x, [(w, bias, out)], xq);
+}
+
+/// Several products of the same input `x` (q/k/v, gate/up) as one job: one hand-off to the
+/// pool instead of `N`, and `x` quantized once. Each result equals its own [`matmul`].
+pub fn matmul_many<const N: usize>(
+    k: Kernels,
+    pool: &ThreadPool,
+    x: &[f32],
+    products: [Product<'_, '_>; N],
+    xq: &mut QuantizedRows,
+) {
+    if N == 0 {
+        return;
+    }
+    let cols = products[0].0.cols();
+    let t = x.len() / cols;
+    assert_eq!(x.len(), t * cols, "matmul: x is not a whole number of rows");
+    let mut quantized = false;
+    for (w, bias, out) in &products {
+        assert_eq!(w.cols(), cols, "matmul_many: products must share the input width");
+        assert_eq!(out.len(), t * w.rows(), "matmul: output size");
+        if let Some(b) = bias {
+            assert_eq!(b.len(), w.rows(), "matmul: bias size");
+        }
+        if matches!(w, MatRef::Q8_0(_)) && !quantized {
+            xq.quantize(x, cols);
+            quantized = true;
+        }
+    }
+    let xq = &*xq;
+    let chunks = products.each_ref().map(|p| p.0.rows().div_ceil(CHUNK_ROWS));
+    let jobs = products.map(|(w, bias, out)| (w, bias, SharedMut::new(out)));
+    pool.run(chunks.iter().sum(), &|task| {
+        // Task numbers run through the products' chunks in order.
+        let (mut p, mut chunk) = (0, task);
+        while chunk >= chunks[p] {
+            chunk -= chunks[p];
+            p += 1;
+        }
+        let (w, bias, ref shared) = jobs[p];
+        let rows = w.rows();
+        let r0 = chunk * CHUNK_ROWS;
+        let n = CHUNK_ROWS.min(rows - r0);
+        for i in 0..t {
+            // SAFETY: this task alone writes rows r0..r0+n of each output row of product p.
+            let o = unsafe { shared.slice(i * rows + r0, n) };
+            match w {
+                MatRef::F32 { data, cols } => {
+                    let xr = &x[i * cols..(i + 1) * cols];
+                    for (j, oj) in o.iter_mut().enumerate() {
+                        let r = r0 + j;
+                        *oj = kf32::dot(k, xr, &data[r * cols..(r + 1) * cols]);
+                    }
+                }
+                MatRef::Q8_0(m) => {
+                    let (aq, ad) = xq.row(i);
+                    // Four rows per call share the activation's loads; the rest one by one.
+                    let mut quads = o.chunks_exact_mut(4);
+                    for (g, o4) in (&mut quads).enumerate() {
+                        let rows = [0, 1, 2, 3].map(|j| m.row(r0 + 4 * g + j));
+                        o4.copy_from_slice(&q8::dot4(k, rows.map(|r| r.0), rows.map(|r| r.1), aq, ad));
+                    }
+                    let done = n / 4 * 4;
+                    for (j, oj) in quads.into_remainder().iter_mut().enumerate() {
+                        let (wq, wd) = m.row(r0 + done + j);
+                        *oj = q8::dot(k, wq, wd, aq, ad);
+                    }
+                }
+            }
+            if let Some(b) = bias {
+                o.iter_mut().zip(&b[r0..r0 + n]).for_each(|(v, b)| *v += b);
+            }
+        }
+    });
+}
+
+/// The reference product for any format: Q8_0 weights are dequantized row by row and multiplied
+/// in f32 (a test oracle, slow).
+pub fn matmul_reference(x: &[f32], w: MatRef<'_>, bias: Option<&[f32]>, out: &mut [f32]) {
+    match w {
+        MatRef::F32 { data, cols } => reference::matmul_t(x, data, bias, cols, out),
+        MatRef::Q8_0(m) => {
+            let mut deq = vec![0f32; m.rows * m.cols];
+            for (r, row) in deq.chunks_exact_mut(m.cols).enumerate() {
+                let (q, d) = m.row(r);
+                for ((o, &qv), &dv) in row.iter_mut().zip(q).zip(d.iter().flat_map(|d| [d; 32])) {
+                    *o = qv as f32 * dv;
+                }
+            }
+            reference::matmul_t(x, &deq, bias, m.cols, out);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::cpu::f32::tests::noise;
+
+    #[test]
+    fn f32_matmul_is_bit_identical_to_the_reference_for_any_threads_and_path() {
+        let (rows, cols, t) = (100, 96, 3);
+        let w = Matrix::from_f32(noise(rows * cols, 1, 1.0), cols, WeightFormat::F32);
+        let x = noise(t * cols, 2, 2.0);
+        let bias = noise(rows, 3, 0.5);
+        let mut want = vec![0f32; t * rows];
+        reference::matmul_t(&x, w.as_f32().unwrap(), Some(&bias), cols, &mut want);
+        let mut xq = QuantizedRows::default();
+        for threads in [1, 2, 3] {
+            let pool = ThreadPool::new(threads);
+            for k in Kernels::all_supported() {
+                let mut got = vec![0f32; t * rows];
+                matmul(k, &pool, &x, w.view(), Some(&bias), &mut got, &mut xq);
+                assert_eq!(got, want, "{} threads, {}", threads, k.path());
+            }
+        }
+    }
+
+    #[test]
+    fn q8_matmul_is_thread_independent_and_close_to_fp32() {
+        let (rows, cols, t) = (70, 576, 2);
+        let wf = noise(rows * cols, 4, 0.1);
+        let w = Matrix::from_f32(wf.clone(), cols, WeightFormat::Q8_0);
+        assert!(matches!(w, Matrix::Q8_0(_)));
+        let x = noise(t * cols, 5, 1.0);
+        let mut fp32 = vec![0f32; t * rows];
+        reference::matmul_t(&x, &wf, None, cols, &mut fp32);
+        let mut deq = vec![0f32; t * rows];
+        matmul_reference(&x, w.view(), None, &mut deq);
+        let mut xq = QuantizedRows::default();
+        let scalar = Kernels::with_path(super::super::dispatch::KernelPath::Scalar).unwrap();
+        let mut base = vec![0f32; t * rows];
+        matmul(scalar, &ThreadPool::new(1), &x, w.view(), None, &mut base, &mut xq);
+        // Scale of the outputs: Σ|x·w| over a row.
+        let mag: f32 = x[..cols].iter().zip(&wf[..cols]).map(|(a, b)| (a * b).abs()).sum();
+        for threads in [1, 2, 3] {
+            let pool = ThreadPool::new(threads);
+            for k in Kernels::all_supported() {
+                let mut got = vec![0f32; t * rows];
+                matmul(k, &pool, &x, w.view(), None, &mut got, &mut xq);
+                if k == scalar {
+                    assert_eq!(got, base, "{threads} threads");
+                }
+                for ((g, d), f) in got.iter().zip(&deq).zip(&fp32) {
+                    // vs dequantized weights: only activation rounding (≤ half a step of 1/127
+                    // of each block's max) remains, well under 1% of the magnitude.
+                    assert!((g - d).abs() < 0.01 * mag, "{}: {g} vs deq {d}", k.path());
+                    // vs fp32: weight and activation rounding, ≤ 2% of the magnitude.
+                    assert!((g - f).abs() < 0.02 * mag, "{}: {g} vs fp32 {f}", k.path());
+                }
+            }
+        }
+        // Fused products equal separate ones.
+        let w2 = Matrix::from_f32(noise(40 * cols, 6, 0.1), cols, WeightFormat::Q8_0);
+        let pool = ThreadPool::new(2);
+        for k in Kernels::all_supported() {
+            let (mut a, mut b) = (vec![0f32; t * rows], vec![0f32; t * 40]);
+            matmul_many(
+                k,
+                &pool,
+                &x,
+                [(w.view(), None, &mut a), (w2.view(), None, &mut b)],
+                &mut xq,
+            );
+            let (mut a1, mut b1) = (vec![0f32; t * rows], vec![0f32; t * 40]);
+            matmul(k, &pool, &x, w.view(), None, &mut a1, &mut xq);
+            matmul(k, &pool, &x, w2.view(), None, &mut b1, &mut xq);
+            assert_eq!((a, b), (a1, b1), "{}", k.path());
+        }
+        // Identical across thread counts on every path.
+        for k in Kernels::all_supported() {
+            let mut one = vec![0f32; t * rows];
+            matmul(k, &ThreadPool::new(1), &x, w.view(), None, &mut one, &mut xq);
+            let mut three = vec![0f32; t * rows];
+            matmul(k, &ThreadPool::new(3), &x, w.view(), None, &mut three, &mut xq);
+            assert_eq!(one, three, "{}", k.path());
+        }
+    }
+}
