@@ -71,6 +71,9 @@ pub struct ServeSettings {
     pub max_model_len: Option<usize>,
     /// Wire type of hidden states between workers: f32, bf16 or f16.
     pub activation_dtype: String,
+    /// Weight format workers hold: `f32` (the reference numerics) or `q8_0` (about 4x faster
+    /// decode on CPU, logits within a few percent).
+    pub weights: String,
 }
 
 impl Default for ServeSettings {
@@ -86,6 +89,7 @@ impl Default for ServeSettings {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_model_len: None,
             activation_dtype: "f32".into(),
+            weights: "f32".into(),
         }
     }
 }
@@ -106,6 +110,8 @@ pub struct CoordinatorSettings {
     pub worker_model: Option<String>,
     /// Wire type of hidden states between stages: f32, bf16 or f16.
     pub activation_dtype: String,
+    /// Weight format workers hold: `f32` or `q8_0`.
+    pub weights: String,
     /// Name clients pass as `model`.
     pub served_model_name: Option<String>,
     /// Requests allowed to wait; more get HTTP 429.
@@ -127,6 +133,7 @@ impl Default for CoordinatorSettings {
             layer_cuts: Vec::new(),
             worker_model: None,
             activation_dtype: "f32".into(),
+            weights: "f32".into(),
             served_model_name: None,
             max_queue: 64,
             max_running: 8,

@@ -110,6 +110,7 @@ impl TestCluster {
             max_queue: limits.max_queue,
             max_running: limits.max_running,
             max_batch_tokens: limits.max_batch_tokens,
+            weights: "f32".into(),
         };
         let generator = Arc::new(PipelineGenerator::start(config, cluster.clone()));
         let workers = (0..stages)

@@ -127,6 +127,21 @@ fn generate_default_model_text_and_json() {
     ]);
     assert_eq!(v["finish_reason"], "stop", "the chat answer ends with <|im_end|>: {v}");
     assert_eq!(v["tokens"].as_array().unwrap().last().unwrap(), 2);
+
+    let v = stdout_json(&[
+        "generate",
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "4",
+        "--weights",
+        "q8_0",
+        "--threads",
+        "2",
+        "--format",
+        "json",
+    ]);
+    assert!(v["text"].as_str().unwrap().contains("Paris"), "q8_0 weights: {v}");
 }
 
 #[test]

@@ -102,9 +102,12 @@ fn killing_a_worker_fails_streams_and_flips_ready() {
 }
 
 #[test]
-fn bf16_activations_between_stages() {
+fn q8_0_weights_and_bf16_activations_between_stages() {
     let model = default_model();
-    let (_server, url) = Server::start(&model, &["--workers", "2", "--activation-dtype", "bf16"]);
+    let (_server, url) = Server::start(
+        &model,
+        &["--workers", "2", "--activation-dtype", "bf16", "--weights", "q8_0"],
+    );
     let addr = url.trim_start_matches("http://").trim_end_matches("/v1").to_string();
     let (code, body) = http_request(
         &addr,
@@ -114,7 +117,7 @@ fn bf16_activations_between_stages() {
     );
     assert_eq!(code, 200, "{body}");
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-    // bf16 rounding of the hidden states leaves such a confident prediction unchanged.
+    // Q8_0 weights and bf16 hidden states leave such a confident prediction unchanged.
     assert!(v["choices"][0]["text"].as_str().unwrap().contains("Paris"), "{body}");
     assert_eq!(v["usage"]["completion_tokens"], 4);
 

@@ -29,7 +29,7 @@ pub struct WorkerArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub coordinator: Option<String>,
-    /// Device: `cpu` or `cpu:N` (N = threads; the reference path uses one) [default: cpu].
+    /// Device: `cpu` (all cores) or `cpu:N` (N threads for the matrix products) [default: cpu].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub device: Option<String>,
@@ -95,11 +95,14 @@ pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
         .with_context(|| format!("binding {}", w.listen))?;
     let bound = listener.local_addr()?;
     let address = w.advertise.clone().unwrap_or_else(|| format!("http://{bound}"));
+    let cores = threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u32));
+    let kernels = crate::kernels::cpu::dispatch::Kernels::detect();
     let state = Arc::new(WorkerState::new(
         token.clone(),
         settings.home(),
         settings.sources(),
         settings.check_weights,
+        cores as usize,
     ));
     let service = WorkerService { state: state.clone() };
     let server = InterceptedService::new(
@@ -108,17 +111,16 @@ pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
             .max_encoding_message_size(MAX_MESSAGE),
         CheckToken::new(&token),
     );
-    let cores = threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u32));
     let desc = WorkerDescription {
         worker_id: w.worker_id.clone(),
         address: address.clone(),
         device_kind: "cpu".into(),
         cores,
         memory_bytes: total_memory(),
-        features: vec!["fp32-reference".into()],
+        features: vec![format!("kernels:{}", kernels.path().name()), "weights:f32,q8_0".into()],
     };
     baton_shared::telemetry::prometheus();
-    metrics::gauge!("baton_kernel_info", "path" => "fp32-reference").set(1.0);
+    metrics::gauge!("baton_kernel_info", "path" => kernels.path().name()).set(1.0);
     if let Some(addr) = w.metrics_listen {
         let listener = tokio::net::TcpListener::bind(addr)
             .await

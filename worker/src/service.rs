@@ -20,7 +20,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::model::StageWeights;
+use crate::model::{LoadOptions, StageWeights, WeightFormat};
 use crate::stage::{Stage, StageOutput};
 
 /// Client for a worker, with the cluster token attached.
@@ -48,11 +48,13 @@ pub struct WorkerState {
     home: std::path::PathBuf,
     sources: Sources,
     check_weights: bool,
+    /// Threads for a stage's matrix products.
+    threads: usize,
 }
 
 impl WorkerState {
     /// State for a worker that resolves models under `home` and talks with `token`.
-    pub fn new(token: String, home: std::path::PathBuf, sources: Sources, check_weights: bool) -> Self {
+    pub fn new(token: String, home: std::path::PathBuf, sources: Sources, check_weights: bool, threads: usize) -> Self {
         Self {
             worker_id: Mutex::new(String::new()),
             stage: Arc::new(Mutex::new(None)),
@@ -61,6 +63,7 @@ impl WorkerState {
             home,
             sources,
             check_weights,
+            threads: threads.max(1),
         }
     }
 }
@@ -84,12 +87,12 @@ impl Worker for WorkerService {
         let span = tracing::info_span!("stage.load", stage = r.stage_index, layers = ?(r.layer_start..r.layer_end));
         let stage = tokio::task::spawn_blocking(move || {
             let _g = span.entered();
-            if !r.weights.is_empty() && r.weights != "f32" {
-                return Err(Status::invalid_argument(format!(
-                    "weight format '{}' is not available (only f32)",
-                    r.weights
-                )));
+            let format = if r.weights.is_empty() {
+                Ok(WeightFormat::F32)
+            } else {
+                r.weights.parse::<WeightFormat>()
             }
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
             let model = (!r.model.is_empty()).then_some(r.model.as_str());
             let path = resolve_model(model, &state.home, &state.sources, false)
                 .map_err(|e| Status::failed_precondition(e.to_string()))?;
@@ -102,13 +105,19 @@ impl Worker for WorkerService {
                     cfg.num_layers
                 )));
             }
-            let weights = StageWeights::load(
+            let opts = LoadOptions {
+                format,
+                threads: state.threads,
+                kernels: None,
+            };
+            let weights = StageWeights::load_with(
                 &files,
                 &cfg,
                 start..end,
                 start == 0,
                 end == cfg.num_layers,
                 state.check_weights,
+                &opts,
             )
             .map_err(|e| Status::failed_precondition(e.to_string()))?;
             let dtype = Dtype::try_from(r.activation_dtype).unwrap_or(Dtype::F32);

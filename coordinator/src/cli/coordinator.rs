@@ -48,6 +48,10 @@ pub struct CoordinatorArgs {
     #[arg(long, value_parser = ["f32", "bf16", "f16"])]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub activation_dtype: Option<String>,
+    /// Weight format the workers hold: f32 (reference numerics) or q8_0 (faster) [default: f32].
+    #[arg(long, value_parser = ["f32", "q8_0"])]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub weights: Option<String>,
     /// Name clients pass as `model`.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -82,6 +86,7 @@ pub fn run(ctx: &Ctx, args: CoordinatorArgs) -> Result<()> {
     let model = super::open_model_at(&path)?;
     let dtype = parse_dtype(&a.activation_dtype)
         .with_context(|| format!("--activation-dtype '{}': expected f32, bf16 or f16", a.activation_dtype))?;
+    super::serve::weight_format(&a.weights)?;
     let stages = if a.layer_cuts.is_empty() {
         a.workers
     } else {
@@ -105,6 +110,7 @@ pub fn run(ctx: &Ctx, args: CoordinatorArgs) -> Result<()> {
         max_queue: a.max_queue,
         max_running: a.max_running,
         max_batch_tokens: a.max_batch_tokens.max(a.max_running),
+        weights: a.weights.clone(),
     };
     let name = a
         .served_model_name

@@ -6,7 +6,7 @@ use baton_shared::model_config::ModelConfig;
 use baton_shared::model_files::ModelFiles;
 use baton_shared::model_source::LoadedModel;
 use baton_worker::engine::Engine;
-use baton_worker::model::StageWeights;
+use baton_worker::model::{LoadOptions, StageWeights};
 
 use super::{Ctx, ModelArg, parse_token_list};
 
@@ -63,10 +63,15 @@ pub fn tokenize(ctx: &Ctx, a: TokenizeArgs) -> Result<()> {
     Ok(())
 }
 
-/// Load the whole model as one fp32 stage.
-pub fn full_engine(ctx: &Ctx, files: &ModelFiles, config: &ModelConfig) -> Result<Engine> {
-    let _span = tracing::info_span!("model.load_weights").entered();
-    let weights = StageWeights::load_full(files, config, ctx.settings.check_weights)?;
+/// Load the whole model as one stage (`opts` picks the weight format and threads).
+pub fn full_engine(ctx: &Ctx, files: &ModelFiles, config: &ModelConfig, opts: &LoadOptions) -> Result<Engine> {
+    let _span = tracing::info_span!(
+        "model.load_weights",
+        weights = opts.format.name(),
+        threads = opts.threads
+    )
+    .entered();
+    let weights = StageWeights::load_full_with(files, config, ctx.settings.check_weights, opts)?;
     Ok(Engine::new(weights))
 }
 
@@ -76,7 +81,8 @@ pub fn logits(ctx: &Ctx, a: LogitsArgs) -> Result<()> {
     let path = ctx.model_path(&a.model)?;
     let files = ModelFiles::open(&path).with_context(|| format!("loading model {}", path.display()))?;
     let config = files.config()?;
-    let mut engine = full_engine(ctx, &files, &config)?;
+    // The fp32 reference numerics: this is the command parity is checked with.
+    let mut engine = full_engine(ctx, &files, &config, &LoadOptions::default())?;
     let out = engine.prompt_logits(&tokens, a.positions == "all")?;
     let rows: Vec<&[f32]> = out.chunks(config.vocab_size).collect();
     let mut stdout = std::io::stdout().lock();

@@ -18,7 +18,7 @@ use baton_shared::model_source::LoadedModel;
 use baton_shared::proto::Dtype;
 use baton_shared::settings::ServeSettings;
 use baton_shared::wire::parse_dtype;
-use baton_worker::model::StageWeights;
+use baton_worker::model::{LoadOptions, StageWeights, WeightFormat};
 
 use super::{Ctx, ModelArg};
 
@@ -67,6 +67,10 @@ pub struct ServeArgs {
     #[arg(long, value_parser = ["f32", "bf16", "f16"])]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub activation_dtype: Option<String>,
+    /// Weight format the workers hold: f32 (reference numerics) or q8_0 (faster) [default: f32].
+    #[arg(long, value_parser = ["f32", "q8_0"])]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub weights: Option<String>,
     /// Most tokens (prompt + completion) per request; default and upper bound: the model's
     /// context length.
     #[arg(long)]
@@ -199,7 +203,12 @@ async fn build_generator(
 ) -> Result<(Arc<dyn Generator>, LocalWorkers)> {
     if a.workers == 0 {
         let _span = tracing::info_span!("model.load_weights").entered();
-        let weights = StageWeights::load_full(&model.files, &model.config, ctx.settings.check_weights)?;
+        let opts = LoadOptions {
+            format: weight_format(&a.weights)?,
+            threads: cores(),
+            kernels: None,
+        };
+        let weights = StageWeights::load_full_with(&model.files, &model.config, ctx.settings.check_weights, &opts)?;
         let config = LocalConfig {
             max_queue: a.max_queue,
             max_running: a.max_running,
@@ -229,9 +238,13 @@ async fn build_generator(
         max_queue: a.max_queue,
         max_running: a.max_running,
         max_batch_tokens: a.max_batch_tokens.max(a.max_running),
+        weights: a.weights.clone(),
     };
+    weight_format(&a.weights)?;
     let server = cluster::start(registry, config)?;
     let registry_url = format!("http://{}", server.registry_addr);
+    // The workers share this machine: split its cores among them.
+    let device = format!("cpu:{}", (cores() / a.workers).max(1));
     let exe = std::env::current_exe().context("locating the baton binary to start workers")?;
     let mut children = Vec::with_capacity(a.workers);
     for i in 0..a.workers {
@@ -241,6 +254,8 @@ async fn build_generator(
                 "--exit-with-stdin",
                 "--listen",
                 "127.0.0.1:0",
+                "--device",
+                &device,
                 "--coordinator",
                 &registry_url,
             ])
@@ -256,6 +271,17 @@ async fn build_generator(
         children.push(child);
     }
     Ok((server.generator, LocalWorkers { children }))
+}
+
+/// Cores of this machine (the thread budget split among local workers).
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Parse a weight format name.
+pub(super) fn weight_format(name: &str) -> Result<WeightFormat> {
+    name.parse::<WeightFormat>()
+        .map_err(|e| anyhow::anyhow!("weights: {e}"))
 }
 
 /// `smollm2-135m` for the default model, else the file stem or directory name.

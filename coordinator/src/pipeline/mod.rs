@@ -33,6 +33,8 @@ pub struct PipelineConfig {
     pub cluster_token: String,
     /// Wire type of hidden states between stages.
     pub activation_dtype: Dtype,
+    /// Weight format the workers hold (`f32`, `q8_0`).
+    pub weights: String,
     /// Requests waiting to start, beyond which submissions get 429.
     pub max_queue: usize,
     /// Sequences generated at once (each holds KV on every stage); others wait in the queue.

@@ -54,7 +54,7 @@ async fn build(config: &PipelineConfig, workers: &[WorkerEntry]) -> Result<Pipel
             model: config.model.clone(),
             layer_start: a.layers.start as u32,
             layer_end: a.layers.end as u32,
-            weights: "f32".into(),
+            weights: config.weights.clone(),
             kv_budget_bytes: 0,
             activation_dtype: config.activation_dtype as i32,
             next_stage: next,
