@@ -14,15 +14,7 @@ use baton_worker::threads::ThreadPool;
 const SHAPES: [(usize, usize); 4] = [(576, 576), (1536, 576), (576, 1536), (49152, 576)];
 
 fn noise(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-        })
-        .collect()
+    baton_worker::kernels::cpu::testdata::noise(n, seed, 0.5)
 }
 
 /// Run `matmul` for about `ms` milliseconds; returns seconds per call.

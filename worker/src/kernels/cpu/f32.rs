@@ -108,18 +108,7 @@ pub unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
 pub(crate) mod tests {
     use super::*;
 
-    /// Deterministic pseudo-random values in [-scale, scale).
-    pub(crate) fn noise(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-            })
-            .collect()
-    }
+    pub(crate) use crate::kernels::cpu::testdata::noise;
 
     #[test]
     fn every_path_is_bit_identical_to_the_reference() {

@@ -7,3 +7,4 @@ pub mod f32;
 pub mod matmul;
 pub mod q8;
 pub mod reference;
+pub mod testdata;
