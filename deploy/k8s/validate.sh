@@ -32,8 +32,9 @@ fi
 
 # --- a kustomize renderer ---------------------------------------------------------------------
 RENDER=()
-if command -v kubectl >/dev/null 2>&1 \
-    && kubectl version --client 2>/dev/null | grep -Eq 'Kustomize Version: v[5-9]'; then
+# Capture first: `grep -q` closing the pipe early would fail kubectl under pipefail.
+kubectl_version=$(command -v kubectl >/dev/null 2>&1 && kubectl version --client 2>/dev/null)
+if grep -Eq 'Kustomize Version: v[5-9]' <<<"$kubectl_version"; then
   RENDER=(kubectl kustomize)
 elif command -v kustomize >/dev/null 2>&1; then
   RENDER=(kustomize build)

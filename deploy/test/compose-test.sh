@@ -229,14 +229,17 @@ else
 fi
 [ "$(status health)" = 200 ] && pass "/health 200" || fail "/health not 200"
 check_completion "two worker containers"
-if curl -s --max-time 5 "$API/metrics" | grep -Eq '^baton_pipeline_stages(\{[^}]*\})? 2(\.0)?$'; then
+# Read whole bodies before grepping: with pipefail, `grep -q` closing the pipe early would fail
+# the producer (SIGPIPE) on a large metrics page.
+metrics=$(curl -s --max-time 5 "$API/metrics")
+if grep -Eq '^baton_pipeline_stages(\{[^}]*\})? 2(\.0)?$' <<<"$metrics"; then
   pass "/metrics reports baton_pipeline_stages 2"
 else
   fail "/metrics does not report baton_pipeline_stages 2"
 fi
 for w in cpu-worker-0 cpu-worker-1; do
-  if timeout 10 "${COMPOSE[@]}" exec -T "$w" curl -fsS --max-time 3 http://127.0.0.1:9100/metrics \
-      2>/dev/null | grep -q '^baton_stage_forward_seconds'; then
+  worker_metrics=$(timeout 10 "${COMPOSE[@]}" exec -T "$w" curl -fsS --max-time 3 http://127.0.0.1:9100/metrics 2>/dev/null)
+  if grep -q '^baton_stage_forward_seconds' <<<"$worker_metrics"; then
     pass "$w serves stage metrics on :9100"
   else
     fail "$w has no baton_stage_forward_seconds on :9100/metrics"
