@@ -131,6 +131,12 @@ impl Worker for WorkerService {
             return Err(Status::invalid_argument("a stage that is not last needs next_stage"));
         }
         tracing::info!(layers = ?(info.layer_start..info.layer_end), first = info.first, last = info.last, next = %next, "stage loaded");
+        // Per-stage counters start at 0, so dashboards see them before the first error.
+        let label = [("stage", stage.stage_index.to_string())];
+        metrics::counter!("baton_stage_errors_total", &label).increment(0);
+        if !info.last {
+            metrics::counter!("baton_transfer_bytes_total", &label).increment(0);
+        }
         *lock(&self.state.stage) = Some(stage);
         *lock(&self.state.next_stage) = next;
         Ok(Response::new(LoadStageResponse { stage: Some(info) }))

@@ -357,8 +357,9 @@ pub(crate) async fn run(
             let delivered = seq.tx.try_send(TokenEvent::Token { id: r.token, logprobs }).is_ok();
             let done = seq.finish_reason(config, r.token);
             if let Some(reason) = done {
-                let _ = seq.tx.try_send(TokenEvent::Done { reason });
+                // Metrics first: a client that sees Done may read /metrics at once.
                 record_outcome(seq, reason.as_str());
+                let _ = seq.tx.try_send(TokenEvent::Done { reason });
             } else if !delivered {
                 record_outcome(seq, "cancelled");
             }

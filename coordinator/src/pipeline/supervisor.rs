@@ -91,6 +91,9 @@ pub(crate) async fn run(
     mut submit_rx: mpsc::Receiver<NewSequence>,
     status: Arc<PipelineStatus>,
 ) {
+    // Counters exist from the start (at 0), so dashboards can rate() them before any failure.
+    metrics::counter!("baton_pipeline_failures_total").increment(0);
+    metrics::gauge!("baton_pipeline_ready").set(0.0);
     loop {
         status.ready.store(false, Ordering::Release);
         let workers = cluster.alive();
