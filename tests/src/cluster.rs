@@ -81,6 +81,22 @@ impl TestCluster {
         Self::start_full(model, cfg, eos_ids, cuts, worker_flags, Limits::default()).await
     }
 
+    /// A cluster whose workers serve Prometheus metrics; returns it and the workers' metrics
+    /// ports (in spawn order, which need not be stage order).
+    pub async fn start_with_worker_metrics(model: &Path, cfg: &ModelConfig, cuts: &[usize]) -> (Self, Vec<u16>) {
+        // Hold every reservation until all ports are known, so they differ.
+        let held: Vec<_> = (0..=cuts.len())
+            .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("reserving a port"))
+            .collect();
+        let ports: Vec<u16> = held.iter().map(|l| l.local_addr().expect("port").port()).collect();
+        drop(held);
+        let flags: Vec<Vec<String>> = ports
+            .iter()
+            .map(|p| vec!["--metrics-listen".into(), format!("127.0.0.1:{p}")])
+            .collect();
+        (Self::start_with(model, cfg, vec![], cuts, &flags).await, ports)
+    }
+
     /// Everything configurable.
     pub async fn start_full(
         model: &Path,

@@ -331,17 +331,7 @@ fn assert_prometheus_text(text: &str) {
 async fn workers_export_stage_metrics() {
     let dir = fixtures().join("tiny/llama_tied");
     let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
-    // Hold both reservations until both ports are known, so they differ.
-    let held: Vec<_> = (0..2)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    let ports: Vec<u16> = held.iter().map(|l| l.local_addr().unwrap().port()).collect();
-    drop(held);
-    let flags: Vec<Vec<String>> = ports
-        .iter()
-        .map(|p| vec!["--metrics-listen".into(), format!("127.0.0.1:{p}")])
-        .collect();
-    let tc = TestCluster::start_with(&dir, &cfg, vec![], &[1], &flags).await;
+    let (tc, ports) = TestCluster::start_with_worker_metrics(&dir, &cfg, &[1]).await;
     let params = SamplingParams {
         ignore_eos: true,
         ..SamplingParams::greedy(6)
