@@ -19,6 +19,34 @@ pub struct GenerationRequest {
     pub logprobs: bool,
 }
 
+impl GenerationRequest {
+    /// What every generator refuses up front: an empty prompt, invalid sampling values, token
+    /// ids outside the vocabulary, and a prompt plus `max_tokens` longer than the context.
+    pub fn check(&self, vocab_size: usize, max_context: usize) -> Result<(), SubmitError> {
+        let invalid = |m: String| Err(SubmitError::Invalid(m));
+        if self.prompt.is_empty() {
+            return invalid("the prompt is empty".into());
+        }
+        if let Err(e) = self.params.validate() {
+            return invalid(e.to_string());
+        }
+        if let Some(&id) = self.prompt.iter().find(|&&id| id as usize >= vocab_size) {
+            return invalid(format!(
+                "token id {id} is out of range (vocabulary has {vocab_size} entries)"
+            ));
+        }
+        let needed = self.prompt.len().saturating_add(self.params.max_tokens);
+        if needed > max_context {
+            return invalid(format!(
+                "prompt ({}) plus max_tokens ({}) exceeds the model context of {max_context}",
+                self.prompt.len(),
+                self.params.max_tokens
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Log-probability of a chosen token and its top alternatives.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenLogprobs {

@@ -9,12 +9,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError, sync_channel};
 use std::thread::JoinHandle;
 
+use baton_shared::sampling::SamplingParams;
 use baton_worker::kv_cache::SequenceKv;
 use baton_worker::model::{ForwardError, Scratch, StageWeights};
-use baton_worker::sampler::Sampler;
+use baton_worker::sampler::{Sampler, log_softmax_top};
 use tokio::sync::mpsc;
 
-use crate::generation::{FinishReason, GenerationRequest, Generator, SubmitError, TokenEvent, TokenLogprobs};
+use crate::generation::{GenerationRequest, Generator, SubmitError, TokenEvent, TokenLogprobs};
 
 /// Queue and concurrency limits.
 #[derive(Debug, Clone, Copy)]
@@ -84,7 +85,6 @@ impl LocalGenerator {
             scratch: Scratch::default(),
             hidden: Vec::new(),
             logits: vec![0.0; vocab_size],
-            ranked: Vec::new(),
             eos_ids,
         };
         let flag = AliveGuard(alive.clone());
@@ -103,32 +103,6 @@ impl LocalGenerator {
             _thread: thread,
         })
     }
-
-    fn check(&self, req: &GenerationRequest) -> Result<(), SubmitError> {
-        let invalid = |m: String| Err(SubmitError::Invalid(m));
-        if req.prompt.is_empty() {
-            return invalid("the prompt is empty".into());
-        }
-        if let Err(e) = req.params.validate() {
-            return invalid(e.to_string());
-        }
-        if let Some(&id) = req.prompt.iter().find(|&&id| id as usize >= self.vocab_size) {
-            return invalid(format!(
-                "token id {id} is out of range (vocabulary has {} entries)",
-                self.vocab_size
-            ));
-        }
-        let needed = req.prompt.len().saturating_add(req.params.max_tokens);
-        if needed > self.max_context {
-            return invalid(format!(
-                "prompt ({}) plus max_tokens ({}) exceeds the model context of {}",
-                req.prompt.len(),
-                req.params.max_tokens,
-                self.max_context
-            ));
-        }
-        Ok(())
-    }
 }
 
 impl Generator for LocalGenerator {
@@ -136,7 +110,7 @@ impl Generator for LocalGenerator {
         if !self.ready() {
             return Err(SubmitError::Unavailable("the local engine has stopped".into()));
         }
-        self.check(&req)?;
+        req.check(self.vocab_size, self.max_context)?;
         // Room for every token and the final event, so the engine thread never blocks on a
         // slow client (tokio allocates channel slots lazily, so this reserves nothing).
         let (tx, rx) = mpsc::channel(req.params.max_tokens + 1);
@@ -178,9 +152,8 @@ struct Sequence {
     /// The last sampled token, forwarded on the next turn.
     last: u32,
     generated: usize,
-    max_tokens: usize,
-    ignore_eos: bool,
-    stop_token_ids: Vec<u32>,
+    /// Stop conditions (and the settings the sampler was made from).
+    params: SamplingParams,
     logprobs: bool,
     top_logprobs: usize,
 }
@@ -191,7 +164,6 @@ struct Engine {
     scratch: Scratch,
     hidden: Vec<f32>,
     logits: Vec<f32>,
-    ranked: Vec<(f32, u32)>,
     eos_ids: Vec<u32>,
 }
 
@@ -238,9 +210,7 @@ impl Engine {
             sampler: Sampler::new(p),
             last: 0,
             generated: 0,
-            max_tokens: p.max_tokens,
-            ignore_eos: p.ignore_eos,
-            stop_token_ids: p.stop_token_ids.clone(),
+            params: p.clone(),
             logprobs: a.req.logprobs,
             top_logprobs: a.req.top_logprobs.min(c.vocab_size),
             prompt: a.req.prompt,
@@ -303,14 +273,11 @@ impl Engine {
         if seq.tx.try_send(TokenEvent::Token { id, logprobs }).is_err() {
             return Ok(false);
         }
-        let ends = (!seq.ignore_eos && self.eos_ids.contains(&id)) || seq.stop_token_ids.contains(&id);
-        let reason = if ends {
-            Some(FinishReason::Stop)
-        } else if seq.generated >= seq.max_tokens || seq.kv.len() >= max_context {
-            Some(FinishReason::Length)
-        } else {
-            None
-        };
+        // The sampled token is not in the KV yet: the sequence is one longer than what it holds.
+        let seq_len = seq.kv.len() + 1;
+        let reason = seq
+            .params
+            .finish_reason(id, self.eos_ids.contains(&id), seq.generated, seq_len, max_context);
         if let Some(reason) = reason {
             let _ = seq.tx.try_send(TokenEvent::Done { reason });
             return Ok(false);
@@ -319,28 +286,9 @@ impl Engine {
         Ok(true)
     }
 
-    /// Log-softmax of the current logits at `id`, and the `top` most likely tokens.
-    fn logprobs(&mut self, id: u32, top: usize) -> TokenLogprobs {
-        let logits = &self.logits;
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let sum: f64 = logits.iter().map(|&x| f64::from(x - max).exp()).sum();
-        let lse = max + sum.ln() as f32;
-        let mut out = TokenLogprobs {
-            logprob: logits[id as usize] - lse,
-            top: Vec::with_capacity(top),
-        };
-        if top > 0 {
-            let r = &mut self.ranked;
-            r.clear();
-            r.extend(logits.iter().enumerate().map(|(i, &l)| (l, i as u32)));
-            let by_rank = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
-            if top < r.len() {
-                r.select_nth_unstable_by(top - 1, by_rank);
-                r.truncate(top);
-            }
-            r.sort_unstable_by(by_rank);
-            out.top.extend(r.iter().map(|&(l, i)| (i, l - lse)));
-        }
-        out
+    /// Log-probabilities of the current logits at `id`, and the `top` most likely tokens.
+    fn logprobs(&self, id: u32, top: usize) -> TokenLogprobs {
+        let (logprob, top) = log_softmax_top(&self.logits, id, top);
+        TokenLogprobs { logprob, top }
     }
 }

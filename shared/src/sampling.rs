@@ -110,6 +110,27 @@ impl SamplingParams {
         Ok(())
     }
 
+    /// Why generation ends once `token` has been sampled, if it does. `generated` counts the
+    /// sampled tokens (this one included) and `seq_len` the whole sequence (prompt + generated):
+    /// EOS (unless ignored) or a stop id is `Stop`; `max_tokens`, or a sequence that fills the
+    /// context so the token could not be run, is `Length`.
+    pub fn finish_reason(
+        &self,
+        token: u32,
+        is_eos: bool,
+        generated: usize,
+        seq_len: usize,
+        max_context: usize,
+    ) -> Option<FinishReason> {
+        if (is_eos && !self.ignore_eos) || self.stop_token_ids.contains(&token) {
+            Some(FinishReason::Stop)
+        } else if generated >= self.max_tokens || seq_len >= max_context {
+            Some(FinishReason::Length)
+        } else {
+            None
+        }
+    }
+
     /// Whether sampling reduces to argmax.
     pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0 || self.top_k == 1
@@ -119,6 +140,21 @@ impl SamplingParams {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn finish_reasons() {
+        let p = SamplingParams {
+            stop_token_ids: vec![7],
+            ..SamplingParams::greedy(3)
+        };
+        assert_eq!(p.finish_reason(5, true, 1, 4, 100), Some(FinishReason::Stop));
+        assert_eq!(p.finish_reason(7, false, 1, 4, 100), Some(FinishReason::Stop));
+        assert_eq!(p.finish_reason(5, false, 1, 4, 100), None);
+        assert_eq!(p.finish_reason(5, false, 3, 6, 100), Some(FinishReason::Length));
+        assert_eq!(p.finish_reason(5, false, 1, 100, 100), Some(FinishReason::Length));
+        let ignoring = SamplingParams { ignore_eos: true, ..p };
+        assert_eq!(ignoring.finish_reason(5, true, 1, 4, 100), None);
+    }
 
     #[test]
     fn validates_ranges() {

@@ -112,20 +112,20 @@ impl Engine {
             let id = sampler.sample(&logits);
             tokens.push(id);
             let is_eos = tok.is_some_and(|t| t.is_eos(id));
-            let ends = (!params.ignore_eos && is_eos) || params.stop_token_ids.contains(&id);
-            if !ends && let Some(tok) = tok {
+            let finish = params.finish_reason(id, is_eos, tokens.len(), prompt.len() + tokens.len(), max_ctx);
+            // An ending token (EOS, stop id) adds no text.
+            if finish != Some(FinishReason::Stop)
+                && let Some(tok) = tok
+            {
                 let delta = decoder.push(tok, id)?;
                 if stops.push(&delta, &mut on_text) {
                     break FinishReason::Stop;
                 }
             }
-            if ends {
-                break FinishReason::Stop;
+            if let Some(reason) = finish {
+                break reason;
             }
             let pos = prompt.len() + tokens.len() - 1;
-            if tokens.len() >= params.max_tokens || pos + 1 >= max_ctx {
-                break FinishReason::Length;
-            }
             self.weights.embed(&[id], &mut hidden)?;
             self.weights.forward(&mut hidden, pos, &mut kv, &mut self.scratch)?;
             self.weights.logits(&hidden, &mut self.scratch, &mut logits)?;

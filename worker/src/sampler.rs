@@ -111,6 +111,29 @@ impl Sampler {
     }
 }
 
+/// Log-probability of `token` under `logits`, and the `k` most likely `(id, logprob)` pairs
+/// (best first; on ties the lower id first, as argmax).
+pub fn log_softmax_top(logits: &[f32], token: u32, k: usize) -> (f32, Vec<(u32, f32)>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    // Summing in f64 keeps the normaliser exact enough over a 150k-entry vocabulary.
+    let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    let lse = max + sum.ln() as f32;
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    if k > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            if top.len() < k || l > top[top.len() - 1].1 {
+                let at = top.partition_point(|e| e.1 >= l);
+                top.insert(at, (i as u32, l));
+                top.truncate(k);
+            }
+        }
+    }
+    (
+        logits[token as usize] - lse,
+        top.into_iter().map(|(i, l)| (i, l - lse)).collect(),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,6 +146,20 @@ mod tests {
         };
         f(&mut p);
         p
+    }
+
+    #[test]
+    fn log_softmax_top_is_normalised_and_sorted() {
+        let logits = [1.0, 3.0, 2.0, -1.0, 3.0];
+        let (lp, top) = log_softmax_top(&logits, 1, 3);
+        let total: f32 = logits.iter().map(|l| (l - logits[1] + lp).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-5);
+        assert_eq!(
+            top.iter().map(|e| e.0).collect::<Vec<_>>(),
+            vec![1, 4, 2],
+            "ties keep the lower id first"
+        );
+        assert!((top[0].1 - lp).abs() < 1e-6);
     }
 
     #[test]

@@ -9,7 +9,7 @@ use baton_shared::wire;
 
 use crate::kv_cache::SequenceKv;
 use crate::model::{ForwardError, Scratch, StageWeights};
-use crate::sampler::Sampler;
+use crate::sampler::{Sampler, log_softmax_top};
 
 /// What a micro-batch becomes after this stage.
 #[derive(Debug)]
@@ -215,40 +215,5 @@ impl Stage {
             results,
             error: String::new(),
         })
-    }
-}
-
-/// Log-probability of `token` and the `k` most likely `(id, logprob)` pairs.
-pub fn log_softmax_top(logits: &[f32], token: u32, k: usize) -> (f32, Vec<(u32, f32)>) {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = max + logits.iter().map(|&l| (l - max).exp()).sum::<f32>().ln();
-    let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
-    if k > 0 {
-        for (i, &l) in logits.iter().enumerate() {
-            if top.len() < k || l > top[top.len() - 1].1 {
-                let at = top.partition_point(|e| e.1 >= l);
-                top.insert(at, (i as u32, l));
-                top.truncate(k);
-            }
-        }
-    }
-    (
-        logits[token as usize] - lse,
-        top.into_iter().map(|(i, l)| (i, l - lse)).collect(),
-    )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn log_softmax_top_is_normalised_and_sorted() {
-        let logits = [1.0, 3.0, 2.0, -1.0];
-        let (lp, top) = log_softmax_top(&logits, 1, 2);
-        let total: f32 = logits.iter().map(|l| (l - logits[1] + lp).exp()).sum();
-        assert!((total - 1.0).abs() < 1e-5);
-        assert_eq!(top.iter().map(|e| e.0).collect::<Vec<_>>(), vec![1, 2]);
-        assert!((top[0].1 - lp).abs() < 1e-6);
     }
 }

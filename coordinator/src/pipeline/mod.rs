@@ -103,23 +103,7 @@ impl Generator for PipelineGenerator {
                 self.config.stages
             )));
         }
-        if let Some(&id) = req.prompt.iter().find(|&&id| id as usize >= self.config.vocab_size) {
-            return Err(SubmitError::Invalid(format!(
-                "token id {id} is out of range (vocabulary has {} entries)",
-                self.config.vocab_size
-            )));
-        }
-        if req.prompt.is_empty() {
-            return Err(SubmitError::Invalid("the prompt is empty".into()));
-        }
-        if req.prompt.len() + req.params.max_tokens > self.config.max_context {
-            return Err(SubmitError::Invalid(format!(
-                "prompt of {} tokens plus max_tokens {} exceeds the context of {}",
-                req.prompt.len(),
-                req.params.max_tokens,
-                self.config.max_context
-            )));
-        }
+        req.check(self.config.vocab_size, self.config.max_context)?;
         let (tx, rx) = mpsc::channel(req.params.max_tokens.clamp(1, 4096) + 1);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         self.submit_tx

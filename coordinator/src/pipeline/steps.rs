@@ -83,14 +83,11 @@ impl Seq {
     }
 
     fn finish_reason(&self, config: &PipelineConfig, token: u32) -> Option<FinishReason> {
-        let p = &self.req.params;
-        if (!p.ignore_eos && config.eos_ids.contains(&token)) || p.stop_token_ids.contains(&token) {
-            Some(FinishReason::Stop)
-        } else if self.tokens.len() - self.prompt_len >= p.max_tokens || self.tokens.len() >= config.max_context {
-            Some(FinishReason::Length)
-        } else {
-            None
-        }
+        let generated = self.tokens.len() - self.prompt_len;
+        let is_eos = config.eos_ids.contains(&token);
+        self.req
+            .params
+            .finish_reason(token, is_eos, generated, self.tokens.len(), config.max_context)
     }
 }
 
