@@ -1,6 +1,6 @@
 //! `baton-bench`: timing of Baton's engines: the CPU path per weight format and thread count
 //! against the fp32 reference (prefill and batch-1 decode), matrix-vector kernels, and decode
-//! through `baton serve`.
+//! through `baton serve`; and a load generator for any OpenAI-compatible server.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -18,6 +18,7 @@ use baton_worker::threads::ThreadPool;
 use clap::{Parser, Subcommand};
 
 mod kernels;
+mod load;
 mod serve_decode;
 
 #[derive(Parser)]
@@ -47,7 +48,14 @@ enum Cmd {
         /// Concurrent streams per measurement (1: batch-1 decode speed; more: aggregate tok/s).
         #[arg(long, default_value_t = 1)]
         concurrency: usize,
+        /// Also measure every worker count with traces exported to this OTLP endpoint, side by
+        /// side with it off (the cost of observability).
+        #[arg(long)]
+        otlp_endpoint: Option<String>,
     },
+    /// Load generator for any OpenAI-compatible server: N concurrent streaming requests per
+    /// level; reports TTFT, inter-token and end-to-end latency percentiles and throughput.
+    Load(load::Args),
     /// Prefill and batch-1 decode throughput per weight format and thread count, measured side
     /// by side (round-robin) with the fp32 reference (f32, scalar kernels, one thread).
     Reference {
@@ -100,7 +108,8 @@ fn main() -> Result<()> {
             rounds,
             workers,
             concurrency,
-        } => serve_decode::run(model, gen_tokens, rounds, &workers, concurrency)?,
+            otlp_endpoint,
+        } => serve_decode::run(model, gen_tokens, rounds, &workers, concurrency, otlp_endpoint)?,
         Cmd::Reference {
             model,
             prompt_tokens,
@@ -111,6 +120,7 @@ fn main() -> Result<()> {
             kernel_path,
         } => reference(model, prompt_tokens, gen_tokens, reps, &weights, &threads, kernel_path)?,
         Cmd::Kernels { threads, ms, reps } => kernels::run(&threads, ms, reps)?,
+        Cmd::Load(args) => load::run(args)?,
     }
     Ok(())
 }

@@ -19,9 +19,12 @@ impl Drop for Serve {
     }
 }
 
-fn start(model: Option<&str>, workers: usize) -> Result<Serve> {
+fn start(model: Option<&str>, workers: usize, otlp: Option<&str>) -> Result<Serve> {
     let baton = std::env::current_exe()?.with_file_name("baton");
     let mut cmd = Command::new(&baton);
+    if let Some(endpoint) = otlp {
+        cmd.args(["--otlp-endpoint", endpoint]);
+    }
     cmd.args(["serve", "--port", "0", "--workers", &workers.to_string()]);
     if let Some(m) = model {
         cmd.args(["--model", m]);
@@ -114,10 +117,16 @@ pub fn run(
     rounds: usize,
     workers: &[usize],
     concurrency: usize,
+    otlp: Option<String>,
 ) -> Result<()> {
-    let servers = workers
+    // Every worker count, and with `otlp` each once more with trace export on.
+    let configs: Vec<(usize, Option<&str>)> = workers
         .iter()
-        .map(|&w| start(model.as_deref(), w))
+        .flat_map(|&w| std::iter::once((w, None)).chain(otlp.as_deref().map(|o| (w, Some(o)))))
+        .collect();
+    let servers = configs
+        .iter()
+        .map(|&(w, o)| start(model.as_deref(), w, o))
         .collect::<Result<Vec<_>>>()?;
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .timeout_global(Some(Duration::from_secs(600)))
@@ -134,16 +143,16 @@ pub fn run(
         }
     }
     let medians: Vec<f64> = samples.into_iter().map(median).collect();
-    let rows: Vec<_> = workers
+    let rows: Vec<_> = configs
         .iter()
         .zip(&medians)
-        .map(|(w, m)| serde_json::json!({ "workers": w, "tok_per_s": m, "ms_per_token": 1000.0 / m }))
+        .map(|((w, o), m)| {
+            serde_json::json!({ "workers": w, "otlp": o.is_some(), "tok_per_s": m, "ms_per_token": 1000.0 / m })
+        })
         .collect();
     // Each worker beyond the first adds one stage-to-stage hop per token.
-    let per_hop_ms = match (
-        workers.iter().position(|&w| w == 1),
-        workers.iter().position(|&w| w == 2),
-    ) {
+    let plain = |n: usize| configs.iter().position(|&(w, o)| w == n && o.is_none());
+    let per_hop_ms = match (plain(1), plain(2)) {
         (Some(a), Some(b)) => Some(1000.0 / medians[b] - 1000.0 / medians[a]),
         _ => None,
     };

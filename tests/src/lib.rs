@@ -38,6 +38,21 @@ pub fn baton_bin() -> PathBuf {
     bin
 }
 
+/// The `baton-bench` binary next to `baton` (built by `cargo test --workspace`, or
+/// `cargo build -p baton-bench`), or `$BATON_BENCH_BIN`.
+pub fn baton_bench_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("BATON_BENCH_BIN") {
+        return p.into();
+    }
+    let bin = baton_bin().with_file_name(format!("baton-bench{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        bin.is_file(),
+        "{} not found: run the tests with `cargo test --workspace` so it is built",
+        bin.display()
+    );
+    bin
+}
+
 /// Run `baton` with arguments; the environment is inherited.
 pub fn baton(args: &[&str]) -> Output {
     Command::new(baton_bin()).args(args).output().expect("running baton")
