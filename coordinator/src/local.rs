@@ -5,7 +5,7 @@
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError, sync_channel};
 use std::thread::JoinHandle;
 
@@ -53,7 +53,27 @@ pub struct LocalGenerator {
     vocab_size: usize,
     max_context: usize,
     max_queue: usize,
+    max_running: usize,
+    load: Arc<LocalLoad>,
+    /// What does not change: the model's shape and the hardware, for `/admin/cluster`.
+    stage_info: serde_json::Value,
     _thread: JoinHandle<()>,
+}
+
+/// What the engine thread is doing, for `/admin/cluster` (the one stage of the dashboard).
+#[derive(Debug, Default)]
+struct LocalLoad {
+    /// Accepted by `submit`, not yet taken by the engine thread.
+    queued: AtomicU64,
+    running: AtomicU64,
+    kv_tokens: AtomicU64,
+    kv_capacity_tokens: AtomicU64,
+    kv_bytes: AtomicU64,
+    generated_tokens: AtomicU64,
+    prompt_tokens: AtomicU64,
+    forward_batches: AtomicU64,
+    forward_tokens: AtomicU64,
+    forward_micros: AtomicU64,
 }
 
 /// A request handed to the engine thread with the channel for its events.
@@ -78,9 +98,17 @@ impl LocalGenerator {
         }
         let vocab_size = weights.config.vocab_size;
         let max_context = weights.config.max_position_embeddings;
+        let stage_info = serde_json::json!({
+            "stage": 0, "worker_id": "local", "address": "in-process",
+            "layer_start": 0, "layer_end": weights.config.num_layers,
+            "device": "cpu", "cores": weights.pool.threads(),
+            "features": [format!("kernels:{}", weights.kernels.path().name()), format!("weights:{}", weights.format)],
+        });
         let (queue, requests) = sync_channel(config.max_queue);
         let alive = Arc::new(AtomicBool::new(true));
+        let load = Arc::new(LocalLoad::default());
         let engine = Engine {
+            load: load.clone(),
             weights,
             scratch: Scratch::default(),
             hidden: Vec::new(),
@@ -100,6 +128,9 @@ impl LocalGenerator {
             vocab_size,
             max_context,
             max_queue: config.max_queue,
+            max_running: config.max_running,
+            load,
+            stage_info,
             _thread: thread,
         })
     }
@@ -114,7 +145,13 @@ impl Generator for LocalGenerator {
         // Room for every token and the final event, so the engine thread never blocks on a
         // slow client (tokio allocates channel slots lazily, so this reserves nothing).
         let (tx, rx) = mpsc::channel(req.params.max_tokens + 1);
-        match self.queue.try_send(Admitted { req, tx }) {
+        // Counted before sending, so the engine thread's decrement cannot come first.
+        self.load.queued.fetch_add(1, Ordering::Relaxed);
+        let sent = self.queue.try_send(Admitted { req, tx });
+        if sent.is_err() {
+            self.load.queued.fetch_sub(1, Ordering::Relaxed);
+        }
+        match sent {
             Ok(()) => Ok(rx),
             Err(TrySendError::Full(_)) => Err(SubmitError::Overloaded(format!(
                 "{} requests are already waiting; retry later",
@@ -129,7 +166,31 @@ impl Generator for LocalGenerator {
     }
 
     fn describe(&self) -> serde_json::Value {
-        serde_json::json!({ "mode": "in-process", "ready": self.ready(), "max_queue": self.max_queue })
+        let l = &*self.load;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut stage = self.stage_info.clone();
+        stage["alive"] = self.ready().into();
+        // The same shape as a pipeline stage's Health-derived numbers.
+        stage["live"] = serde_json::json!({
+            "answered": true, "answered_ms_ago": 0, "error": null, "loaded": true,
+            "sequences": get(&l.running), "kv_tokens": get(&l.kv_tokens),
+            "kv_capacity_tokens": get(&l.kv_capacity_tokens), "kv_bytes": get(&l.kv_bytes),
+            "forward_batches": get(&l.forward_batches), "forward_tokens": get(&l.forward_tokens),
+            "forward_seconds": get(&l.forward_micros) as f64 / 1e6,
+        });
+        serde_json::json!({
+            "mode": "in-process",
+            "ready": self.ready(),
+            "max_queue": self.max_queue,
+            "max_running": self.max_running,
+            "num_layers": self.stage_info["layer_end"],
+            "stages": [stage],
+            "workers": [],
+            "running_sequences": get(&l.running),
+            "queue_depth": get(&l.queued),
+            "generated_tokens_total": get(&l.generated_tokens),
+            "prompt_tokens_total": get(&l.prompt_tokens),
+        })
     }
 }
 
@@ -160,6 +221,7 @@ struct Sequence {
 
 /// The engine thread's model and reusable buffers.
 struct Engine {
+    load: Arc<LocalLoad>,
     weights: StageWeights,
     scratch: Scratch,
     hidden: Vec<f32>,
@@ -184,7 +246,10 @@ impl Engine {
                     requests.try_recv()
                 };
                 match next {
-                    Ok(a) => active.push_back(self.admit(a)),
+                    Ok(a) => {
+                        self.load.queued.fetch_sub(1, Ordering::Relaxed);
+                        active.push_back(self.admit(a));
+                    }
                     Err(TryRecvError::Empty) => break,
                     Err(TryRecvError::Disconnected) => open = false,
                 }
@@ -198,7 +263,23 @@ impl Engine {
             }
             // One turn: every active sequence advances by one token.
             active.retain_mut(|seq| self.turn(seq));
+            self.record_usage(&active);
         }
+    }
+
+    /// Publish what the running sequences hold (a handful: at most `max_running`).
+    fn record_usage(&self, active: &VecDeque<Sequence>) {
+        let (mut used, mut capacity, mut bytes) = (0, 0, 0);
+        for s in active {
+            used += s.kv.len();
+            capacity += s.kv.capacity();
+            bytes += s.kv.bytes();
+        }
+        let l = &self.load;
+        l.running.store(active.len() as u64, Ordering::Relaxed);
+        l.kv_tokens.store(used as u64, Ordering::Relaxed);
+        l.kv_capacity_tokens.store(capacity as u64, Ordering::Relaxed);
+        l.kv_bytes.store(bytes as u64, Ordering::Relaxed);
     }
 
     fn admit(&self, a: Admitted) -> Sequence {
@@ -262,10 +343,20 @@ impl Engine {
             self.hidden.resize(rows, 0.0);
         }
         let hidden = &mut self.hidden[..rows];
+        let started = std::time::Instant::now();
         self.weights.embed(input, hidden)?;
         self.weights.forward(hidden, pos0, &mut seq.kv, &mut self.scratch)?;
         self.weights
             .logits(&hidden[rows - h..], &mut self.scratch, &mut self.logits)?;
+        let l = &self.load;
+        l.forward_micros
+            .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+        l.forward_batches.fetch_add(1, Ordering::Relaxed);
+        l.forward_tokens.fetch_add(input.len() as u64, Ordering::Relaxed);
+        if pos0 == 0 {
+            l.prompt_tokens.fetch_add(input.len() as u64, Ordering::Relaxed);
+        }
+        l.generated_tokens.fetch_add(1, Ordering::Relaxed);
 
         let id = seq.sampler.sample(&self.logits);
         seq.generated += 1;

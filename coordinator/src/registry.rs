@@ -22,6 +22,8 @@ pub struct WorkerEntry {
     pub cores: u32,
     pub memory_bytes: u64,
     pub features: Vec<String>,
+    /// Bytes the worker gives its paged KV pool.
+    pub kv_cache_bytes: u64,
     /// Registration order, so assignments are stable.
     pub seq: u64,
     pub last_seen: Instant,
@@ -117,6 +119,7 @@ impl Registry for RegistryService {
             cores: r.cores,
             memory_bytes: r.memory_bytes,
             features: r.features,
+            kv_cache_bytes: r.kv_cache_bytes,
             seq,
             last_seen: Instant::now(),
         };

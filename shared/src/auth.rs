@@ -1,5 +1,6 @@
 //! The cluster token: every gRPC call between coordinator and workers carries
-//! `authorization: Bearer <token>`; servers reject calls without the right one.
+//! `authorization: Bearer <token>` (and the caller's trace context); servers reject calls
+//! without the right token.
 
 use tonic::metadata::MetadataValue;
 use tonic::service::Interceptor;
@@ -24,6 +25,8 @@ impl AddToken {
 impl Interceptor for AddToken {
     fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
         req.metadata_mut().insert("authorization", self.header.clone());
+        // Every call to a worker joins the caller's trace (nothing is added when not tracing).
+        crate::trace_context::inject_metadata(req.metadata_mut());
         Ok(req)
     }
 }

@@ -6,6 +6,7 @@ pub mod chat_template;
 pub mod dtype;
 pub mod fetch;
 pub mod gguf;
+pub mod logging;
 pub mod model_config;
 pub mod model_files;
 pub mod model_source;
@@ -15,6 +16,7 @@ pub mod settings;
 pub mod stop;
 pub mod telemetry;
 pub mod tokenizer;
+pub mod trace_context;
 pub mod wire;
 
 /// Generated gRPC types and services (`proto/baton/v1/baton.proto`).

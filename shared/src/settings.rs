@@ -32,6 +32,9 @@ pub struct Settings {
     pub log_format: LogFormat,
     /// Log filter, in `RUST_LOG` syntax.
     pub log_level: String,
+    /// OTLP/gRPC collector to export traces to (e.g. `http://localhost:4317`); unset exports
+    /// nothing.
+    pub otlp_endpoint: Option<String>,
     /// Reject weights containing NaN or infinity at load time.
     pub check_weights: bool,
     /// Shared secret every gRPC call between coordinator and workers carries.
@@ -65,6 +68,10 @@ pub struct ServeSettings {
     pub max_running: usize,
     /// Tokens per pipeline step; longer prompts are prefilled in chunks.
     pub max_batch_tokens: usize,
+    /// Positions per paged-KV block.
+    pub kv_block_size: usize,
+    /// At most this many KV blocks per pipeline (default: what every worker's kv_cache_mib fits).
+    pub kv_max_blocks: Option<usize>,
     /// Largest request body in bytes (HTTP 413 beyond).
     pub max_body_bytes: usize,
     /// Most tokens (prompt + completion) per request; default: the model's context.
@@ -86,6 +93,8 @@ impl Default for ServeSettings {
             max_queue: 64,
             max_running: 8,
             max_batch_tokens: 512,
+            kv_block_size: 16,
+            kv_max_blocks: None,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_model_len: None,
             activation_dtype: "f32".into(),
@@ -120,6 +129,10 @@ pub struct CoordinatorSettings {
     pub max_running: usize,
     /// Tokens per pipeline step; longer prompts are prefilled in chunks.
     pub max_batch_tokens: usize,
+    /// Positions per paged-KV block.
+    pub kv_block_size: usize,
+    /// At most this many KV blocks per pipeline (default: what every worker's kv_cache_mib fits).
+    pub kv_max_blocks: Option<usize>,
     /// Largest request body in bytes (HTTP 413 beyond).
     pub max_body_bytes: usize,
 }
@@ -138,6 +151,8 @@ impl Default for CoordinatorSettings {
             max_queue: 64,
             max_running: 8,
             max_batch_tokens: 512,
+            kv_block_size: 16,
+            kv_max_blocks: None,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
         }
     }
@@ -159,6 +174,9 @@ pub struct WorkerSettings {
     pub worker_id: String,
     /// Address of the worker's Prometheus `/metrics` endpoint (none: not served).
     pub metrics_listen: Option<SocketAddr>,
+    /// MiB this worker gives its paged KV pool (reported at registration; the coordinator
+    /// sizes the pipeline's blocks so every stage's pool fits its worker's budget).
+    pub kv_cache_mib: u64,
 }
 
 impl Default for WorkerSettings {
@@ -170,6 +188,7 @@ impl Default for WorkerSettings {
             device: "cpu".into(),
             worker_id: String::new(),
             metrics_listen: None,
+            kv_cache_mib: 1024,
         }
     }
 }
@@ -183,6 +202,7 @@ impl Default for Settings {
             pypi_url: s.pypi_url,
             log_format: LogFormat::Text,
             log_level: "warn".into(),
+            otlp_endpoint: None,
             check_weights: true,
             cluster_token: None,
             serve: ServeSettings::default(),
@@ -205,6 +225,7 @@ const ENV_SETTINGS: &[&str] = &[
     "pypi_url",
     "log_format",
     "log_level",
+    "otlp_endpoint",
     "check_weights",
     "cluster_token",
 ];
@@ -233,6 +254,16 @@ impl Settings {
             )
             .merge(Serialized::globals(flags));
         fig.extract().map_err(|e| SettingsError(Box::new(e)))
+    }
+
+    /// How this process logs and exports traces, as `service_name` in traces.
+    pub fn logging(&self, service_name: &str) -> crate::logging::LoggingOptions {
+        crate::logging::LoggingOptions {
+            log_level: self.log_level.clone(),
+            log_format: self.log_format,
+            otlp_endpoint: self.otlp_endpoint.clone(),
+            service_name: service_name.to_string(),
+        }
     }
 
     /// The cache directory.

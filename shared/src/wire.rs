@@ -32,6 +32,22 @@ pub fn parse_dtype(name: &str) -> Option<WireDType> {
     }
 }
 
+/// Wall-clock now in ns since the Unix epoch (`MicroBatch::sent_unix_nanos`).
+pub fn unix_nanos() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// Seconds a message stamped `sent_unix_nanos` has been on its way; None without a stamp or
+/// when the sender's clock is ahead of ours.
+pub fn hop_seconds(sent_unix_nanos: u64) -> Option<f64> {
+    (sent_unix_nanos > 0)
+        .then(|| unix_nanos().checked_sub(sent_unix_nanos))
+        .flatten()
+        .map(|ns| ns as f64 * 1e-9)
+}
+
 /// Encode `rows × cols` f32 values for sending.
 pub fn encode(values: &[f32], rows: usize, cols: usize, dtype: WireDType, out: &mut Tensor) {
     debug_assert_eq!(values.len(), rows * cols);

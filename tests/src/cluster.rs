@@ -25,6 +25,11 @@ pub struct Limits {
     pub max_running: usize,
     pub max_queue: usize,
     pub max_batch_tokens: usize,
+    /// Workers heartbeat this often and are dead after three missed beats (short, so tests
+    /// that kill workers are fast; longer where workers share a loaded machine's cores).
+    pub heartbeat: Duration,
+    /// Cap on the pipeline's KV blocks (of 16 positions); None: the workers' budgets.
+    pub kv_max_blocks: Option<usize>,
 }
 
 impl Default for Limits {
@@ -33,6 +38,8 @@ impl Default for Limits {
             max_running: 8,
             max_queue: 64,
             max_batch_tokens: 512,
+            heartbeat: Duration::from_millis(200),
+            kv_max_blocks: None,
         }
     }
 }
@@ -109,7 +116,7 @@ impl TestCluster {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let registry_url = format!("http://{}", listener.local_addr().unwrap());
         let token = "test-cluster-token".to_string();
-        let cluster = Arc::new(Cluster::new(Duration::from_millis(200)));
+        let cluster = Arc::new(Cluster::new(limits.heartbeat));
         let (c, t) = (cluster.clone(), token.clone());
         tokio::spawn(async move { registry::serve(listener, c, &t, std::future::pending()).await });
         let stages = cuts.len() + 1;
@@ -127,6 +134,9 @@ impl TestCluster {
             max_running: limits.max_running,
             max_batch_tokens: limits.max_batch_tokens,
             weights: "f32".into(),
+            kv_dim: cfg.kv_dim(),
+            kv_block_size: 16,
+            kv_max_blocks: limits.kv_max_blocks,
         };
         let generator = Arc::new(PipelineGenerator::start(config, cluster.clone()));
         let workers = (0..stages)
@@ -176,5 +186,26 @@ impl TestCluster {
             }
         }
         Err("event stream ended without Done".into())
+    }
+
+    /// Sequences each stage holds KV for, in stage order (asked over gRPC Health).
+    pub async fn stage_sequences(&self) -> Vec<u32> {
+        let assignment = self.generator.status.assignment.lock().unwrap().clone();
+        let mut out = Vec::new();
+        for a in assignment {
+            let channel = tonic::transport::Endpoint::from_shared(a.address.clone())
+                .expect("worker address")
+                .connect()
+                .await
+                .expect("connecting to a worker");
+            let auth = baton_shared::auth::AddToken::new(&self.token).expect("token");
+            let mut client = baton_shared::proto::worker_client::WorkerClient::with_interceptor(channel, auth);
+            let health = client
+                .health(baton_shared::proto::HealthRequest {})
+                .await
+                .expect("health");
+            out.push(health.into_inner().active_sequences);
+        }
+        out
     }
 }

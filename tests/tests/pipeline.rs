@@ -87,16 +87,6 @@ async fn smollm2_splits_match_single_process_and_serve_concurrent_requests() {
     }
 }
 
-async fn stage_usage(tc: &TestCluster) -> Vec<u32> {
-    let assignment = tc.generator.status.assignment.lock().unwrap().clone();
-    let mut out = Vec::new();
-    for a in assignment {
-        let mut c = connect_worker(&a.address, &tc.token).await.unwrap();
-        out.push(c.health(HealthRequest {}).await.unwrap().into_inner().active_sequences);
-    }
-    out
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancellation_frees_kv_on_every_stage() {
     let dir = fixtures().join("tiny/llama_tied");
@@ -117,14 +107,14 @@ async fn cancellation_frees_kv_on_every_stage() {
         assert!(matches!(rx.recv().await, Some(TokenEvent::Token { .. })));
     }
     assert_eq!(
-        stage_usage(&tc).await,
+        tc.stage_sequences().await,
         vec![1, 1, 1],
         "the sequence holds KV on all three stages"
     );
     drop(rx);
     let start = std::time::Instant::now();
     loop {
-        if stage_usage(&tc).await == vec![0, 0, 0] {
+        if tc.stage_sequences().await == vec![0, 0, 0] {
             break;
         }
         assert!(
@@ -279,7 +269,13 @@ async fn workers_take_new_layer_ranges_without_restarting() {
         connect_worker(&assignment[0].address, &tc.token).await.unwrap(),
         connect_worker(&assignment[1].address, &tc.token).await.unwrap(),
     );
-    // Move the cut from 1 to 2 on the live processes.
+    // Move the cut from 1 to 2 on the live processes, with pools as large as the coordinator's
+    // allocator (it hands out ids below its block count).
+    let kv_blocks = tc
+        .generator
+        .status
+        .kv_blocks_total
+        .load(std::sync::atomic::Ordering::Relaxed);
     let load = |start: u32, end: u32, next: &str| baton_shared::proto::LoadStageRequest {
         model: dir.display().to_string(),
         layer_start: start,
@@ -287,6 +283,8 @@ async fn workers_take_new_layer_ranges_without_restarting() {
         weights: "f32".into(),
         next_stage: next.into(),
         stage_index: u32::from(start > 0),
+        kv_blocks,
+        kv_block_size: 16,
         ..Default::default()
     };
     first.load_stage(load(0, 2, &assignment[1].address)).await.unwrap();
@@ -306,6 +304,23 @@ async fn workers_take_new_layer_ranges_without_restarting() {
     // A bad range is refused with a clear error and leaves the stage as it was.
     let e = first.load_stage(load(2, 9, "")).await.unwrap_err();
     assert!(e.message().contains("layer range 2..9"), "{}", e.message());
+    // So is a KV pool without blocks, or one larger than the worker's kv_cache_mib.
+    let e = first
+        .load_stage(baton_shared::proto::LoadStageRequest {
+            kv_blocks: 0,
+            ..load(0, 2, &assignment[1].address)
+        })
+        .await
+        .unwrap_err();
+    assert!(e.message().contains("must both be positive"), "{}", e.message());
+    let e = first
+        .load_stage(baton_shared::proto::LoadStageRequest {
+            kv_blocks: 1 << 40,
+            ..load(0, 2, &assignment[1].address)
+        })
+        .await
+        .unwrap_err();
+    assert!(e.message().contains("KV budget"), "{}", e.message());
 }
 
 /// GET http://addr/metrics.
@@ -375,18 +390,20 @@ async fn trim_keeps_a_prefix_of_a_sequence() {
         .await
         .unwrap()
         .into_inner();
-    let chunk = |seq_id, tokens: Vec<u32>, pos0| SequenceChunk {
+    // Block ids far from the coordinator's (it allocates from 0, and is idle here).
+    let chunk = |seq_id: u64, tokens: Vec<u32>, pos0| SequenceChunk {
         seq_id,
         tokens,
         pos0,
         sample: true,
         sampling: (pos0 == 0).then(Sampling::default),
+        blocks: vec![1000 + seq_id as u32 % 100],
     };
     let mut step = async |c: SequenceChunk| {
         tx.send(MicroBatch {
             batch_id: 1,
             seqs: vec![c],
-            hidden: None,
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -408,6 +425,23 @@ async fn trim_keeps_a_prefix_of_a_sequence() {
     );
     let wrong = step(chunk(900, vec![8], 9)).await;
     assert!(wrong.error.contains("KV cache holds 3 positions"), "{}", wrong.error);
+    // A block table that does not cover the chunk, or names blocks the pool lacks, is refused.
+    let short = step(SequenceChunk {
+        blocks: vec![],
+        ..chunk(902, vec![1, 2], 0)
+    })
+    .await;
+    assert!(
+        short.error.contains("need 1 KV blocks but the block table has 0"),
+        "{}",
+        short.error
+    );
+    let foreign = step(SequenceChunk {
+        blocks: vec![u32::MAX],
+        ..chunk(903, vec![1, 2], 0)
+    })
+    .await;
+    assert!(foreign.error.contains("outside the pool"), "{}", foreign.error);
     let e = client
         .trim(TrimRequest {
             seq_id: 12345,
@@ -487,7 +521,7 @@ async fn admission_is_bounded_by_running_and_queue_limits() {
         .unwrap();
     let e = tc.generator.submit(req(long.clone())).unwrap_err();
     assert!(matches!(e, SubmitError::Overloaded(_)), "{e}");
-    assert_eq!(stage_usage(&tc).await, vec![1], "only one sequence holds KV");
+    assert_eq!(tc.stage_sequences().await, vec![1], "only one sequence holds KV");
     // Cancelling the running request lets the queued one through.
     drop(running);
     let mut tokens = 0;

@@ -7,17 +7,20 @@ use clap::Parser;
 struct Cli {
     #[command(flatten)]
     args: baton_worker::run::WorkerArgs,
+    /// Export traces over OTLP/gRPC to this collector, e.g. http://localhost:4317
+    /// (or BATON_OTLP_ENDPOINT / `otlp_endpoint` in baton.toml).
+    #[arg(long)]
+    otlp_endpoint: Option<String>,
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let settings = baton_shared::settings::Settings::load(None, serde_json::json!({ "worker": &cli.args }))?;
-    let filter = tracing_subscriber::EnvFilter::try_new(&settings.log_level)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    let mut flags = serde_json::json!({ "worker": &cli.args });
+    if let Some(endpoint) = &cli.otlp_endpoint {
+        flags["otlp_endpoint"] = endpoint.clone().into();
+    }
+    let settings = baton_shared::settings::Settings::load(None, flags)?;
+    let _logging = baton_shared::logging::init(&settings.logging("baton-worker"))?;
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?

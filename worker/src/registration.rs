@@ -21,6 +21,8 @@ pub struct WorkerDescription {
     pub cores: u32,
     pub memory_bytes: u64,
     pub features: Vec<String>,
+    /// Budget of the paged KV pool.
+    pub kv_cache_bytes: u64,
 }
 
 const MIN_BACKOFF: Duration = Duration::from_millis(200);
@@ -43,6 +45,7 @@ async fn register_once(url: &str, token: &str, desc: &WorkerDescription) -> Resu
             cores: desc.cores,
             memory_bytes: desc.memory_bytes,
             features: desc.features.clone(),
+            kv_cache_bytes: desc.kv_cache_bytes,
         })
         .await
         .map_err(|e| format!("register rejected by {url}: {} ({:?})", e.message(), e.code()))?

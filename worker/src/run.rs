@@ -45,6 +45,10 @@ pub struct WorkerArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub metrics_listen: Option<SocketAddr>,
+    /// MiB for the paged KV pool [default: 1024].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_cache_mib: Option<u64>,
     /// Exit when standard input closes: `baton serve` holds the other end, so its workers end
     /// with it even when it is killed outright.
     #[arg(long, hide = true)]
@@ -103,6 +107,7 @@ pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
         settings.sources(),
         settings.check_weights,
         cores as usize,
+        w.kv_cache_mib << 20,
     ));
     let service = WorkerService { state: state.clone() };
     let server = InterceptedService::new(
@@ -117,6 +122,7 @@ pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
         device_kind: "cpu".into(),
         cores,
         memory_bytes: total_memory(),
+        kv_cache_bytes: w.kv_cache_mib << 20,
         features: vec![format!("kernels:{}", kernels.path().name()), "weights:f32,q8_0".into()],
     };
     baton_shared::telemetry::prometheus();

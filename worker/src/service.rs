@@ -19,7 +19,9 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
 
+use crate::kv_cache::PagedKv;
 use crate::model::{LoadOptions, StageWeights, WeightFormat};
 use crate::stage::{Stage, StageOutput};
 
@@ -50,11 +52,20 @@ pub struct WorkerState {
     check_weights: bool,
     /// Threads for a stage's matrix products.
     threads: usize,
+    /// Most bytes a stage's KV pool may take.
+    kv_cache_bytes: u64,
 }
 
 impl WorkerState {
     /// State for a worker that resolves models under `home` and talks with `token`.
-    pub fn new(token: String, home: std::path::PathBuf, sources: Sources, check_weights: bool, threads: usize) -> Self {
+    pub fn new(
+        token: String,
+        home: std::path::PathBuf,
+        sources: Sources,
+        check_weights: bool,
+        threads: usize,
+        kv_cache_bytes: u64,
+    ) -> Self {
         Self {
             worker_id: Mutex::new(String::new()),
             stage: Arc::new(Mutex::new(None)),
@@ -64,6 +75,7 @@ impl WorkerState {
             sources,
             check_weights,
             threads: threads.max(1),
+            kv_cache_bytes,
         }
     }
 }
@@ -79,12 +91,23 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+impl WorkerService {
+    /// Run `f` on the stage. The stage is locked for a whole micro-batch, so waiting for it
+    /// happens off the runtime's worker threads: a Free arriving mid-batch must not stall the
+    /// tasks queued behind it (heartbeats among them, or the coordinator declares us dead).
+    fn with_stage<R>(&self, f: impl FnOnce(Option<&mut Stage>) -> R) -> R {
+        tokio::task::block_in_place(|| f(lock(&self.state.stage).as_mut()))
+    }
+}
+
 #[tonic::async_trait]
 impl Worker for WorkerService {
     async fn load_stage(&self, req: Request<LoadStageRequest>) -> Result<Response<LoadStageResponse>, Status> {
+        let metadata = req.metadata().clone();
         let r = req.into_inner();
         let state = self.state.clone();
         let span = tracing::info_span!("stage.load", stage = r.stage_index, layers = ?(r.layer_start..r.layer_end));
+        baton_shared::trace_context::set_parent_from_metadata(&span, &metadata);
         let stage = tokio::task::spawn_blocking(move || {
             let _g = span.entered();
             let format = if r.weights.is_empty() {
@@ -105,6 +128,20 @@ impl Worker for WorkerService {
                     cfg.num_layers
                 )));
             }
+            let (blocks, block_size) = (r.kv_blocks as usize, r.kv_block_size as usize);
+            let pool_bytes = PagedKv::bytes_per_block(end - start, cfg.kv_dim(), block_size) as u128 * blocks as u128;
+            if blocks == 0 || block_size == 0 {
+                return Err(Status::invalid_argument(format!(
+                    "kv_blocks ({blocks}) and kv_block_size ({block_size}) must both be positive"
+                )));
+            }
+            if pool_bytes > state.kv_cache_bytes as u128 {
+                return Err(Status::resource_exhausted(format!(
+                    "{blocks} KV blocks of {block_size} positions for layers {start}..{end} take {pool_bytes} bytes, \
+                     more than this worker's KV budget of {} bytes (kv_cache_mib)",
+                    state.kv_cache_bytes
+                )));
+            }
             let opts = LoadOptions {
                 format,
                 threads: state.threads,
@@ -121,7 +158,10 @@ impl Worker for WorkerService {
             )
             .map_err(|e| Status::failed_precondition(e.to_string()))?;
             let dtype = Dtype::try_from(r.activation_dtype).unwrap_or(Dtype::F32);
-            Ok((Stage::new(weights, r.stage_index, dtype), r.next_stage))
+            Ok((
+                Stage::new(weights, r.stage_index, dtype, blocks, block_size),
+                r.next_stage,
+            ))
         })
         .await
         .map_err(|e| Status::internal(format!("stage load task failed: {e}")))??;
@@ -150,6 +190,7 @@ impl Worker for WorkerService {
         let stage = self.state.stage.clone();
         let next_url = lock(&self.state.next_stage).clone();
         let token = self.state.token.clone();
+        let worker_id = lock(&self.state.worker_id).clone();
         tokio::spawn(async move {
             let mut down: Option<mpsc::Sender<MicroBatch>> = None;
             while let Some(msg) = inbound.next().await {
@@ -161,10 +202,11 @@ impl Worker for WorkerService {
                     }
                 };
                 let batch_id = batch.batch_id;
+                let span = forward_span(&worker_id, &batch);
                 // Compute on this runtime thread (tokio moves its other tasks away) rather than
                 // handing the batch to a blocking-pool thread: one thread switch less per hop.
                 let out = tokio::task::block_in_place(|| match lock(&stage).as_mut() {
-                    Some(stage) => run_instrumented(stage, batch),
+                    Some(stage) => run_instrumented(stage, batch, &span),
                     None => Err("no stage loaded on this worker".to_string()),
                 });
                 let sent = match out {
@@ -177,7 +219,7 @@ impl Worker for WorkerService {
                         }))
                         .await
                         .is_ok(),
-                    Ok(StageOutput::Forward(mb)) => {
+                    Ok(StageOutput::Forward(mut mb)) => {
                         if down.is_none() {
                             match open_downstream(&next_url, &token, up_tx.clone()).await {
                                 Ok(tx) => down = Some(tx),
@@ -187,8 +229,12 @@ impl Worker for WorkerService {
                                 }
                             }
                         }
+                        let bytes = mb.hidden.as_ref().map_or(0, |t| t.data.len());
+                        let transfer = tracing::info_span!(parent: &span, "stage.transfer", bytes);
+                        mb.trace_context = baton_shared::trace_context::inject(&transfer);
+                        mb.sent_unix_nanos = baton_shared::wire::unix_nanos();
                         match down.as_ref() {
-                            Some(tx) => tx.send(mb).await.is_ok(),
+                            Some(tx) => tx.send(mb).instrument(transfer).await.is_ok(),
                             None => false,
                         }
                     }
@@ -203,36 +249,48 @@ impl Worker for WorkerService {
 
     async fn free(&self, req: Request<FreeRequest>) -> Result<Response<FreeResponse>, Status> {
         let ids = req.into_inner().seq_ids;
-        let freed = lock(&self.state.stage).as_mut().map_or(0, |s| {
-            let n = s.free(&ids);
-            record_usage(s);
-            n
+        let freed = self.with_stage(|stage| {
+            stage.map_or(0, |s| {
+                let n = s.free(&ids);
+                record_usage(s);
+                n
+            })
         });
         Ok(Response::new(FreeResponse { freed: freed as u32 }))
     }
 
     async fn trim(&self, req: Request<TrimRequest>) -> Result<Response<TrimResponse>, Status> {
         let r = req.into_inner();
-        let mut guard = lock(&self.state.stage);
-        let stage = guard
-            .as_mut()
-            .ok_or_else(|| Status::failed_precondition("no stage loaded on this worker"))?;
-        let length = stage
-            .trim(r.seq_id, r.length as usize)
-            .ok_or_else(|| Status::not_found(format!("sequence {} is not on this worker", r.seq_id)))?;
-        record_usage(stage);
-        Ok(Response::new(TrimResponse { length: length as u32 }))
+        self.with_stage(|stage| {
+            let stage = stage.ok_or_else(|| Status::failed_precondition("no stage loaded on this worker"))?;
+            let length = stage
+                .trim(r.seq_id, r.length as usize)
+                .ok_or_else(|| Status::not_found(format!("sequence {} is not on this worker", r.seq_id)))?;
+            record_usage(stage);
+            Ok(Response::new(TrimResponse { length: length as u32 }))
+        })
     }
 
     async fn health(&self, _req: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
-        let guard = lock(&self.state.stage);
+        // Waits for a running micro-batch (it holds the stage); off the runtime's threads.
+        let guard = tokio::task::block_in_place(|| lock(&self.state.stage));
         let (active, kv) = guard.as_ref().map_or((0, 0), |s| s.usage());
+        let (kv_capacity, kv_bytes) = guard.as_ref().map_or((0, 0), |s| s.kv_reserved());
+        let totals = guard.as_ref().map(|s| s.totals).unwrap_or_default();
+        let (blocks_used, blocks_total) = guard.as_ref().map_or((0, 0), |s| s.kv_blocks());
         Ok(Response::new(HealthResponse {
+            kv_blocks_used: blocks_used as u64,
+            kv_blocks_total: blocks_total as u64,
             worker_id: lock(&self.state.worker_id).clone(),
             loaded: guard.is_some(),
             stage: guard.as_ref().map(Stage::info),
             active_sequences: active as u32,
             kv_tokens: kv as u64,
+            forward_batches: totals.batches,
+            forward_tokens: totals.tokens,
+            forward_seconds: totals.seconds,
+            kv_capacity_tokens: kv_capacity as u64,
+            kv_bytes: kv_bytes as u64,
         }))
     }
 
@@ -241,22 +299,41 @@ impl Worker for WorkerService {
     }
 }
 
-/// Run one micro-batch with its span and metrics.
-fn run_instrumented(stage: &mut Stage, batch: MicroBatch) -> Result<StageOutput, String> {
+/// The span of one micro-batch on this stage, a child of the sender's span when it came with
+/// a trace context. Stage fields are filled in once the stage is known.
+fn forward_span(worker_id: &str, batch: &MicroBatch) -> tracing::Span {
+    let span = tracing::info_span!(
+        "stage.forward",
+        stage = tracing::field::Empty,
+        worker_id = %worker_id,
+        layer_start = tracing::field::Empty,
+        layer_end = tracing::field::Empty,
+        batch_id = batch.batch_id,
+        batch_tokens = batch.seqs.iter().map(|s| s.tokens.len()).sum::<usize>(),
+        sequences = batch.seqs.len(),
+    );
+    baton_shared::trace_context::set_parent(&span, &batch.trace_context);
+    span
+}
+
+/// Run one micro-batch under `span`, with metrics.
+fn run_instrumented(stage: &mut Stage, batch: MicroBatch, span: &tracing::Span) -> Result<StageOutput, String> {
     let tokens: usize = batch.seqs.iter().map(|s| s.tokens.len()).sum();
     let info = stage.info();
-    let _span = tracing::info_span!(
-        "stage.forward",
-        stage = stage.stage_index,
-        layers = ?(info.layer_start..info.layer_end),
-        batch_tokens = tokens,
-        sequences = batch.seqs.len()
-    )
-    .entered();
+    span.record("stage", stage.stage_index);
+    span.record("layer_start", info.layer_start);
+    span.record("layer_end", info.layer_end);
+    let _entered = span.enter();
+    // How long this stage's input took to arrive (from the coordinator or the previous stage).
+    if let Some(hop) = baton_shared::wire::hop_seconds(batch.sent_unix_nanos) {
+        metrics::histogram!("baton_transfer_seconds", "stage" => stage.stage_index.to_string()).record(hop);
+    }
     let started = std::time::Instant::now();
     let out = stage.run(batch);
+    let seconds = started.elapsed().as_secs_f64();
+    stage.totals.record(tokens, seconds);
     let label = [("stage", stage.stage_index.to_string())];
-    metrics::histogram!("baton_stage_forward_seconds", &label).record(started.elapsed().as_secs_f64());
+    metrics::histogram!("baton_stage_forward_seconds", &label).record(seconds);
     metrics::histogram!("baton_stage_batch_tokens", &label).record(tokens as f64);
     if let Ok(StageOutput::Forward(mb)) = &out {
         let bytes = mb.hidden.as_ref().map_or(0, |t| t.data.len());
@@ -272,8 +349,11 @@ fn run_instrumented(stage: &mut Stage, batch: MicroBatch) -> Result<StageOutput,
 /// Gauges of what this worker holds.
 fn record_usage(stage: &Stage) {
     let (seqs, kv_tokens) = stage.usage();
+    let (used, total) = stage.kv_blocks();
     metrics::gauge!("baton_worker_sequences").set(seqs as f64);
     metrics::gauge!("baton_worker_kv_tokens").set(kv_tokens as f64);
+    metrics::gauge!("baton_worker_kv_blocks_used").set(used as f64);
+    metrics::gauge!("baton_worker_kv_blocks_total").set(total as f64);
 }
 
 /// Open the Forward stream to the next stage; its results are relayed into `up_tx`.

@@ -7,7 +7,7 @@ use baton_shared::proto::{BatchResult, Dtype, MicroBatch, SequenceChunk, Sequenc
 use baton_shared::sampling::SamplingParams;
 use baton_shared::wire;
 
-use crate::kv_cache::SequenceKv;
+use crate::kv_cache::{PagedBatch, PagedKv, PagedSeq};
 use crate::model::{ForwardError, Scratch, StageWeights};
 use crate::sampler::{Sampler, log_softmax_top};
 
@@ -20,24 +20,47 @@ pub enum StageOutput {
     Sampled(BatchResult),
 }
 
-/// Per-sequence state on this stage.
+/// Per-sequence state on this stage (its K/V live in the pool, under its block table).
 struct SeqState {
-    kv: SequenceKv,
+    /// Positions stored.
+    len: usize,
     /// Last stage only.
     sampler: Option<Sampler>,
     logprobs: bool,
     top_logprobs: usize,
 }
 
+/// Work a stage has done since it was loaded.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct ForwardTotals {
+    pub batches: u64,
+    pub tokens: u64,
+    pub seconds: f64,
+}
+
+impl ForwardTotals {
+    /// Count one micro-batch of `tokens` that took `seconds`.
+    pub fn record(&mut self, tokens: usize, seconds: f64) {
+        self.batches += 1;
+        self.tokens += tokens as u64;
+        self.seconds += seconds;
+    }
+}
+
 /// A stage with its sequences.
 pub struct Stage {
     pub weights: StageWeights,
     pub stage_index: u32,
+    /// Reported by Health, so the coordinator can show per-stage latency.
+    pub totals: ForwardTotals,
     activation_dtype: Dtype,
     seqs: HashMap<u64, SeqState>,
+    kv: PagedKv,
     scratch: Scratch,
     hidden: Vec<f32>,
     logits: Vec<f32>,
+    /// Last rows of the sequences sampled in a batch (reused).
+    sample_rows: Vec<f32>,
 }
 
 /// Bounds on what one micro-batch may ask for, so a bad message cannot exhaust memory.
@@ -45,16 +68,32 @@ const MAX_BATCH_TOKENS: usize = 1 << 16;
 const MAX_TOP_LOGPROBS: usize = 20;
 
 impl Stage {
-    /// A stage over loaded weights.
-    pub fn new(weights: StageWeights, stage_index: u32, activation_dtype: Dtype) -> Self {
+    /// A stage over loaded weights with a KV pool of `kv_blocks` blocks of `kv_block_size`
+    /// positions.
+    pub fn new(
+        weights: StageWeights,
+        stage_index: u32,
+        activation_dtype: Dtype,
+        kv_blocks: usize,
+        kv_block_size: usize,
+    ) -> Self {
+        let kv = PagedKv::new(
+            weights.layers.len(),
+            weights.config.kv_dim(),
+            kv_block_size.max(1),
+            kv_blocks,
+        );
         Self {
+            kv,
             weights,
             stage_index,
+            totals: ForwardTotals::default(),
             activation_dtype,
             seqs: HashMap::new(),
             scratch: Scratch::default(),
             hidden: Vec::new(),
             logits: Vec::new(),
+            sample_rows: Vec::new(),
         }
     }
 
@@ -71,16 +110,28 @@ impl Stage {
         }
     }
 
-    /// Sequences holding KV here, and the tokens they hold.
+    /// Sequences holding KV here, and the positions they hold.
     pub fn usage(&self) -> (usize, usize) {
-        (self.seqs.len(), self.seqs.values().map(|s| s.kv.len()).sum())
+        (self.seqs.len(), self.seqs.values().map(|s| s.len).sum())
+    }
+
+    /// KV positions the pool has room for, and the bytes it reserves.
+    pub fn kv_reserved(&self) -> (usize, usize) {
+        (self.kv.blocks() * self.kv.block_size(), self.kv.bytes())
+    }
+
+    /// Blocks the live sequences' positions cover, and blocks in the pool.
+    pub fn kv_blocks(&self) -> (usize, usize) {
+        let bs = self.kv.block_size();
+        let used = self.seqs.values().map(|s| s.len.div_ceil(bs)).sum();
+        (used, self.kv.blocks())
     }
 
     /// Keep the first `len` positions of a sequence; returns its new length, None if unknown.
     pub fn trim(&mut self, seq_id: u64, len: usize) -> Option<usize> {
         let seq = self.seqs.get_mut(&seq_id)?;
-        seq.kv.truncate(len);
-        Some(seq.kv.len())
+        seq.len = seq.len.min(len);
+        Some(seq.len)
     }
 
     /// Drop sequences; returns how many existed.
@@ -129,13 +180,25 @@ impl Stage {
         out
     }
 
+    /// Run every chunk's rows through the layers as one batch (each weight matrix read once
+    /// for the whole micro-batch), after checking each sequence can take its chunk.
     fn run_layers(&mut self, seqs: &[SequenceChunk], hidden: &mut [f32]) -> Result<(), String> {
-        let h = self.weights.config.hidden_size;
         let c = &self.weights.config;
-        let mut offset = 0;
+        for (i, chunk) in seqs.iter().enumerate() {
+            if seqs[..i].iter().any(|o| o.seq_id == chunk.seq_id) {
+                return Err(self.err(format!("sequence {} appears twice in one micro-batch", chunk.seq_id)));
+            }
+        }
         for chunk in seqs {
             let n = chunk.tokens.len();
             let pos0 = chunk.pos0 as usize;
+            if pos0 + n > c.max_position_embeddings {
+                let e = ForwardError::ContextOverflow {
+                    needed: pos0 + n,
+                    max: c.max_position_embeddings,
+                };
+                return Err(self.err(format!("sequence {}: {e}", chunk.seq_id)));
+            }
             if pos0 == 0 {
                 // A (re)started sequence: fresh KV, and on the last stage a fresh sampler.
                 let sampling = chunk.sampling.unwrap_or_default();
@@ -148,47 +211,82 @@ impl Stage {
                     ..SamplingParams::default()
                 };
                 let state = SeqState {
-                    kv: SequenceKv::new(self.weights.layers.len(), c.kv_dim(), n),
+                    len: 0,
                     sampler: self.weights.is_last.then(|| Sampler::new(&params)),
                     logprobs: sampling.logprobs,
                     top_logprobs: (sampling.top_logprobs as usize).min(MAX_TOP_LOGPROBS),
                 };
                 self.seqs.insert(chunk.seq_id, state);
             }
-            let Some(seq) = self.seqs.get_mut(&chunk.seq_id) else {
+            let Some(seq) = self.seqs.get(&chunk.seq_id) else {
                 return Err(format!(
                     "stage {}: unknown sequence {} at position {pos0} (never started, or freed)",
                     self.stage_index, chunk.seq_id
                 ));
             };
-            let rows = &mut hidden[offset * h..(offset + n) * h];
-            if let Err(e) = self.weights.forward(rows, pos0, &mut seq.kv, &mut self.scratch) {
-                let msg = format!("sequence {}: {e}", chunk.seq_id);
-                if matches!(e, ForwardError::KvPosition { .. }) {
-                    self.seqs.remove(&chunk.seq_id);
-                }
-                return Err(self.err(msg));
+            if seq.len != pos0 {
+                let e = ForwardError::KvPosition { have: seq.len, pos0 };
+                // Its KV no longer matches what the coordinator believes: drop the sequence.
+                self.seqs.remove(&chunk.seq_id);
+                return Err(self.err(format!("sequence {}: {e}", chunk.seq_id)));
             }
-            offset += n;
+        }
+        let batch: Vec<PagedSeq<'_>> = seqs
+            .iter()
+            .map(|chunk| PagedSeq {
+                pos0: chunk.pos0 as usize,
+                len: chunk.tokens.len(),
+                stored: chunk.pos0 as usize,
+                table: &chunk.blocks,
+            })
+            .collect();
+        let mut kv = PagedBatch {
+            pool: &mut self.kv,
+            seqs: &batch,
+        };
+        if let Err(e) = self.weights.forward_batch(hidden, &mut kv, &mut self.scratch) {
+            return Err(self.err(e));
+        }
+        for chunk in seqs {
+            if let Some(seq) = self.seqs.get_mut(&chunk.seq_id) {
+                seq.len = chunk.pos0 as usize + chunk.tokens.len();
+            }
         }
         Ok(())
     }
 
+    /// Sample the next token of every chunk that asks for one, with one head product over all
+    /// their last rows.
     fn sample(&mut self, batch: &MicroBatch, hidden: &[f32]) -> Result<BatchResult, String> {
         let h = self.weights.config.hidden_size;
         let vocab = self.weights.config.vocab_size;
-        self.logits.resize(vocab, 0.0);
-        let mut results = Vec::new();
+        let rows = &mut self.sample_rows;
+        rows.clear();
         let mut offset = 0;
         for chunk in &batch.seqs {
             offset += chunk.tokens.len();
-            if !chunk.sample {
-                continue;
+            if chunk.sample {
+                rows.extend_from_slice(&hidden[(offset - 1) * h..offset * h]);
             }
-            let row = &hidden[(offset - 1) * h..offset * h];
-            self.weights
-                .logits(row, &mut self.scratch, &mut self.logits)
-                .map_err(|e| self.err(e))?;
+        }
+        let mut results = Vec::new();
+        if rows.is_empty() {
+            return Ok(BatchResult {
+                batch_id: batch.batch_id,
+                results,
+                error: String::new(),
+            });
+        }
+        self.logits.resize(rows.len() / h * vocab, 0.0);
+        self.weights
+            .logits(&self.sample_rows, &mut self.scratch, &mut self.logits)
+            .map_err(|e| self.err(e))?;
+        for (chunk, logits) in batch
+            .seqs
+            .iter()
+            .filter(|c| c.sample)
+            .zip(self.logits.chunks_exact(vocab))
+        {
             let seq = self
                 .seqs
                 .get_mut(&chunk.seq_id)
@@ -197,14 +295,14 @@ impl Stage {
                 .sampler
                 .as_mut()
                 .ok_or_else(|| format!("sequence {} has no sampler", chunk.seq_id))?;
-            let token = sampler.sample(&self.logits);
+            let token = sampler.sample(logits);
             let mut r = SequenceResult {
                 seq_id: chunk.seq_id,
                 token,
                 ..Default::default()
             };
             if seq.logprobs {
-                let lp = log_softmax_top(&self.logits, token, seq.top_logprobs);
+                let lp = log_softmax_top(logits, token, seq.top_logprobs);
                 r.logprob = lp.0;
                 (r.top_ids, r.top_logprobs) = lp.1.into_iter().unzip();
             }

@@ -1,9 +1,11 @@
 //! The OpenAI-compatible HTTP API: `/v1/completions`, `/v1/chat/completions`, `/v1/models`,
-//! plus `/health` and `/ready`. Text lives here (templating, tokenizing, detokenizing, stop
-//! strings); token production is behind [`Generator`].
+//! plus `/health`, `/ready`, `/metrics`, `/admin/cluster` and the `/dashboard` page. Text lives
+//! here (templating, tokenizing, detokenizing, stop strings); token production is behind
+//! [`Generator`].
 
 pub mod chat;
 pub mod completions;
+pub mod dashboard;
 pub mod error;
 pub mod output;
 pub mod params;
@@ -87,6 +89,7 @@ pub fn router(state: AppState) -> Router {
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
         .route("/admin/cluster", get(admin_cluster))
+        .route("/dashboard", get(dashboard::page))
         .fallback(unknown_route)
         .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(limit))
@@ -137,6 +140,9 @@ async fn get_model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -
 async fn admin_cluster(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
     let mut view = state.generator.describe();
     view["model"] = serde_json::json!(state.model_name);
+    // The dashboard's clock for rates, so they do not depend on the viewer's timers.
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    view["server_time_ms"] = serde_json::json!(now.map_or(0, |d| d.as_millis() as u64));
     Json(view)
 }
 

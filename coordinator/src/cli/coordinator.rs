@@ -68,6 +68,14 @@ pub struct CoordinatorArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_batch_tokens: Option<usize>,
+    /// Positions per paged-KV block [default: 16].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_block_size: Option<usize>,
+    /// Cap on KV blocks per pipeline [default: what every worker's --kv-cache-mib fits].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_max_blocks: Option<usize>,
     /// Largest accepted request body in bytes (HTTP 413 beyond) [default: 4194304].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -97,6 +105,8 @@ pub fn run(ctx: &Ctx, args: CoordinatorArgs) -> Result<()> {
         "--workers {stages}: must be between 1 and the model's {} layers",
         model.config.num_layers
     );
+    anyhow::ensure!(a.kv_block_size > 0, "kv_block_size must be at least 1");
+    anyhow::ensure!(a.kv_max_blocks != Some(0), "kv_max_blocks must be at least 1");
     let config = PipelineConfig {
         model: a.worker_model.clone().unwrap_or_else(|| path.display().to_string()),
         num_layers: model.config.num_layers,
@@ -111,6 +121,9 @@ pub fn run(ctx: &Ctx, args: CoordinatorArgs) -> Result<()> {
         max_running: a.max_running,
         max_batch_tokens: a.max_batch_tokens.max(a.max_running),
         weights: a.weights.clone(),
+        kv_dim: model.config.kv_dim(),
+        kv_block_size: a.kv_block_size,
+        kv_max_blocks: a.kv_max_blocks,
     };
     let name = a
         .served_model_name

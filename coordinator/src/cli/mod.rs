@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use baton_shared::model_source::{LoadedModel, resolve_model};
-use baton_shared::settings::{LogFormat, Settings};
+use baton_shared::settings::Settings;
 use clap::{Parser, Subcommand};
 use serde::Serialize;
 
@@ -44,6 +44,10 @@ pub struct GlobalArgs {
     #[arg(long, global = true, value_parser = ["text", "json"])]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub log_format: Option<String>,
+    /// Export traces over OTLP/gRPC to this collector, e.g. http://localhost:4317.
+    #[arg(long, global = true)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub otlp_endpoint: Option<String>,
 }
 
 /// The model to use: a .gguf file, a Hugging Face directory, or `smollm2-135m` (the default).
@@ -106,18 +110,6 @@ pub fn open_model_at(path: &Path) -> Result<LoadedModel> {
     LoadedModel::open(path).with_context(|| format!("loading model {}", path.display()))
 }
 
-fn init_logging(settings: &Settings) {
-    let filter = tracing_subscriber::EnvFilter::try_new(&settings.log_level)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let _ = match settings.log_format {
-        LogFormat::Json => builder.json().try_init(),
-        LogFormat::Text => builder.try_init(),
-    };
-}
-
 /// Load settings and run the chosen subcommand.
 pub fn run(cli: Cli) -> Result<()> {
     // Command flags override their section of the settings ([serve], [coordinator], [worker]).
@@ -132,7 +124,11 @@ pub fn run(cli: Cli) -> Result<()> {
         map.insert(name.to_string(), value);
     }
     let settings = Settings::load(cli.global.config.as_deref(), flags)?;
-    init_logging(&settings);
+    let service = match &cli.command {
+        Command::Worker(_) => "baton-worker",
+        _ => "baton-coordinator",
+    };
+    let _logging = baton_shared::logging::init(&settings.logging(service))?;
     let ctx = Ctx { settings };
     match cli.command {
         Command::Fetch => {

@@ -59,6 +59,14 @@ pub struct ServeArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_batch_tokens: Option<usize>,
+    /// Positions per paged-KV block [default: 16].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_block_size: Option<usize>,
+    /// Cap on KV blocks per pipeline [default: what every worker's --kv-cache-mib fits].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_max_blocks: Option<usize>,
     /// Largest accepted request body in bytes (HTTP 413 beyond) [default: 4194304].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -222,6 +230,8 @@ async fn build_generator(
     let registry = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .context("binding the worker registry")?;
+    anyhow::ensure!(a.kv_block_size > 0, "kv_block_size must be at least 1");
+    anyhow::ensure!(a.kv_max_blocks != Some(0), "kv_max_blocks must be at least 1");
     let config = PipelineConfig {
         model: std::fs::canonicalize(model_path)
             .unwrap_or_else(|_| model_path.to_path_buf())
@@ -239,6 +249,9 @@ async fn build_generator(
         max_running: a.max_running,
         max_batch_tokens: a.max_batch_tokens.max(a.max_running),
         weights: a.weights.clone(),
+        kv_dim: model.config.kv_dim(),
+        kv_block_size: a.kv_block_size,
+        kv_max_blocks: a.kv_max_blocks,
     };
     weight_format(&a.weights)?;
     let server = cluster::start(registry, config)?;
@@ -248,7 +261,11 @@ async fn build_generator(
     let exe = std::env::current_exe().context("locating the baton binary to start workers")?;
     let mut children = Vec::with_capacity(a.workers);
     for i in 0..a.workers {
-        let child = tokio::process::Command::new(&exe)
+        let mut cmd = tokio::process::Command::new(&exe);
+        if let Some(endpoint) = &ctx.settings.otlp_endpoint {
+            cmd.env("BATON_OTLP_ENDPOINT", endpoint);
+        }
+        let child = cmd
             .args([
                 "worker",
                 "--exit-with-stdin",

@@ -2,6 +2,8 @@
 //! the chain of workers. `supervisor` builds (and rebuilds) the pipeline from registered
 //! workers; `steps` runs the step loop while it stands.
 
+mod kv_blocks;
+mod stage_stats;
 mod steps;
 mod supervisor;
 
@@ -14,6 +16,7 @@ use tokio::sync::mpsc;
 use crate::generation::{GenerationRequest, Generator, SubmitError, TokenEvent};
 use crate::registry::Cluster;
 
+pub use stage_stats::StageLive;
 pub use supervisor::StageAssignment;
 
 /// What the pipeline needs to know about the model and the cluster.
@@ -41,6 +44,13 @@ pub struct PipelineConfig {
     pub max_running: usize,
     /// Tokens per step (decode tokens first, then prompt chunks), bounding every stage's batch.
     pub max_batch_tokens: usize,
+    /// Width of one position's keys (or values) per layer: `num_kv_heads × head_dim`.
+    pub kv_dim: usize,
+    /// Positions per KV block.
+    pub kv_block_size: usize,
+    /// At most this many KV blocks even if the workers' budgets allow more (tests and
+    /// deliberate limits); None: as many as every stage's budget fits.
+    pub kv_max_blocks: Option<usize>,
 }
 
 /// A new sequence handed to the step loop.
@@ -51,6 +61,10 @@ pub(crate) struct NewSequence {
     pub submitted: std::time::Instant,
     pub req: GenerationRequest,
     pub tx: mpsc::Sender<TokenEvent>,
+    /// The sequence's span (a child of the request's), ended when the sequence finishes.
+    pub span: tracing::Span,
+    /// Open while the sequence waits for admission.
+    pub queue_span: tracing::Span,
 }
 
 /// Shared between the generator handle and the supervisor task.
@@ -63,6 +77,32 @@ pub struct PipelineStatus {
     pub max_in_flight: AtomicU64,
     /// The current assignment, for `/admin` views and tests.
     pub assignment: std::sync::Mutex<Vec<StageAssignment>>,
+    /// Tokens sampled for requests since start.
+    pub generated_tokens: AtomicU64,
+    /// Prompt tokens sent down the pipeline (prefill) since start.
+    pub prompt_tokens: AtomicU64,
+    /// Micro-batches that came back since start.
+    pub steps_completed: AtomicU64,
+    /// Their summed round trips (every stage plus transfers), in microseconds.
+    pub step_micros: AtomicU64,
+    /// Each stage's latest Health answer, in stage order, while the pipeline stands.
+    pub stage_live: std::sync::Mutex<Vec<StageLive>>,
+    /// When the stages' numbers were last asked for (`describe`); they are polled only then.
+    pub viewed: std::sync::Mutex<Option<std::time::Instant>>,
+    /// KV blocks of the pipeline (the same on every stage) and how many sequences hold.
+    pub kv_blocks_total: AtomicU64,
+    pub kv_blocks_used: AtomicU64,
+    /// Sequences preempted (their KV dropped, to be recomputed) because blocks ran out.
+    pub preemptions: AtomicU64,
+}
+
+impl PipelineStatus {
+    /// Count a micro-batch that came back after `round_trip`.
+    pub fn record_step(&self, round_trip: std::time::Duration) {
+        self.steps_completed.fetch_add(1, Ordering::Relaxed);
+        self.step_micros
+            .fetch_add(round_trip.as_micros() as u64, Ordering::Relaxed);
+    }
 }
 
 /// Generator backed by a pipeline of gRPC workers.
@@ -106,12 +146,23 @@ impl Generator for PipelineGenerator {
         req.check(self.config.vocab_size, self.config.max_context)?;
         let (tx, rx) = mpsc::channel(req.params.max_tokens.clamp(1, 4096) + 1);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let span = tracing::info_span!(
+            "sequence",
+            seq_id = id,
+            prompt_tokens = req.prompt.len(),
+            max_tokens = req.params.max_tokens,
+            generated_tokens = tracing::field::Empty,
+            finish_reason = tracing::field::Empty,
+        );
+        let queue_span = tracing::info_span!(parent: &span, "queue.wait");
         self.submit_tx
             .try_send(NewSequence {
                 id,
                 submitted: std::time::Instant::now(),
                 req,
                 tx,
+                span,
+                queue_span,
             })
             .map_err(|e| match e {
                 mpsc::error::TrySendError::Full(_) => {
@@ -128,19 +179,30 @@ impl Generator for PipelineGenerator {
 
     fn describe(&self) -> serde_json::Value {
         let assignment = self.status.assignment.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        *self.status.viewed.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::time::Instant::now());
+        let live = self.status.stage_live.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let alive = self.cluster.alive();
         let stages: Vec<_> = assignment
             .iter()
             .enumerate()
             .map(|(i, a)| {
-                serde_json::json!({
+                let mut stage = serde_json::json!({
                     "stage": i, "worker_id": a.worker_id, "address": a.address,
                     "layer_start": a.layers.start, "layer_end": a.layers.end,
-                })
+                    "alive": self.cluster.is_alive(&a.worker_id),
+                    "live": live.get(i).map(StageLive::to_json),
+                });
+                // Repeated from `workers` so a stage reads on its own (the dashboard's boxes).
+                if let Some(w) = alive.iter().find(|w| w.id == a.worker_id) {
+                    stage["device"] = w.device_kind.clone().into();
+                    stage["cores"] = w.cores.into();
+                    stage["memory_bytes"] = w.memory_bytes.into();
+                    stage["features"] = w.features.clone().into();
+                }
+                stage
             })
             .collect();
-        let workers: Vec<_> = self
-            .cluster
-            .alive()
+        let workers: Vec<_> = alive
             .into_iter()
             .map(|w| {
                 serde_json::json!({
@@ -161,6 +223,16 @@ impl Generator for PipelineGenerator {
             "max_micro_batches_in_flight": self.status.max_in_flight.load(Ordering::Relaxed),
             "max_running": self.config.max_running,
             "max_queue": self.config.max_queue,
+            // Requests accepted and not yet admitted: what the submission channel holds.
+            "queue_depth": self.submit_tx.max_capacity() - self.submit_tx.capacity(),
+            "generated_tokens_total": self.status.generated_tokens.load(Ordering::Relaxed),
+            "prompt_tokens_total": self.status.prompt_tokens.load(Ordering::Relaxed),
+            "steps_completed": self.status.steps_completed.load(Ordering::Relaxed),
+            "step_seconds_total": self.status.step_micros.load(Ordering::Relaxed) as f64 / 1e6,
+            "kv_block_size": self.config.kv_block_size,
+            "kv_blocks_total": self.status.kv_blocks_total.load(Ordering::Relaxed),
+            "kv_blocks_used": self.status.kv_blocks_used.load(Ordering::Relaxed),
+            "preemptions_total": self.status.preemptions.load(Ordering::Relaxed),
         })
     }
 }

@@ -11,6 +11,7 @@ use futures::StreamExt;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
+use super::kv_blocks::BlockAllocator;
 use super::supervisor::Pipeline;
 use super::{NewSequence, PipelineConfig, PipelineStatus};
 use crate::generation::{FinishReason, GenerationRequest, TokenEvent, TokenLogprobs};
@@ -30,12 +31,18 @@ struct Seq {
     last_token: Option<Instant>,
     tokens: Vec<u32>,
     prompt_len: usize,
-    /// Prompt tokens already sent down the pipeline (prefill may take several steps).
+    /// Tokens to prefill before decoding: the prompt, or after a preemption every token so far.
+    prefill_len: usize,
+    /// Tokens already sent down the pipeline for prefill (it may take several steps).
     prefilled: usize,
+    /// KV block table (ids from the pipeline's allocator, the same on every stage).
+    blocks: Vec<u32>,
     /// Part of a micro-batch that has not come back yet.
     in_flight: bool,
     req: GenerationRequest,
     tx: mpsc::Sender<TokenEvent>,
+    /// Ends (and is exported) when the sequence is dropped.
+    span: tracing::Span,
 }
 
 impl Seq {
@@ -45,7 +52,16 @@ impl Seq {
     }
 
     fn decoding(&self) -> bool {
-        self.prefilled == self.prompt_len
+        self.prefilled == self.prefill_len
+    }
+
+    /// Drop this sequence's KV to make room for others; it is prefilled again from all its
+    /// tokens later and then continues where it was (greedy output is unchanged; a seeded
+    /// sampler starts its random stream over).
+    fn preempt(&mut self, alloc: &mut BlockAllocator) {
+        alloc.release(&mut self.blocks);
+        self.prefilled = 0;
+        self.prefill_len = self.tokens.len();
     }
 
     /// The last sampled token, to extend the sequence by one position.
@@ -57,6 +73,7 @@ impl Seq {
             pos0: pos as u32,
             sample: true,
             sampling: None,
+            blocks: self.blocks.clone(),
         }
     }
 
@@ -69,7 +86,8 @@ impl Seq {
             seq_id: self.id,
             tokens: self.tokens[pos0..pos0 + n].to_vec(),
             pos0: pos0 as u32,
-            sample: self.prefilled == self.prompt_len,
+            sample: self.prefilled == self.prefill_len,
+            blocks: self.blocks.clone(),
             sampling: (pos0 == 0).then_some(Sampling {
                 temperature: p.temperature,
                 top_k: p.top_k as u32,
@@ -91,28 +109,63 @@ impl Seq {
     }
 }
 
+/// What [`compose_step`] chose.
+struct Composed {
+    chunks: Vec<SequenceChunk>,
+    /// How many of the chunks are decode tokens (they come first).
+    decode: usize,
+    /// Decoding sequences left out because no KV block was free for their next position.
+    starved: Vec<u64>,
+}
+
 /// One step's chunks: every decoding sequence's next token first (running sequences keep their
 /// pace), then prompt chunks in arrival order while the step's token budget lasts, so a long
-/// prompt is prefilled over several steps instead of stalling everyone's decode.
-/// Returns the chunks and how many of them are decode tokens.
-fn compose_step(active: &mut [&mut Seq], budget: usize) -> (Vec<SequenceChunk>, usize) {
-    let mut chunks: Vec<SequenceChunk> = active
-        .iter()
-        .filter(|s| s.decoding())
-        .map(|s| s.decode_chunk())
-        .collect();
-    let decode = chunks.len();
-    let mut used = decode;
+/// prompt is prefilled over several steps instead of stalling everyone's decode. Each chunk's
+/// positions get KV blocks first; a prompt chunk shrinks to the blocks there are.
+fn compose_step(active: &mut [&mut Seq], budget: usize, alloc: &mut BlockAllocator) -> Composed {
+    let mut out = Composed {
+        chunks: Vec::new(),
+        decode: 0,
+        starved: Vec::new(),
+    };
+    for seq in active.iter_mut().filter(|s| s.decoding()) {
+        if alloc.cover(&mut seq.blocks, seq.tokens.len()) {
+            out.chunks.push(seq.decode_chunk());
+        } else {
+            out.starved.push(seq.id);
+        }
+    }
+    out.decode = out.chunks.len();
+    let mut used = out.decode;
     for seq in active.iter_mut().filter(|s| !s.decoding()) {
         let left = budget.saturating_sub(used);
-        if left == 0 {
+        let room = (seq.blocks.len() + alloc.free()) * alloc.block_size() - seq.prefilled;
+        let n = left.min(seq.prefill_len - seq.prefilled).min(room);
+        if n == 0 {
             break;
         }
-        let n = left.min(seq.prompt_len - seq.prefilled);
-        chunks.push(seq.prefill_chunk(n));
+        let covered = alloc.cover(&mut seq.blocks, seq.prefilled + n);
+        debug_assert!(covered, "room was counted from the free blocks");
+        out.chunks.push(seq.prefill_chunk(n));
         used += n;
     }
-    (chunks, decode)
+    out
+}
+
+/// The sequence to preempt when `starved` ones need blocks: the newest idle sequence holding
+/// any (first come, first served). While micro-batches are in flight the starved themselves are
+/// spared: the batches' return may free blocks.
+fn preemption_victim(active: &[Seq], starved: &[u64], in_flight: bool) -> Option<usize> {
+    active
+        .iter()
+        .enumerate()
+        .rev()
+        .find(|(_, s)| {
+            let spared = in_flight && starved.contains(&s.id);
+            let unavailable = s.in_flight || s.blocks.is_empty() || spared;
+            !unavailable
+        })
+        .map(|(i, _)| i)
 }
 
 /// Drop sequences' KV on every stage, without waiting.
@@ -145,6 +198,8 @@ async fn find_failed_stage(pipeline: &Pipeline, cluster: &Cluster) -> Option<Str
 
 /// Count a finished request by how it ended, with its end-to-end latency.
 fn record_outcome(seq: &Seq, outcome: &'static str) {
+    seq.span.record("finish_reason", outcome);
+    seq.span.record("generated_tokens", seq.tokens.len() - seq.prompt_len);
     metrics::counter!("baton_requests_finished_total", "outcome" => outcome).increment(1);
     metrics::histogram!("baton_request_duration_seconds").record(seq.submitted.elapsed().as_secs_f64());
 }
@@ -175,6 +230,11 @@ pub(crate) async fn run(
         Err(e) => return stage_failed(format!("stage 0 refused the forward stream: {}", e.message()), None),
     };
     let mut active: Vec<Seq> = Vec::new();
+    let mut alloc = BlockAllocator::new(pipeline.kv_blocks, config.kv_block_size);
+    status.kv_blocks_total.store(alloc.total() as u64, Ordering::Relaxed);
+    metrics::gauge!("baton_kv_blocks_total").set(alloc.total() as f64);
+    // A request taken from the queue that waits for KV blocks before it is admitted.
+    let mut next_up: Option<NewSequence> = None;
     // Micro-batches sent and not yet answered, oldest first (stage streams keep order).
     let mut in_flight: VecDeque<InFlight> = VecDeque::new();
     let depth = pipeline.stages.len();
@@ -189,10 +249,10 @@ pub(crate) async fn run(
     };
     loop {
         status.active_sequences.store(active.len() as u64, Ordering::Relaxed);
-        if active.is_empty() {
+        if active.is_empty() && next_up.is_none() {
             tokio::select! {
                 s = submit_rx.recv() => match s {
-                    Some(s) => active.push(new_seq(s)),
+                    Some(s) => next_up = Some(s),
                     None => return StepLoopEnd::Shutdown,
                 },
                 _ = tick.tick() => {
@@ -203,24 +263,56 @@ pub(crate) async fn run(
                 }
             }
         }
-        // Admit waiting requests up to the running limit; the rest stay queued in the channel,
+        // Admit waiting requests up to the running limit while their prompts' KV blocks are
+        // free (beyond what admitted prompts still need); the rest stay queued in the channel,
         // whose capacity bounds the queue (submissions beyond it get 429).
-        while active.len() < config.max_running
-            && let Ok(s) = submit_rx.try_recv()
-        {
+        while active.len() < config.max_running {
+            let Some(s) = next_up.take().or_else(|| submit_rx.try_recv().ok()) else {
+                break;
+            };
+            let need = alloc.blocks_for(s.req.prompt.len());
+            if need > alloc.total() {
+                let message = format!(
+                    "the prompt of {} tokens needs {need} KV blocks of {} positions; the pipeline has {}",
+                    s.req.prompt.len(),
+                    alloc.block_size(),
+                    alloc.total()
+                );
+                let seq = new_seq(s);
+                record_outcome(&seq, "failed");
+                let _ = seq.tx.try_send(TokenEvent::Failed {
+                    message,
+                    retriable: false,
+                });
+                continue;
+            }
+            let pending: usize = active
+                .iter()
+                .filter(|q| !q.decoding())
+                .map(|q| alloc.blocks_for(q.prefill_len).saturating_sub(q.blocks.len()))
+                .sum();
+            if !active.is_empty() && alloc.free() < pending + need {
+                next_up = Some(s);
+                break;
+            }
             active.push(new_seq(s));
         }
         // Requests whose client went away: stop them and free their KV. One with a micro-batch
         // in flight is dropped when that batch returns, so Free cannot overtake it.
-        let (gone, kept): (Vec<Seq>, Vec<Seq>) = active.into_iter().partition(|s| s.tx.is_closed() && !s.in_flight);
+        let (mut gone, kept): (Vec<Seq>, Vec<Seq>) = active.into_iter().partition(|s| s.tx.is_closed() && !s.in_flight);
         active = kept;
-        gone.iter().for_each(|s| record_outcome(s, "cancelled"));
+        for s in &mut gone {
+            record_outcome(s, "cancelled");
+            alloc.release(&mut s.blocks);
+        }
+        publish_blocks(&alloc, status);
         free_everywhere(pipeline, gone.iter().filter(|s| s.holds_kv()).map(|s| s.id).collect());
         metrics::gauge!("baton_running_sequences").set(active.len() as f64);
         metrics::gauge!("baton_queue_depth").set(submit_rx.len() as f64);
 
         // Keep up to one micro-batch per stage in flight, over disjoint sequences, so every
         // stage has work under load. Each takes its share of the idle sequences.
+        let mut starved: Vec<u64> = Vec::new();
         while in_flight.len() < depth {
             let idle_count = active.iter().filter(|s| !s.in_flight).count();
             let share = idle_count.div_ceil(depth - in_flight.len()).max(1);
@@ -228,7 +320,12 @@ pub(crate) async fn run(
             if idle.is_empty() {
                 break;
             }
-            let (seqs, decode) = compose_step(&mut idle, config.max_batch_tokens);
+            let Composed {
+                chunks: seqs,
+                decode,
+                starved: short,
+            } = compose_step(&mut idle, config.max_batch_tokens, &mut alloc);
+            starved.extend(short);
             if seqs.is_empty() {
                 break;
             }
@@ -238,7 +335,11 @@ pub(crate) async fn run(
             }
             batch_id += 1;
             let batch_tokens: usize = seqs.iter().map(|c| c.tokens.len()).sum();
+            let span = step_span(batch_id, &idle, &members, batch_tokens, decode);
             metrics::counter!("baton_prefill_tokens_total").increment((batch_tokens - decode) as u64);
+            status
+                .prompt_tokens
+                .fetch_add((batch_tokens - decode) as u64, Ordering::Relaxed);
             metrics::counter!("baton_decode_tokens_total").increment(decode as u64);
             metrics::histogram!("baton_step_batch_tokens").record(batch_tokens as f64);
             tracing::debug!(
@@ -253,6 +354,8 @@ pub(crate) async fn run(
                     batch_id,
                     seqs,
                     hidden: None,
+                    trace_context: baton_shared::trace_context::inject(&span),
+                    sent_unix_nanos: baton_shared::wire::unix_nanos(),
                 })
                 .await
                 .is_err()
@@ -265,12 +368,52 @@ pub(crate) async fn run(
                 batch_id,
                 members,
                 sent: Instant::now(),
+                span,
             });
             status
                 .max_in_flight
                 .fetch_max(in_flight.len() as u64, Ordering::Relaxed);
             metrics::gauge!("baton_micro_batches_in_flight").set(in_flight.len() as f64);
         }
+        if !starved.is_empty() {
+            match preemption_victim(&active, &starved, !in_flight.is_empty()) {
+                Some(i) if !(in_flight.is_empty() && active.iter().filter(|s| !s.blocks.is_empty()).count() == 1) => {
+                    let victim = &mut active[i];
+                    tracing::info!(
+                        seq_id = victim.id,
+                        tokens = victim.tokens.len(),
+                        "KV blocks ran out: preempting the newest sequence"
+                    );
+                    victim.preempt(&mut alloc);
+                    status.preemptions.fetch_add(1, Ordering::Relaxed);
+                    metrics::counter!("baton_preemptions_total").increment(1);
+                    publish_blocks(&alloc, status);
+                    continue;
+                }
+                Some(_) | None if in_flight.is_empty() => {
+                    // A lone sequence has filled every block: it ends as if at its length limit.
+                    let (full, kept): (Vec<Seq>, Vec<Seq>) = active.into_iter().partition(|s| starved.contains(&s.id));
+                    active = kept;
+                    for mut s in full {
+                        tracing::warn!(
+                            seq_id = s.id,
+                            tokens = s.tokens.len(),
+                            "sequence fills the whole KV pool; finishing it"
+                        );
+                        record_outcome(&s, FinishReason::Length.as_str());
+                        let _ = s.tx.try_send(TokenEvent::Done {
+                            reason: FinishReason::Length,
+                        });
+                        alloc.release(&mut s.blocks);
+                        free_everywhere(pipeline, vec![s.id]);
+                    }
+                    publish_blocks(&alloc, status);
+                    continue;
+                }
+                _ => {}
+            }
+        }
+        publish_blocks(&alloc, status);
         if in_flight.is_empty() {
             continue;
         }
@@ -305,23 +448,20 @@ pub(crate) async fn run(
             fail_all(&mut active, &reason);
             return stage_failed(reason, None);
         };
-        let _span = tracing::info_span!(
-            "scheduler.step",
-            batch_id = done_batch.batch_id,
-            sequences = done_batch.members.len()
-        )
-        .entered();
+        let _entered = done_batch.span.enter();
         metrics::histogram!("baton_step_seconds").record(done_batch.sent.elapsed().as_secs_f64());
+        status.record_step(done_batch.sent.elapsed());
         for s in active.iter_mut().filter(|s| done_batch.members.contains(&s.id)) {
             s.in_flight = false;
         }
         if !reply.error.is_empty() {
             // A bad batch (not a dead stage): fail its sequences, keep serving the others.
             tracing::warn!(error = %reply.error, "micro-batch failed");
-            let (failed, kept): (Vec<Seq>, Vec<Seq>) =
+            let (mut failed, kept): (Vec<Seq>, Vec<Seq>) =
                 active.into_iter().partition(|s| done_batch.members.contains(&s.id));
             active = kept;
-            for s in &failed {
+            for s in &mut failed {
+                alloc.release(&mut s.blocks);
                 record_outcome(s, "failed");
                 let _ = s.tx.try_send(TokenEvent::Failed {
                     message: reply.error.clone(),
@@ -337,6 +477,7 @@ pub(crate) async fn run(
                 continue;
             };
             seq.tokens.push(r.token);
+            status.generated_tokens.fetch_add(1, Ordering::Relaxed);
             let now = Instant::now();
             match seq.last_token {
                 None => {
@@ -364,9 +505,20 @@ pub(crate) async fn run(
                 finished.push(seq.id);
             }
         }
+        for s in active.iter_mut().filter(|s| finished.contains(&s.id)) {
+            alloc.release(&mut s.blocks);
+        }
         active.retain(|s| !finished.contains(&s.id));
         free_everywhere(pipeline, finished);
+        publish_blocks(&alloc, status);
     }
+}
+
+/// Publish block usage (status for `/admin/cluster`, gauges for `/metrics`).
+fn publish_blocks(alloc: &BlockAllocator, status: &PipelineStatus) {
+    let used = alloc.total() - alloc.free();
+    status.kv_blocks_used.store(used as u64, Ordering::Relaxed);
+    metrics::gauge!("baton_kv_blocks_used").set(used as f64);
 }
 
 /// A micro-batch on its way through the pipeline.
@@ -374,16 +526,43 @@ struct InFlight {
     batch_id: u64,
     members: Vec<u64>,
     sent: Instant,
+    /// `pipeline.step`, from send until its tokens are handed out.
+    span: tracing::Span,
+}
+
+/// The span of one micro-batch: a child of its first sequence's span (so a lone request's
+/// trace holds every stage's work) and linked to the other members' spans.
+fn step_span(batch_id: u64, seqs: &[&mut Seq], members: &[u64], batch_tokens: usize, decode: usize) -> tracing::Span {
+    let mut in_batch = seqs.iter().filter(|s| members.contains(&s.id));
+    let first = in_batch.next().map(|s| &s.span);
+    let span = tracing::info_span!(
+        parent: first.and_then(|s| s.id()),
+        "pipeline.step",
+        batch_id,
+        sequences = members.len(),
+        batch_tokens,
+        decode_tokens = decode,
+        prefill_tokens = batch_tokens - decode,
+    );
+    for s in in_batch {
+        // Exported as a span link.
+        span.follows_from(&s.span);
+    }
+    span
 }
 
 fn new_seq(s: NewSequence) -> Seq {
+    drop(s.queue_span);
     Seq {
+        span: s.span,
         id: s.id,
         submitted: s.submitted,
         last_token: None,
         prefilled: 0,
         in_flight: false,
         prompt_len: s.req.prompt.len(),
+        prefill_len: s.req.prompt.len(),
+        blocks: Vec::new(),
         tokens: s.req.prompt.clone(),
         req: s.req,
         tx: s.tx,
@@ -405,6 +584,8 @@ mod tests {
         };
         let prefilled = if generated > 0 { prompt } else { 0 };
         Seq {
+            prefill_len: prompt,
+            blocks: Vec::new(),
             id,
             submitted: Instant::now(),
             last_token: None,
@@ -414,13 +595,50 @@ mod tests {
             in_flight: false,
             req,
             tx,
+            span: tracing::Span::none(),
         }
     }
 
     /// Compose over every sequence, as the step loop does when nothing is in flight.
     fn compose_all(active: &mut [Seq], budget: usize) -> (Vec<SequenceChunk>, usize) {
+        let mut alloc = BlockAllocator::new(1 << 20, 16);
         let mut all: Vec<&mut Seq> = active.iter_mut().collect();
-        compose_step(&mut all, budget)
+        let c = compose_step(&mut all, budget, &mut alloc);
+        assert!(c.starved.is_empty());
+        (c.chunks, c.decode)
+    }
+
+    #[test]
+    fn chunks_get_blocks_and_shrink_to_the_blocks_there_are() {
+        // 4 blocks of 16: one decoding sequence at 31 tokens (2 blocks held after this step),
+        // one 100-token prompt that can take the remaining 2 blocks (32 positions).
+        let mut alloc = BlockAllocator::new(4, 16);
+        let mut active = vec![seq(1, 20, 11), seq(2, 100, 0)];
+        assert!(alloc.cover(&mut active[0].blocks, 30));
+        let mut all: Vec<&mut Seq> = active.iter_mut().collect();
+        let c = compose_step(&mut all, 512, &mut alloc);
+        assert_eq!(c.decode, 1);
+        assert_eq!(c.chunks[0].blocks.len(), 2, "position 30 fits the second block");
+        assert_eq!(c.chunks[1].tokens.len(), 32, "the prompt chunk shrank to two blocks");
+        assert_eq!(c.chunks[1].blocks.len(), 2);
+        assert!(!c.chunks[1].sample);
+        assert_eq!(alloc.free(), 0);
+        // Next step: the decoding sequence needs a third block at position 32; none is free.
+        active[0].tokens.push(7);
+        active[0].tokens.push(8);
+        let mut all: Vec<&mut Seq> = active.iter_mut().collect();
+        let c = compose_step(&mut all, 512, &mut alloc);
+        assert_eq!(c.starved, [1]);
+        assert!(c.chunks.is_empty(), "the prompt waits too: no block");
+        // The newest sequence is the victim; after preemption it prefills all its tokens again.
+        let victim = preemption_victim(&active, &c.starved, false).unwrap();
+        assert_eq!(active[victim].id, 2);
+        active[victim].preempt(&mut alloc);
+        assert_eq!(alloc.free(), 2);
+        assert_eq!((active[1].prefilled, active[1].prefill_len), (0, 100));
+        // While batches are in flight, a starved sequence is not its own victim.
+        let only = vec![seq(3, 5, 40)];
+        assert_eq!(preemption_victim(&only, &[3], true), None);
     }
 
     #[test]

@@ -7,9 +7,11 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use baton_shared::proto::LoadStageRequest;
+use baton_worker::kv_cache::PagedKv;
 use baton_worker::service::{AuthedWorkerClient, MAX_MESSAGE, connect_worker};
 use tokio::sync::mpsc;
 
+use super::stage_stats;
 use super::steps::{self, StepLoopEnd};
 use super::{NewSequence, PipelineConfig, PipelineStatus};
 use crate::generation::TokenEvent;
@@ -24,9 +26,27 @@ pub struct StageAssignment {
     pub layers: Range<usize>,
 }
 
-/// A built pipeline: clients for every stage, in order.
+/// A built pipeline: clients for every stage, in order, and the KV blocks every stage holds.
 pub(crate) struct Pipeline {
     pub stages: Vec<(StageAssignment, AuthedWorkerClient)>,
+    pub kv_blocks: usize,
+}
+
+/// The most KV blocks every stage's pool fits in its worker's budget (and the configured cap).
+fn kv_blocks(config: &PipelineConfig, workers: &[WorkerEntry], ranges: &[Range<usize>]) -> Result<usize, String> {
+    let mut blocks = config.kv_max_blocks.unwrap_or(usize::MAX);
+    for (w, layers) in workers.iter().zip(ranges) {
+        let per_block = PagedKv::bytes_per_block(layers.len(), config.kv_dim, config.kv_block_size);
+        let fits = (w.kv_cache_bytes / per_block as u64) as usize;
+        if fits == 0 {
+            return Err(format!(
+                "worker {} ({}) has a KV budget of {} bytes, less than one block of {} positions for layers {:?} ({per_block} bytes): raise its kv_cache_mib",
+                w.id, w.address, w.kv_cache_bytes, config.kv_block_size, layers
+            ));
+        }
+        blocks = blocks.min(fits);
+    }
+    Ok(blocks)
 }
 
 async fn build(config: &PipelineConfig, workers: &[WorkerEntry]) -> Result<Pipeline, String> {
@@ -34,6 +54,7 @@ async fn build(config: &PipelineConfig, workers: &[WorkerEntry]) -> Result<Pipel
         Some(cuts) => ranges_from_cuts(config.num_layers, cuts)?,
         None => even_split(config.num_layers, config.stages),
     };
+    let kv_blocks = kv_blocks(config, workers, &ranges)?;
     let mut stages = Vec::with_capacity(ranges.len());
     for (i, (w, layers)) in workers.iter().zip(ranges).enumerate() {
         let a = StageAssignment {
@@ -55,7 +76,8 @@ async fn build(config: &PipelineConfig, workers: &[WorkerEntry]) -> Result<Pipel
             layer_start: a.layers.start as u32,
             layer_end: a.layers.end as u32,
             weights: config.weights.clone(),
-            kv_budget_bytes: 0,
+            kv_blocks: kv_blocks as u64,
+            kv_block_size: config.kv_block_size as u32,
             activation_dtype: config.activation_dtype as i32,
             next_stage: next,
             stage_index: i as u32,
@@ -71,7 +93,7 @@ async fn build(config: &PipelineConfig, workers: &[WorkerEntry]) -> Result<Pipel
     for r in futures::future::join_all(loads).await {
         r?;
     }
-    Ok(Pipeline { stages })
+    Ok(Pipeline { stages, kv_blocks })
 }
 
 /// Fail every waiting submission while the pipeline is down.
@@ -93,6 +115,7 @@ pub(crate) async fn run(
 ) {
     // Counters exist from the start (at 0), so dashboards can rate() them before any failure.
     metrics::counter!("baton_pipeline_failures_total").increment(0);
+    metrics::counter!("baton_preemptions_total").increment(0);
     metrics::gauge!("baton_pipeline_ready").set(0.0);
     loop {
         status.ready.store(false, Ordering::Release);
@@ -120,6 +143,7 @@ pub(crate) async fn run(
         status.ready.store(true, Ordering::Release);
         metrics::gauge!("baton_pipeline_ready").set(1.0);
         metrics::gauge!("baton_pipeline_stages").set(pipeline.stages.len() as f64);
+        let _poller = stage_stats::start(&pipeline, &status);
         match steps::run(&config, &cluster, &pipeline, &mut submit_rx, &status).await {
             StepLoopEnd::Shutdown => return,
             StepLoopEnd::StageFailed { reason, worker_id } => {

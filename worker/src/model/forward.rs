@@ -5,7 +5,7 @@
 use crate::kernels::cpu::matmul::{MatRef, Product, matmul, matmul_many};
 use crate::kernels::cpu::q8::QuantizedRows;
 use crate::kernels::cpu::reference::{self as k, AttnShape};
-use crate::kv_cache::SequenceKv;
+use crate::kv_cache::{BatchKv, BatchSeq, SequenceKv};
 
 use super::weights::StageWeights;
 
@@ -24,6 +24,14 @@ pub enum ForwardError {
     HiddenShape { got: usize, hidden: usize },
     #[error("KV cache holds {have} positions but the batch starts at position {pos0}")]
     KvPosition { have: usize, pos0: usize },
+    #[error("{positions} positions need {needed} KV blocks but the block table has {have}")]
+    KvBlocks {
+        positions: usize,
+        needed: usize,
+        have: usize,
+    },
+    #[error("KV block id {id} is outside the pool of {blocks} blocks")]
+    KvBlockId { id: u32, blocks: usize },
 }
 
 /// Reusable work buffers; they grow to the largest batch seen and are then reused, so steady
@@ -93,42 +101,73 @@ impl StageWeights {
         kv: &mut SequenceKv,
         s: &mut Scratch,
     ) -> Result<(), ForwardError> {
+        let h = self.config.hidden_size;
+        let len = hidden.len() / h;
+        self.forward_batch(hidden, &mut [BatchSeq { pos0, len, kv }][..], s)
+    }
+
+    /// Run this stage's layers on the tokens of several sequences at once: `hidden` holds
+    /// every sequence's rows back to back, in `seqs` order. Each weight matrix is applied to
+    /// all rows in one product (read from memory once per batch, not once per sequence);
+    /// attention runs per sequence over its own cache. Each row's result is bit-identical to
+    /// running its sequence alone.
+    pub fn forward_batch<K: BatchKv + ?Sized>(
+        &self,
+        hidden: &mut [f32],
+        kv: &mut K,
+        s: &mut Scratch,
+    ) -> Result<(), ForwardError> {
         let c = &self.config;
         let h = c.hidden_size;
-        if hidden.is_empty() {
+        let n_seqs = kv.seqs();
+        if hidden.is_empty() || n_seqs == 0 || (0..n_seqs).any(|i| kv.span(i).1 == 0) {
             return Err(ForwardError::Empty);
         }
-        if !hidden.len().is_multiple_of(h) {
+        let t: usize = (0..n_seqs).map(|i| kv.span(i).1).sum();
+        if hidden.len() != t * h {
             return Err(ForwardError::HiddenShape {
                 got: hidden.len(),
                 hidden: h,
             });
         }
-        let t = hidden.len() / h;
-        if kv.len() != pos0 {
-            return Err(ForwardError::KvPosition { have: kv.len(), pos0 });
+        let mut longest = 0;
+        for i in 0..n_seqs {
+            let (pos0, len) = kv.span(i);
+            if kv.stored(i) != pos0 {
+                return Err(ForwardError::KvPosition {
+                    have: kv.stored(i),
+                    pos0,
+                });
+            }
+            let end = pos0 + len;
+            if end > c.max_position_embeddings {
+                return Err(ForwardError::ContextOverflow {
+                    needed: end,
+                    max: c.max_position_embeddings,
+                });
+            }
+            longest = longest.max(end);
         }
-        let end = pos0 + t;
-        if end > c.max_position_embeddings {
-            return Err(ForwardError::ContextOverflow {
-                needed: end,
-                max: c.max_position_embeddings,
-            });
-        }
-        kv.reserve(end);
+        kv.prepare()?;
         let (qd, kvd, hd, f) = (c.q_dim(), c.kv_dim(), c.head_dim, c.intermediate_size);
         let half = hd / 2;
         let cos = grow(&mut s.cos, t * half);
-        for (i, cr) in cos.chunks_exact_mut(half).enumerate() {
-            let sin = &mut grow(&mut s.sin, t * half)[i * half..(i + 1) * half];
-            self.rope.tables(pos0 + i, cr, sin);
+        let sin = grow(&mut s.sin, t * half);
+        let mut row = 0;
+        for i in 0..n_seqs {
+            let (pos0, len) = kv.span(i);
+            for p in pos0..pos0 + len {
+                let at = row * half..(row + 1) * half;
+                self.rope.tables(p, &mut cos[at.clone()], &mut sin[at]);
+                row += 1;
+            }
         }
         let shape = AttnShape {
             num_heads: c.num_heads,
             num_kv_heads: c.num_kv_heads,
             head_dim: hd,
         };
-        for (lw, cache) in self.layer_weights.iter().zip(kv.layers.iter_mut()) {
+        for (l, lw) in self.layer_weights.iter().enumerate() {
             let xn = grow(&mut s.xn, t * h);
             k::rmsnorm(hidden, &lw.attn_norm, c.rms_norm_eps, xn);
             let q = grow(&mut s.q, t * qd);
@@ -152,19 +191,22 @@ impl StageWeights {
                 k::rope_rotate_half(&mut q[i * qd..(i + 1) * qd], hd, cr, sr);
                 k::rope_rotate_half(&mut kk[i * kvd..(i + 1) * kvd], hd, cr, sr);
             }
-            cache.k[pos0 * kvd..end * kvd].copy_from_slice(kk);
-            cache.v[pos0 * kvd..end * kvd].copy_from_slice(vv);
             let attn = grow(&mut s.attn, t * qd);
-            let scores = grow(&mut s.scores, end);
-            k::attention(
-                q,
-                &cache.k[..end * kvd],
-                &cache.v[..end * kvd],
-                pos0,
-                shape,
-                scores,
-                attn,
-            );
+            let scores = grow(&mut s.scores, longest);
+            let mut row = 0;
+            for i in 0..n_seqs {
+                let (pos0, n) = kv.span(i);
+                kv.write(i, l, &kk[row * kvd..(row + n) * kvd], &vv[row * kvd..(row + n) * kvd]);
+                kv.attend(
+                    i,
+                    l,
+                    &q[row * qd..(row + n) * qd],
+                    shape,
+                    &mut scores[..pos0 + n],
+                    &mut attn[row * qd..(row + n) * qd],
+                );
+                row += n;
+            }
             let proj = grow(&mut s.proj, t * h);
             self.mm(attn, lw.wo.view(), None, proj, &mut s.xq);
             hidden.iter_mut().zip(proj.iter()).for_each(|(x, p)| *x += p);
@@ -183,7 +225,7 @@ impl StageWeights {
             self.mm(gate, lw.w_down.view(), None, proj, &mut s.xq);
             hidden.iter_mut().zip(proj.iter()).for_each(|(x, p)| *x += p);
         }
-        kv.set_len(end);
+        kv.commit();
         Ok(())
     }
 

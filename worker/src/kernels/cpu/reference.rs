@@ -117,6 +117,22 @@ pub struct AttnShape {
 /// positions `0..pos0+t` (`k`/`v` rows of `num_kv_heads * head_dim`). GQA: query head `h` reads
 /// KV head `h / (num_heads / num_kv_heads)`. `scores` needs `pos0 + t` entries.
 pub fn attention(q: &[f32], k: &[f32], v: &[f32], pos0: usize, s: AttnShape, scores: &mut [f32], out: &mut [f32]) {
+    attention_rows(q, k, v, pos0, s, scores, out, |p| p);
+}
+
+/// [`attention`] over K/V rows stored anywhere in `k`/`v`: position `p`'s row is `row(p)`
+/// (a paged cache maps positions through its block table). Same arithmetic, same order.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_rows(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    pos0: usize,
+    s: AttnShape,
+    scores: &mut [f32],
+    out: &mut [f32],
+    row: impl Fn(usize) -> usize,
+) {
     let q_dim = s.num_heads * s.head_dim;
     let kv_dim = s.num_kv_heads * s.head_dim;
     let group = s.num_heads / s.num_kv_heads;
@@ -128,14 +144,14 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], pos0: usize, s: AttnShape, sco
             let qh = &qr[h * s.head_dim..(h + 1) * s.head_dim];
             let sc = &mut scores[..n];
             for (p, score) in sc.iter_mut().enumerate() {
-                let kr = &k[p * kv_dim + kvh * s.head_dim..][..s.head_dim];
+                let kr = &k[row(p) * kv_dim + kvh * s.head_dim..][..s.head_dim];
                 *score = dot(qh, kr) * scale;
             }
             softmax(sc);
             let oh = &mut or[h * s.head_dim..(h + 1) * s.head_dim];
             oh.fill(0.0);
             for (p, &w) in sc.iter().enumerate() {
-                let vr = &v[p * kv_dim + kvh * s.head_dim..][..s.head_dim];
+                let vr = &v[row(p) * kv_dim + kvh * s.head_dim..][..s.head_dim];
                 for (o, &x) in oh.iter_mut().zip(vr) {
                     *o += w * x;
                 }

@@ -1,0 +1,301 @@
+//! Batching across sequences: a micro-batch of many sequences runs each weight matrix once for
+//! all of them, and nobody's output changes — bit for bit in the kernels, token for token
+//! through a pipeline under 16 concurrent requests, some cancelled mid-way.
+
+use std::time::Duration;
+
+use baton_coordinator::generation::{GenerationRequest, Generator, TokenEvent};
+use baton_shared::model_files::ModelFiles;
+use baton_shared::model_source::LoadedModel;
+use baton_shared::sampling::SamplingParams;
+use baton_tests::cluster::{Limits, TestCluster};
+use baton_tests::{default_model, fixtures};
+use baton_worker::engine::Engine;
+use baton_worker::kv_cache::BatchSeq;
+use baton_worker::kv_cache::SequenceKv;
+use baton_worker::model::{LoadOptions, Scratch, StageWeights, WeightFormat};
+
+/// Deterministic token ids below `vocab`.
+fn tokens(seed: u32, n: usize, vocab: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (seed * 7919 + i * 104729) % vocab as u32)
+        .collect()
+}
+
+#[test]
+fn a_batch_of_sequences_equals_each_sequence_alone_bit_for_bit() {
+    for (name, format) in [
+        ("llama_tied", WeightFormat::F32),
+        ("qwen2", WeightFormat::F32),
+        ("qwen3", WeightFormat::F32),
+        ("llama_untied", WeightFormat::Q8_0),
+    ] {
+        let files = ModelFiles::open(&fixtures().join("tiny").join(name)).unwrap();
+        let cfg = files.config().unwrap();
+        let opts = LoadOptions {
+            format,
+            threads: 2,
+            kernels: None,
+        };
+        let w = StageWeights::load_full_with(&files, &cfg, true, &opts).unwrap();
+        let (h, layers, kvd) = (cfg.hidden_size, cfg.num_layers, cfg.kv_dim());
+        let embed = |ids: &[u32]| {
+            let mut x = vec![0f32; ids.len() * h];
+            w.embed(ids, &mut x).unwrap();
+            x
+        };
+        // Step 1: three prompts of different lengths. Step 2: one decode token for each of
+        // them plus a new prompt, as a continuous-batching step mixes them.
+        let prompts = [5, 3, 7].map(|n| tokens(n as u32, n, cfg.vocab_size));
+        let newcomer = tokens(11, 4, cfg.vocab_size);
+        let decode = [[17u32], [23], [29]];
+
+        let mut alone_kv: Vec<SequenceKv> = (0..4).map(|_| SequenceKv::new(layers, kvd, 1)).collect();
+        let mut scratch = Scratch::default();
+        let mut alone_out = Vec::new();
+        for (p, kv) in prompts.iter().zip(alone_kv.iter_mut()) {
+            let mut x = embed(p);
+            w.forward(&mut x, 0, kv, &mut scratch).unwrap();
+            alone_out.extend(x);
+        }
+        let mut alone_step2 = Vec::new();
+        for ((d, p), kv) in decode.iter().zip(&prompts).zip(alone_kv.iter_mut()) {
+            let mut x = embed(d);
+            w.forward(&mut x, p.len(), kv, &mut scratch).unwrap();
+            alone_step2.extend(x);
+        }
+        let mut x = embed(&newcomer);
+        w.forward(&mut x, 0, &mut alone_kv[3], &mut scratch).unwrap();
+        alone_step2.extend(x);
+
+        let mut kvs: Vec<SequenceKv> = (0..4).map(|_| SequenceKv::new(layers, kvd, 1)).collect();
+        let mut scratch = Scratch::default();
+        let mut x: Vec<f32> = prompts.iter().flat_map(|p| embed(p)).collect();
+        {
+            let (a, rest) = kvs.split_at_mut(1);
+            let (b, c) = rest.split_at_mut(1);
+            let mut batch = [
+                BatchSeq {
+                    pos0: 0,
+                    len: 5,
+                    kv: &mut a[0],
+                },
+                BatchSeq {
+                    pos0: 0,
+                    len: 3,
+                    kv: &mut b[0],
+                },
+                BatchSeq {
+                    pos0: 0,
+                    len: 7,
+                    kv: &mut c[0],
+                },
+            ];
+            w.forward_batch(&mut x, &mut batch[..], &mut scratch).unwrap();
+        }
+        assert_eq!(x, alone_out, "{name} {format}: batched prefill");
+
+        let mut x: Vec<f32> = decode.iter().flat_map(|d| embed(d)).chain(embed(&newcomer)).collect();
+        let mut batch: Vec<BatchSeq<'_>> = kvs
+            .iter_mut()
+            .zip([5, 3, 7, 0])
+            .map(|(kv, pos0)| BatchSeq {
+                pos0,
+                len: if pos0 == 0 { 4 } else { 1 },
+                kv,
+            })
+            .collect();
+        w.forward_batch(&mut x, &mut batch[..], &mut scratch).unwrap();
+        assert_eq!(x, alone_step2, "{name} {format}: batched decode + prefill");
+        for (a, b) in kvs.iter().zip(&alone_kv) {
+            assert_eq!(a.len(), b.len());
+            for (la, lb) in a.layers.iter().zip(&b.layers) {
+                assert_eq!(la.k[..a.len() * kvd], lb.k[..b.len() * kvd], "{name}: K cache");
+                assert_eq!(la.v[..a.len() * kvd], lb.v[..b.len() * kvd], "{name}: V cache");
+            }
+        }
+
+        // A sequence whose cache does not match its position fails the batch before any
+        // cache changes.
+        let before: Vec<usize> = kvs.iter().map(SequenceKv::len).collect();
+        let mut x = embed(&[1, 2]);
+        let (a, b) = kvs.split_at_mut(1);
+        let mut bad = [
+            BatchSeq {
+                pos0: 6,
+                len: 1,
+                kv: &mut a[0],
+            },
+            BatchSeq {
+                pos0: 0,
+                len: 1,
+                kv: &mut b[0],
+            },
+        ];
+        assert!(w.forward_batch(&mut x, &mut bad[..], &mut scratch).is_err());
+        assert_eq!(kvs.iter().map(SequenceKv::len).collect::<Vec<_>>(), before);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixteen_concurrent_requests_match_their_solo_outputs_with_some_cancelled() {
+    let model = default_model();
+    let loaded = LoadedModel::open(&model).unwrap();
+    let tok = &loaded.tokenizer;
+    let words = "the quick brown fox jumps over the lazy dog while a small cat watches from the warm windowsill and the rain keeps falling on the old town";
+    let all: Vec<&str> = words.split(' ').collect();
+    // Mixed prompt lengths (1 to 27 words) and output lengths (3 to 18 tokens).
+    let cases: Vec<(Vec<u32>, usize)> = (0..16)
+        .map(|i| {
+            let n = 1 + (i * 5) % all.len();
+            let prompt = all[..n].join(" ");
+            (tok.encode(&prompt, true).unwrap(), 3 + (i * 7) % 16)
+        })
+        .collect();
+    let params = |max: usize| SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(max)
+    };
+    let files = ModelFiles::open(&model).unwrap();
+    let mut engine = Engine::new(StageWeights::load_full(&files, &loaded.config, true).unwrap());
+    let solo: Vec<Vec<u32>> = cases
+        .iter()
+        .map(|(p, max)| engine.generate(p, &params(*max), None, |_| {}).unwrap().tokens)
+        .collect();
+
+    // Two workers computing at once on a small machine: allow slow heartbeats.
+    let limits = Limits {
+        max_running: 16,
+        heartbeat: Duration::from_secs(2),
+        ..Limits::default()
+    };
+    let tc = TestCluster::start_full(&model, &loaded.config, tok.eos_ids.clone(), &[15], &[], limits).await;
+    let runs = cases.iter().enumerate().map(|(i, (prompt, max))| {
+        let rx = tc.generator.submit(GenerationRequest {
+            prompt: prompt.clone(),
+            params: params(*max),
+            top_logprobs: 0,
+            logprobs: false,
+        });
+        // Every fifth request is cancelled after its second token.
+        let cancel_after = (i % 5 == 2).then_some(2);
+        async move {
+            let mut rx = rx.unwrap();
+            let mut got = Vec::new();
+            while let Some(ev) = rx.recv().await {
+                match ev {
+                    TokenEvent::Token { id, .. } => got.push(id),
+                    TokenEvent::Done { .. } => return (got, true),
+                    TokenEvent::Failed { message, .. } => panic!("request {i} failed: {message}"),
+                }
+                if Some(got.len()) == cancel_after {
+                    return (got, false);
+                }
+            }
+            panic!("request {i}: stream ended without Done");
+        }
+    });
+    let results = futures::future::join_all(runs).await;
+    for (i, ((got, finished), want)) in results.iter().zip(&solo).enumerate() {
+        if *finished {
+            assert_eq!(got, want, "request {i} under load differs from alone");
+        } else {
+            assert_eq!(
+                got[..],
+                want[..got.len()],
+                "cancelled request {i} diverged before it was cancelled"
+            );
+        }
+    }
+    assert_eq!(
+        results.iter().filter(|r| !r.1).count(),
+        3,
+        "three requests were cancelled"
+    );
+
+    // Finished and cancelled sequences alike leave no KV behind on either stage.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let held = tc
+            .generator
+            .status
+            .active_sequences
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let on_workers: u32 = tc.stage_sequences().await.iter().sum();
+        if held == 0 && on_workers == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "KV still held: {held} on the coordinator, {on_workers} on workers"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tiny_kv_pool_preempts_and_recomputes_without_changing_any_output() {
+    let dir = fixtures().join("tiny/llama_tied");
+    let files = ModelFiles::open(&dir).unwrap();
+    let cfg = files.config().unwrap();
+    // Six requests of 12 + 36 = 48 positions (3 blocks of 16) each; the pool has 7 blocks, so
+    // at most two run at once and the newest are preempted as the older ones grow.
+    let cases: Vec<Vec<u32>> = (0..6).map(|i| tokens(i + 1, 12, cfg.vocab_size)).collect();
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(36)
+    };
+    let mut engine = Engine::new(StageWeights::load_full(&files, &cfg, true).unwrap());
+    let solo: Vec<Vec<u32>> = cases
+        .iter()
+        .map(|p| engine.generate(p, &params, None, |_| {}).unwrap().tokens)
+        .collect();
+
+    let limits = Limits {
+        kv_max_blocks: Some(7),
+        heartbeat: Duration::from_secs(1),
+        ..Limits::default()
+    };
+    let tc = TestCluster::start_full(&dir, &cfg, vec![], &[1], &[], limits).await;
+    let runs = cases.iter().map(|p| tc.generate(p, params.clone()));
+    let got = futures::future::join_all(runs).await;
+    for (i, (g, want)) in got.into_iter().zip(&solo).enumerate() {
+        assert_eq!(&g.unwrap().0, want, "request {i} changed by preemption");
+    }
+    let status = &tc.generator.status;
+    let preempted = status.preemptions.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        preempted > 0,
+        "the pool was too small for all six: someone must have been preempted"
+    );
+    assert_eq!(status.kv_blocks_total.load(std::sync::atomic::Ordering::Relaxed), 7);
+    // Blocks return right after the last tokens are handed out.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while status.kv_blocks_used.load(std::sync::atomic::Ordering::Relaxed) != 0 {
+        assert!(std::time::Instant::now() < deadline, "blocks were not all returned");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // A prompt longer than the whole pool is refused with a clear error, and serving goes on.
+    let e = tc
+        .generate(&tokens(9, 120, cfg.vocab_size), params.clone())
+        .await
+        .unwrap_err();
+    assert!(
+        e.contains("needs 8 KV blocks") && e.contains("the pipeline has 7"),
+        "{e}"
+    );
+    // One that fits but grows past the pool ends at the pool's size, like a length limit.
+    let long = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(200)
+    };
+    let (out, reason) = tc.generate(&cases[0], long).await.unwrap();
+    assert_eq!(reason, baton_coordinator::generation::FinishReason::Length);
+    assert_eq!(
+        out.len(),
+        7 * 16 - 12 + 1,
+        "generated until every position of the pool was used"
+    );
+    assert_eq!(out[..36], solo[0][..]);
+}

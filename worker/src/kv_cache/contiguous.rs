@@ -1,0 +1,145 @@
+//! Contiguous per-sequence KV: each sequence owns growable K/V buffers for the layers held.
+//! The single-process engine and the in-process generator use it; pipeline stages use the
+//! paged pool ([`super::paged`]).
+
+use super::BatchKv;
+use crate::kernels::cpu::reference::{AttnShape, attention};
+use crate::model::ForwardError;
+
+/// Keys and values of one layer: `capacity × kv_dim` each, rows in position order.
+#[derive(Debug, Default)]
+pub struct LayerKv {
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+/// One sequence's KV for a stage's layers.
+#[derive(Debug)]
+pub struct SequenceKv {
+    pub layers: Vec<LayerKv>,
+    kv_dim: usize,
+    len: usize,
+    capacity: usize,
+}
+
+impl SequenceKv {
+    /// An empty cache for `n_layers` layers of width `kv_dim`, with room for `capacity` tokens.
+    pub fn new(n_layers: usize, kv_dim: usize, capacity: usize) -> Self {
+        let layers = (0..n_layers)
+            .map(|_| LayerKv {
+                k: vec![0.0; capacity * kv_dim],
+                v: vec![0.0; capacity * kv_dim],
+            })
+            .collect();
+        Self {
+            layers,
+            kv_dim,
+            len: 0,
+            capacity,
+        }
+    }
+
+    /// Tokens stored.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no token is stored.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Tokens there is room for without growing.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Bytes held by the key and value buffers.
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| (l.k.len() + l.v.len()) * size_of::<f32>())
+            .sum()
+    }
+
+    /// Make room for `total` tokens (doubling, so appends are amortised allocation-free).
+    pub fn reserve(&mut self, total: usize) {
+        if total <= self.capacity {
+            return;
+        }
+        let cap = total.max(self.capacity * 2);
+        for l in &mut self.layers {
+            l.k.resize(cap * self.kv_dim, 0.0);
+            l.v.resize(cap * self.kv_dim, 0.0);
+        }
+        self.capacity = cap;
+    }
+
+    /// Record that positions up to `len` are filled.
+    pub fn set_len(&mut self, len: usize) {
+        assert!(
+            len <= self.capacity,
+            "KV length {len} beyond capacity {}",
+            self.capacity
+        );
+        self.len = len;
+    }
+
+    /// Forget tokens from position `len` on (e.g. rejected speculative tokens).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+}
+
+/// One sequence's share of a batched forward pass over contiguous caches.
+#[derive(Debug)]
+pub struct BatchSeq<'a> {
+    /// Position of the sequence's first row in this batch (its KV must hold exactly this many).
+    pub pos0: usize,
+    /// Rows (tokens) of this sequence in the batch.
+    pub len: usize,
+    pub kv: &'a mut SequenceKv,
+}
+
+impl BatchKv for [BatchSeq<'_>] {
+    fn seqs(&self) -> usize {
+        self.len()
+    }
+
+    fn span(&self, i: usize) -> (usize, usize) {
+        (self[i].pos0, self[i].len)
+    }
+
+    fn stored(&self, i: usize) -> usize {
+        self[i].kv.len()
+    }
+
+    fn prepare(&mut self) -> Result<(), ForwardError> {
+        for q in self.iter_mut() {
+            q.kv.reserve(q.pos0 + q.len);
+        }
+        Ok(())
+    }
+
+    fn write(&mut self, i: usize, layer: usize, k: &[f32], v: &[f32]) {
+        let q = &mut self[i];
+        let d = q.kv.kv_dim;
+        let (a, b) = (q.pos0 * d, (q.pos0 + q.len) * d);
+        let l = &mut q.kv.layers[layer];
+        l.k[a..b].copy_from_slice(k);
+        l.v[a..b].copy_from_slice(v);
+    }
+
+    fn attend(&self, i: usize, layer: usize, q: &[f32], shape: AttnShape, scores: &mut [f32], out: &mut [f32]) {
+        let s = &self[i];
+        let end = (s.pos0 + s.len) * s.kv.kv_dim;
+        let l = &s.kv.layers[layer];
+        attention(q, &l.k[..end], &l.v[..end], s.pos0, shape, scores, out);
+    }
+
+    fn commit(&mut self) {
+        for q in self.iter_mut() {
+            q.kv.set_len(q.pos0 + q.len);
+        }
+    }
+}
