@@ -49,7 +49,10 @@ echo "deb $MIRROR $SUITE main" >"$rootfs/etc/apt/sources.list"
 tar -C "$rootfs" -c . | docker import \
   --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
   --change 'CMD ["bash"]' - "$TAG" >&2
-# Drop base images of older recipes so the cache holds one per suite.
-docker images --format '{{.Repository}}:{{.Tag}}' "$REPO" | grep "^$REPO:$SUITE-" | grep -vx "$TAG" \
-  | while read -r old; do docker image rm "$old" >/dev/null 2>&1 && echo "removed old base $old" >&2; done
+# Drop base images of older recipes so the cache holds one per suite. (grep finds none on a
+# fresh machine and exits 1; under pipefail that must not fail the build.)
+old_tags=$(docker images --format '{{.Repository}}:{{.Tag}}' "$REPO" | grep "^$REPO:$SUITE-" | grep -vx "$TAG" || true)
+for old in $old_tags; do
+  docker image rm "$old" >/dev/null 2>&1 && echo "removed old base $old" >&2
+done
 echo "$TAG"
