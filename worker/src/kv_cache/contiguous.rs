@@ -3,7 +3,7 @@
 //! paged pool ([`super::paged`]).
 
 use super::BatchKv;
-use crate::kernels::cpu::reference::{AttnShape, attention};
+use crate::kernels::cpu::attention::Rows;
 use crate::model::ForwardError;
 
 /// Keys and values of one layer: `capacity × kv_dim` each, rows in position order.
@@ -130,11 +130,9 @@ impl BatchKv for [BatchSeq<'_>] {
         l.v[a..b].copy_from_slice(v);
     }
 
-    fn attend(&self, i: usize, layer: usize, q: &[f32], shape: AttnShape, scores: &mut [f32], out: &mut [f32]) {
-        let s = &self[i];
-        let end = (s.pos0 + s.len) * s.kv.kv_dim;
-        let l = &s.kv.layers[layer];
-        attention(q, &l.k[..end], &l.v[..end], s.pos0, shape, scores, out);
+    fn layer(&self, i: usize, layer: usize) -> (&[f32], &[f32], Rows<'_>) {
+        let l = &self[i].kv.layers[layer];
+        (&l.k, &l.v, Rows::Contiguous)
     }
 
     fn commit(&mut self) {

@@ -11,12 +11,12 @@ pub mod paged;
 pub use contiguous::{BatchSeq, SequenceKv};
 pub use paged::{PagedBatch, PagedKv, PagedSeq};
 
-use crate::kernels::cpu::reference::AttnShape;
+use crate::kernels::cpu::attention::Rows;
 use crate::model::ForwardError;
 
 /// The K/V of the sequences in one batched forward pass. Sequence `i` contributes rows
 /// `pos0..pos0+len` (its [`span`](Self::span)), in order, back to back.
-pub trait BatchKv {
+pub trait BatchKv: Sync {
     /// Sequences in the batch.
     fn seqs(&self) -> usize;
     /// `(pos0, len)` of sequence `i`.
@@ -28,8 +28,8 @@ pub trait BatchKv {
     fn prepare(&mut self) -> Result<(), ForwardError>;
     /// Store sequence `i`'s new rows of `layer` (`len × kv_dim` each).
     fn write(&mut self, i: usize, layer: usize, k: &[f32], v: &[f32]);
-    /// Causal attention of sequence `i`'s query rows over its positions `0..pos0+len`.
-    fn attend(&self, i: usize, layer: usize, q: &[f32], shape: AttnShape, scores: &mut [f32], out: &mut [f32]);
+    /// Sequence `i`'s keys and values of `layer` and how positions map to their rows.
+    fn layer(&self, i: usize, layer: usize) -> (&[f32], &[f32], Rows<'_>);
     /// Record the new rows as stored (after every layer succeeded).
     fn commit(&mut self);
 }

@@ -5,7 +5,7 @@
 //! loads (zeroed lazily by the OS), so serving allocates nothing per token.
 
 use super::BatchKv;
-use crate::kernels::cpu::reference::{AttnShape, attention_rows};
+use crate::kernels::cpu::attention::Rows;
 use crate::model::ForwardError;
 
 /// One layer's keys and values: `blocks × block_size × kv_dim` each.
@@ -130,10 +130,13 @@ impl BatchKv for PagedBatch<'_> {
         }
     }
 
-    fn attend(&self, i: usize, layer: usize, q: &[f32], shape: AttnShape, scores: &mut [f32], out: &mut [f32]) {
-        let s = self.seqs[i];
+    fn layer(&self, i: usize, layer: usize) -> (&[f32], &[f32], Rows<'_>) {
         let l = &self.pool.layers[layer];
-        attention_rows(q, &l.k, &l.v, s.pos0, shape, scores, out, |p| self.pool.row(s.table, p));
+        let layout = Rows::Paged {
+            table: self.seqs[i].table,
+            block_size: self.pool.block_size,
+        };
+        (&l.k, &l.v, layout)
     }
 
     fn commit(&mut self) {}
@@ -142,7 +145,7 @@ impl BatchKv for PagedBatch<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::cpu::reference::attention;
+    use crate::kernels::cpu::reference::{AttnShape, attention, attention_rows};
 
     #[test]
     fn paged_attention_equals_contiguous_attention_bit_for_bit() {
@@ -185,8 +188,11 @@ mod tests {
             pool: &mut pool,
             seqs: &seqs,
         };
+        let (kp, vp, layout) = batch.layer(0, 0);
         let mut got = vec![0f32; 3 * qd];
-        batch.attend(0, 0, &q, shape, &mut vec![0f32; n], &mut got);
+        attention_rows(&q, kp, vp, n - 3, shape, &mut vec![0f32; n], &mut got, |p| {
+            layout.row(p)
+        });
         assert_eq!(got, want);
     }
 

@@ -2,6 +2,7 @@
 //! Matrix products go through the dispatched kernels on the stage's pool; everything else is the
 //! fp32 reference kernels.
 
+use crate::kernels::cpu::attention::{SeqAttn, attention_batch};
 use crate::kernels::cpu::matmul::{MatRef, Product, matmul, matmul_many};
 use crate::kernels::cpu::q8::QuantizedRows;
 use crate::kernels::cpu::reference::{self as k, AttnShape};
@@ -46,7 +47,10 @@ pub struct Scratch {
     proj: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
+    /// Attention scores, one buffer per (sequence, head) task.
     scores: Vec<f32>,
+    /// First row of each sequence of a batch.
+    offsets: Vec<usize>,
     cos: Vec<f32>,
     sin: Vec<f32>,
     /// Activations quantized for Q8_0 weights.
@@ -149,6 +153,12 @@ impl StageWeights {
             longest = longest.max(end);
         }
         kv.prepare()?;
+        s.offsets.clear();
+        let mut row = 0;
+        for i in 0..n_seqs {
+            s.offsets.push(row);
+            row += kv.span(i).1;
+        }
         let (qd, kvd, hd, f) = (c.q_dim(), c.kv_dim(), c.head_dim, c.intermediate_size);
         let half = hd / 2;
         let cos = grow(&mut s.cos, t * half);
@@ -191,22 +201,37 @@ impl StageWeights {
                 k::rope_rotate_half(&mut q[i * qd..(i + 1) * qd], hd, cr, sr);
                 k::rope_rotate_half(&mut kk[i * kvd..(i + 1) * kvd], hd, cr, sr);
             }
-            let attn = grow(&mut s.attn, t * qd);
-            let scores = grow(&mut s.scores, longest);
             let mut row = 0;
             for i in 0..n_seqs {
-                let (pos0, n) = kv.span(i);
+                let n = kv.span(i).1;
                 kv.write(i, l, &kk[row * kvd..(row + n) * kvd], &vv[row * kvd..(row + n) * kvd]);
-                kv.attend(
-                    i,
-                    l,
-                    &q[row * qd..(row + n) * qd],
-                    shape,
-                    &mut scores[..pos0 + n],
-                    &mut attn[row * qd..(row + n) * qd],
-                );
                 row += n;
             }
+            let attn = grow(&mut s.attn, t * qd);
+            let (kvr, offsets) = (&*kv, &s.offsets);
+            let seq = |i: usize| {
+                let (pos0, rows) = kvr.span(i);
+                let (k, v, layout) = kvr.layer(i, l);
+                SeqAttn {
+                    pos0,
+                    rows,
+                    offset: offsets[i],
+                    k,
+                    v,
+                    layout,
+                }
+            };
+            attention_batch(
+                self.kernels,
+                &self.pool,
+                q,
+                n_seqs,
+                &seq,
+                longest,
+                shape,
+                &mut s.scores,
+                attn,
+            );
             let proj = grow(&mut s.proj, t * h);
             self.mm(attn, lw.wo.view(), None, proj, &mut s.xq);
             hidden.iter_mut().zip(proj.iter()).for_each(|(x, p)| *x += p);

@@ -2,6 +2,7 @@
 //! `f32` and `q8` are its SIMD twins (picked at run time by `dispatch`), and `matmul` runs them
 //! over weight matrices on a thread pool.
 
+pub mod attention;
 pub mod dispatch;
 pub mod f32;
 pub mod matmul;
