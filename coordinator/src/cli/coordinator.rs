@@ -64,7 +64,7 @@ pub struct CoordinatorArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_running: Option<usize>,
-    /// Tokens per pipeline step; longer prompts are prefilled in chunks [default: 512].
+    /// Tokens per pipeline step; longer prompts are prefilled in chunks [default: 128].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_batch_tokens: Option<usize>,
