@@ -19,6 +19,7 @@ use clap::{Parser, Subcommand};
 
 mod kernels;
 mod load;
+mod roofline;
 mod serve_decode;
 
 #[derive(Parser)]
@@ -217,6 +218,10 @@ fn reference(
     let (base_prefill, base_decode) = (median(configs[0].prefill.clone()), median(configs[0].decode.clone()));
     for c in &configs {
         let weights = &engines[c.engine].weights;
+        // Decode reads every matrix byte once per token: the streaming-read rate over the same
+        // byte count, on the same threads, bounds it.
+        let read_gbs = roofline::stream_read_gb_per_s(weights.matrix_bytes(), &c.pool, 5);
+        let roofline = read_gbs * 1e9 / weights.matrix_bytes() as f64;
         let (prefill, decode) = (median(c.prefill.clone()), median(c.decode.clone()));
         let out = serde_json::json!({
             "config": c.label,
@@ -234,6 +239,9 @@ fn reference(
             "decode_tok_per_s": decode,
             "decode_min_max": [min(&c.decode), max(&c.decode)],
             "decode_gb_per_s": decode * weights.matrix_bytes() as f64 / 1e9,
+            "stream_read_gb_per_s": read_gbs,
+            "roofline_tok_per_s": roofline,
+            "decode_vs_roofline": decode / roofline,
             "prefill_vs_reference": prefill / base_prefill,
             "decode_vs_reference": decode / base_decode,
         });
