@@ -30,7 +30,11 @@ pub fn set_parent(span: &tracing::Span, carrier: &HashMap<String, String>) {
     if carrier.is_empty() {
         return;
     }
-    let cx = TraceContextPropagator::new().extract(carrier);
+    adopt(span, TraceContextPropagator::new().extract(carrier));
+}
+
+/// Make `cx` the parent of `span` when it names a real span.
+fn adopt(span: &tracing::Span, cx: opentelemetry::Context) {
     if cx.span().span_context().is_valid() {
         let _ = span.set_parent(cx);
     }
@@ -47,10 +51,10 @@ pub fn inject_metadata(metadata: &mut MetadataMap) {
 
 /// Make the context in incoming gRPC metadata the parent of `span`.
 pub fn set_parent_from_metadata(span: &tracing::Span, metadata: &MetadataMap) {
-    let cx = TraceContextPropagator::new().extract(&MetadataExtractor(metadata));
-    if cx.span().span_context().is_valid() {
-        let _ = span.set_parent(cx);
-    }
+    adopt(
+        span,
+        TraceContextPropagator::new().extract(&MetadataExtractor(metadata)),
+    );
 }
 
 struct MetadataInjector<'a>(&'a mut MetadataMap);

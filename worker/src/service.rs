@@ -272,26 +272,31 @@ impl Worker for WorkerService {
     }
 
     async fn health(&self, _req: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
-        // Waits for a running micro-batch (it holds the stage); off the runtime's threads.
-        let guard = tokio::task::block_in_place(|| lock(&self.state.stage));
-        let (active, kv) = guard.as_ref().map_or((0, 0), |s| s.usage());
-        let (kv_capacity, kv_bytes) = guard.as_ref().map_or((0, 0), |s| s.kv_reserved());
-        let totals = guard.as_ref().map(|s| s.totals).unwrap_or_default();
-        let (blocks_used, blocks_total) = guard.as_ref().map_or((0, 0), |s| s.kv_blocks());
-        Ok(Response::new(HealthResponse {
-            kv_blocks_used: blocks_used as u64,
-            kv_blocks_total: blocks_total as u64,
-            worker_id: lock(&self.state.worker_id).clone(),
-            loaded: guard.is_some(),
-            stage: guard.as_ref().map(Stage::info),
-            active_sequences: active as u32,
-            kv_tokens: kv as u64,
-            forward_batches: totals.batches,
-            forward_tokens: totals.tokens,
-            forward_seconds: totals.seconds,
-            kv_capacity_tokens: kv_capacity as u64,
-            kv_bytes: kv_bytes as u64,
-        }))
+        let worker_id = lock(&self.state.worker_id).clone();
+        let mut health = self.with_stage(|stage| match stage {
+            None => HealthResponse::default(),
+            Some(s) => {
+                let (active, kv) = s.usage();
+                let (kv_capacity, kv_bytes) = s.kv_reserved();
+                let (blocks_used, blocks_total) = s.kv_blocks();
+                HealthResponse {
+                    loaded: true,
+                    stage: Some(s.info()),
+                    active_sequences: active as u32,
+                    kv_tokens: kv as u64,
+                    forward_batches: s.totals.batches,
+                    forward_tokens: s.totals.tokens,
+                    forward_seconds: s.totals.seconds,
+                    kv_capacity_tokens: kv_capacity as u64,
+                    kv_bytes: kv_bytes as u64,
+                    kv_blocks_used: blocks_used as u64,
+                    kv_blocks_total: blocks_total as u64,
+                    ..Default::default()
+                }
+            }
+        });
+        health.worker_id = worker_id;
+        Ok(Response::new(health))
     }
 
     async fn profile(&self, _req: Request<ProfileRequest>) -> Result<Response<ProfileResponse>, Status> {

@@ -236,7 +236,8 @@ impl Stage {
             .map(|chunk| PagedSeq {
                 pos0: chunk.pos0 as usize,
                 len: chunk.tokens.len(),
-                stored: chunk.pos0 as usize,
+                // The real length, so the forward pass checks positions against the state.
+                stored: self.seqs.get(&chunk.seq_id).map_or(0, |s| s.len),
                 table: &chunk.blocks,
             })
             .collect();

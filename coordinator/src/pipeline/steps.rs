@@ -376,8 +376,10 @@ pub(crate) async fn run(
             metrics::gauge!("baton_micro_batches_in_flight").set(in_flight.len() as f64);
         }
         if !starved.is_empty() {
+            // Nothing in flight and at most one sequence holding blocks: preempting cannot help.
+            let lone = in_flight.is_empty() && active.iter().filter(|s| !s.blocks.is_empty()).count() <= 1;
             match preemption_victim(&active, &starved, !in_flight.is_empty()) {
-                Some(i) if !(in_flight.is_empty() && active.iter().filter(|s| !s.blocks.is_empty()).count() == 1) => {
+                Some(i) if !lone => {
                     let victim = &mut active[i];
                     tracing::info!(
                         seq_id = victim.id,
@@ -390,7 +392,7 @@ pub(crate) async fn run(
                     publish_blocks(&alloc, status);
                     continue;
                 }
-                Some(_) | None if in_flight.is_empty() => {
+                _ if in_flight.is_empty() => {
                     // A lone sequence has filled every block: it ends as if at its length limit.
                     let (full, kept): (Vec<Seq>, Vec<Seq>) = active.into_iter().partition(|s| starved.contains(&s.id));
                     active = kept;
