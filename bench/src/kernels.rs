@@ -1,6 +1,8 @@
-//! Matrix-vector micro-benchmark: GB/s of weight bytes per format, kernel path and thread count
-//! at SmolLM2-135M's shapes. Small matrices fit in L2, so their figures are cache bandwidth; the
-//! 49152×576 head is the one that streams from memory.
+//! Matrix-product micro-benchmark: GB/s of weight bytes and GFLOP/s per format, kernel path,
+//! thread count and number of activation rows (1: batch-1 decode's matrix-vector product; more:
+//! prefill and batched decode) at SmolLM2-135M's shapes. Small matrices fit in L2, so their
+//! matrix-vector figures are cache bandwidth; the 49152×576 head is the one that streams from
+//! memory.
 
 use std::time::{Duration, Instant};
 
@@ -39,8 +41,8 @@ fn time_calls(
     start.elapsed().as_secs_f64() / calls as f64
 }
 
-/// Print one JSON line per (shape, format, path, threads).
-pub fn run(threads: &[usize], ms: u64, reps: usize) -> Result<()> {
+/// Print one JSON line per (shape, format, path, threads, tokens).
+pub fn run(threads: &[usize], tokens: &[usize], formats: &[WeightFormat], ms: u64, reps: usize) -> Result<()> {
     let pools: Vec<ThreadPool> = threads.iter().map(|&t| ThreadPool::new(t)).collect();
     let mut xq = QuantizedRows::default();
     // Cost of one job with 36 empty tasks (576 rows in 16-row chunks): the per-matmul overhead.
@@ -66,12 +68,12 @@ pub fn run(threads: &[usize], ms: u64, reps: usize) -> Result<()> {
     }
     for (rows, cols) in SHAPES {
         let wf = noise(rows * cols, rows as u64 ^ cols as u64);
-        let x = noise(cols, 7);
-        let mut out = vec![0f32; rows];
-        for format in [WeightFormat::F32, WeightFormat::Q8_0] {
+        for &format in formats {
             let w = Matrix::from_f32(wf.clone(), cols, format);
             for k in Kernels::all_supported() {
-                for pool in &pools {
+                for (pool, &t) in pools.iter().flat_map(|p| tokens.iter().map(move |t| (p, t))) {
+                    let x = noise(t * cols, 7);
+                    let mut out = vec![0f32; t * rows];
                     // Warm up (page in, fill caches), then interleave nothing: one config at a time.
                     time_calls(k, pool, &x, &w, &mut out, &mut xq, ms / 4);
                     let mut secs: Vec<f64> = (0..reps.max(1))
@@ -84,10 +86,11 @@ pub fn run(threads: &[usize], ms: u64, reps: usize) -> Result<()> {
                         "weights": format.name(),
                         "kernel_path": k.path().name(),
                         "threads": pool.threads(),
+                        "tokens": t,
                         "bytes": w.bytes(),
                         "us_per_call": s * 1e6,
                         "gb_per_s": w.bytes() as f64 / s / 1e9,
-                        "gflop_per_s": 2.0 * (rows * cols) as f64 / s / 1e9,
+                        "gflop_per_s": 2.0 * (t * rows * cols) as f64 / s / 1e9,
                     });
                     println!("{line}");
                 }

@@ -82,11 +82,18 @@ enum Cmd {
         #[arg(long)]
         kernel_path: Option<KernelPath>,
     },
-    /// Matrix-vector GB/s per weight format, kernel path and thread count at SmolLM2's shapes.
+    /// Matrix-product GB/s and GFLOP/s per weight format, kernel path, thread count and
+    /// activation rows at SmolLM2's shapes.
     Kernels {
         /// Thread counts to measure.
         #[arg(long, value_delimiter = ',', default_value = "1,2")]
         threads: Vec<usize>,
+        /// Activation rows per product (1: matrix-vector; more: prefill / batched decode).
+        #[arg(long, value_delimiter = ',', default_value = "1")]
+        tokens: Vec<usize>,
+        /// Weight formats to measure.
+        #[arg(long, value_delimiter = ',', default_value = "f32,q8_0")]
+        weights: Vec<WeightFormat>,
         /// Milliseconds per measurement; the median of `reps` is reported.
         #[arg(long, default_value_t = 200)]
         ms: u64,
@@ -120,7 +127,13 @@ fn main() -> Result<()> {
             threads,
             kernel_path,
         } => reference(model, prompt_tokens, gen_tokens, reps, &weights, &threads, kernel_path)?,
-        Cmd::Kernels { threads, ms, reps } => kernels::run(&threads, ms, reps)?,
+        Cmd::Kernels {
+            threads,
+            tokens,
+            weights,
+            ms,
+            reps,
+        } => kernels::run(&threads, &tokens, &weights, ms, reps)?,
         Cmd::Load(args) => load::run(args)?,
     }
     Ok(())

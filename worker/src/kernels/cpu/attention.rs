@@ -5,7 +5,7 @@
 //! Each (query row, head) output depends only on its own inputs, so the result is the
 //! reference's bit for bit whatever the path or thread count.
 
-use super::dispatch::Kernels;
+use super::dispatch::{KernelPath, Kernels};
 use super::f32 as kf32;
 use super::reference::{AttnShape, softmax};
 use crate::threads::{SharedMut, ThreadPool};
@@ -43,6 +43,95 @@ pub struct SeqAttn<'a> {
     pub layout: Rows<'a>,
 }
 
+impl Rows<'_> {
+    /// Positions `0..n` as runs of consecutive storage rows: `(first position, first row,
+    /// length)`. Walking runs instead of calling [`Rows::row`] per position saves a division per
+    /// key on a paged cache.
+    fn runs(&self, n: usize) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+        let step = match *self {
+            Rows::Contiguous => n.max(1),
+            Rows::Paged { block_size, .. } => block_size,
+        };
+        (0..n).step_by(step).map(move |p| (p, self.row(p), step.min(n - p)))
+    }
+}
+
+/// `acc += w[i]·v[row0 + i]` for each `i`, rows `kv_dim` apart starting at value `off`: a multiply
+/// then an add per element, in position order, exactly as the reference. With `HD` known the
+/// accumulator lives in registers across the whole run.
+#[inline(always)]
+fn pv_run<const HD: usize>(acc: &mut [f32; HD], w: &[f32], v: &[f32], row0: usize, kv_dim: usize, off: usize) {
+    let mut a = *acc;
+    for (i, &wp) in w.iter().enumerate() {
+        let vr: &[f32; HD] = v[(row0 + i) * kv_dim + off..][..HD].try_into().expect("HD values");
+        for j in 0..HD {
+            a[j] += wp * vr[j];
+        }
+    }
+    *acc = a;
+}
+
+/// [`pv_run`] compiled for AVX-512 (same arithmetic; element-wise operations vectorize exactly).
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn pv_run_avx512<const HD: usize>(
+    acc: &mut [f32; HD],
+    w: &[f32],
+    v: &[f32],
+    row0: usize,
+    kv_dim: usize,
+    off: usize,
+) {
+    pv_run(acc, w, v, row0, kv_dim, off);
+}
+
+/// [`pv_run`] compiled for AVX2.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn pv_run_avx2<const HD: usize>(
+    acc: &mut [f32; HD],
+    w: &[f32],
+    v: &[f32],
+    row0: usize,
+    kv_dim: usize,
+    off: usize,
+) {
+    pv_run(acc, w, v, row0, kv_dim, off);
+}
+
+/// `oh = Σ_p sc[p]·v(p)` over the positions of `s`'s layout, for head dims with a register kernel.
+fn weighted_values<const HD: usize>(
+    kern: Kernels,
+    sc: &[f32],
+    s: &SeqAttn<'_>,
+    kv_dim: usize,
+    off: usize,
+    oh: &mut [f32],
+) {
+    let mut acc = [0f32; HD];
+    for (p, row0, len) in s.layout.runs(sc.len()) {
+        let w = &sc[p..p + len];
+        match kern.path() {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Kernels` is only made for paths the CPU supports.
+            KernelPath::Avx512 | KernelPath::Avx512Vnni => unsafe {
+                pv_run_avx512(&mut acc, w, s.v, row0, kv_dim, off)
+            },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            KernelPath::Avx2 => unsafe { pv_run_avx2(&mut acc, w, s.v, row0, kv_dim, off) },
+            _ => pv_run(&mut acc, w, s.v, row0, kv_dim, off),
+        }
+    }
+    oh.copy_from_slice(&acc);
+}
+
 /// Attention of query row at position `pos` for head `h` into `oh` (`head_dim` values).
 #[allow(clippy::too_many_arguments)]
 #[inline]
@@ -57,26 +146,33 @@ fn one_head(
     oh: &mut [f32],
 ) {
     let (hd, kv_dim) = (shape.head_dim, shape.num_kv_heads * shape.head_dim);
+    let off = kvh * hd;
     let scale = 1.0 / (hd as f32).sqrt();
     let sc = &mut scores[..pos + 1];
-    for (p, score) in sc.iter_mut().enumerate() {
-        let kr = &s.k[s.layout.row(p) * kv_dim + kvh * hd..][..hd];
-        *score = kf32::dot(kern, qh, kr) * scale;
+    for (p, row0, len) in s.layout.runs(pos + 1) {
+        for (i, score) in sc[p..p + len].iter_mut().enumerate() {
+            let kr = &s.k[(row0 + i) * kv_dim + off..][..hd];
+            *score = kf32::dot(kern, qh, kr) * scale;
+        }
     }
     softmax(sc);
-    oh.fill(0.0);
-    for (p, &w) in sc.iter().enumerate() {
-        let vr = &s.v[s.layout.row(p) * kv_dim + kvh * hd..][..hd];
-        for (o, &x) in oh.iter_mut().zip(vr) {
-            *o += w * x;
+    match hd {
+        64 => weighted_values::<64>(kern, sc, s, kv_dim, off, oh),
+        128 => weighted_values::<128>(kern, sc, s, kv_dim, off, oh),
+        _ => {
+            oh.fill(0.0);
+            for (p, row0, len) in s.layout.runs(sc.len()) {
+                for (i, &w) in sc[p..p + len].iter().enumerate() {
+                    let vr = &s.v[(row0 + i) * kv_dim + off..][..hd];
+                    for (o, &x) in oh.iter_mut().zip(vr) {
+                        *o += w * x;
+                    }
+                }
+            }
         }
     }
 }
 
-/// Attention for every sequence of a batch: `q` and `out` hold all sequences' rows back to
-/// back (`num_heads × head_dim` each); `seq(i)` describes sequence `i` of `n_seqs`, whose
-/// positions end at most at `longest`. One pool task per (sequence, head); `scores` is grown to
-/// one buffer per task.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_batch<'a>(
     kern: Kernels,

@@ -4,8 +4,9 @@
 //! by the same code whichever thread claims its chunk, so results do not depend on the thread
 //! count.
 
-use super::dispatch::Kernels;
+use super::dispatch::{KernelPath, Kernels};
 use super::q8::{self, Q8Error, Q8Matrix, QuantizedRows};
+use super::q8_gemm;
 use super::{f32 as kf32, reference};
 use crate::threads::{SharedMut, ThreadPool};
 
@@ -186,6 +187,22 @@ pub fn matmul_many<const N: usize>(
         let rows = w.rows();
         let r0 = chunk * CHUNK_ROWS;
         let n = CHUNK_ROWS.min(rows - r0);
+        #[cfg(target_arch = "x86_64")]
+        if let MatRef::Q8_0(m) = w
+            && k.path() == KernelPath::Avx512Vnni
+        {
+            // SAFETY: the path is supported (a `Kernels` exists for it); this task alone writes
+            // rows r0..r0+n of every output row of product p.
+            unsafe { q8_chunk_vnni(m, xq, r0, n, t, shared) };
+            if let Some(b) = bias {
+                for i in 0..t {
+                    // SAFETY: as above.
+                    let o = unsafe { shared.slice(i * rows + r0, n) };
+                    o.iter_mut().zip(&b[r0..r0 + n]).for_each(|(v, b)| *v += b);
+                }
+            }
+            return;
+        }
         for i in 0..t {
             // SAFETY: this task alone writes rows r0..r0+n of each output row of product p.
             let o = unsafe { shared.slice(i * rows + r0, n) };
@@ -217,6 +234,66 @@ pub fn matmul_many<const N: usize>(
             }
         }
     });
+}
+
+/// Weight rows and activation rows per [`q8_gemm::tile_vnni512`] call.
+const TILE_ROWS: usize = 4;
+const TILE_TOKENS: usize = 4;
+
+/// Rows `r0..r0+n` of `m` against all `t` activation rows of `xq`, written into `out`
+/// (`t × m.rows`), tile by tile.
+///
+/// # Safety
+/// The CPU must support AVX-512 VNNI, and no other thread may touch rows `r0..r0+n` of `out`.
+#[cfg(target_arch = "x86_64")]
+unsafe fn q8_chunk_vnni(m: &Q8Matrix, xq: &QuantizedRows, r0: usize, n: usize, t: usize, out: &SharedMut<f32>) {
+    let mut tok = 0;
+    while tok < t {
+        let tn = TILE_TOKENS.min(t - tok);
+        let mut r = r0;
+        while r < r0 + n {
+            let rn = if r0 + n - r >= TILE_ROWS { TILE_ROWS } else { 1 };
+            // SAFETY: forwarded from the caller.
+            unsafe {
+                match (rn, tn) {
+                    (TILE_ROWS, TILE_TOKENS) => q8_tile::<TILE_ROWS, TILE_TOKENS>(m, xq, r, tok, out),
+                    (TILE_ROWS, 3) => q8_tile::<TILE_ROWS, 3>(m, xq, r, tok, out),
+                    (TILE_ROWS, 2) => q8_tile::<TILE_ROWS, 2>(m, xq, r, tok, out),
+                    (TILE_ROWS, _) => q8_tile::<TILE_ROWS, 1>(m, xq, r, tok, out),
+                    (_, TILE_TOKENS) => q8_tile::<1, TILE_TOKENS>(m, xq, r, tok, out),
+                    (_, 3) => q8_tile::<1, 3>(m, xq, r, tok, out),
+                    (_, 2) => q8_tile::<1, 2>(m, xq, r, tok, out),
+                    _ => q8_tile::<1, 1>(m, xq, r, tok, out),
+                }
+            }
+            r += rn;
+        }
+        tok += tn;
+    }
+}
+
+/// One `R × T` tile: weight rows `r..r+R`, activation rows `tok..tok+T`.
+///
+/// # Safety
+/// As [`q8_chunk_vnni`].
+#[cfg(target_arch = "x86_64")]
+#[inline]
+unsafe fn q8_tile<const R: usize, const T: usize>(
+    m: &Q8Matrix,
+    xq: &QuantizedRows,
+    r: usize,
+    tok: usize,
+    out: &SharedMut<f32>,
+) {
+    let w: [_; R] = std::array::from_fn(|j| m.row(r + j));
+    let a: [_; T] = std::array::from_fn(|i| xq.row(tok + i));
+    // SAFETY: forwarded from the caller.
+    let y = unsafe { q8_gemm::tile_vnni512(w.map(|w| w.0), w.map(|w| w.1), a.map(|a| a.0), a.map(|a| a.1)) };
+    for i in 0..T {
+        // SAFETY: forwarded from the caller.
+        let o = unsafe { out.slice((tok + i) * m.rows + r, R) };
+        o.iter_mut().zip(&y).for_each(|(o, y)| *o = y[i]);
+    }
 }
 
 /// The reference product for any format: Q8_0 weights are dequantized row by row and multiplied

@@ -1,0 +1,182 @@
+//! Q8_0 matrix-matrix tile: `R` weight rows × `T` activation rows per call, so each weight
+//! block loaded from cache feeds `T` products and each activation block feeds `R`.
+//!
+//! Why a separate kernel from [`super::q8::dot_vnni_rows`]: prefill and batched decode are
+//! compute-bound, and there the row-at-a-time kernel spends ~7 instructions per 32-value block
+//! product. This one uses 512-bit `vpdpbusd` over two blocks at once and needs ~2.5:
+//!
+//! * activations are made unsigned by flipping their top bit (`a + 128`), so no per-product sign
+//!   fix-up is needed; the extra `128·Σw` per 4-byte lane is computed once per weight row and
+//!   block pair (`vpdpbusd` of 128s with `w`) and pre-loaded as the negative accumulator, so each
+//!   lane is still the exact integer `Σ a·w`;
+//! * the two blocks' scale products are spread over the low and high 8 lanes with one
+//!   `vpermps` per row and per token, then one multiply and one FMA per product.
+//!
+//! Every (row, token) product follows the same instruction sequence whatever `R` and `T` are,
+//! so a row's result does not depend on how many other rows or tokens share its tile: a
+//! sequence decoded alone and inside a batch gets bit-identical logits.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use baton_shared::dtype::QK;
+
+/// Scalar reference twin of [`tile_vnni512`]: each product as in [`super::q8::dot_scalar`].
+pub fn tile_scalar<const R: usize, const T: usize>(
+    wq: [&[i8]; R],
+    wd: [&[f32]; R],
+    aq: [&[i8]; T],
+    ad: [&[f32]; T],
+) -> [[f32; T]; R] {
+    std::array::from_fn(|r| std::array::from_fn(|t| super::q8::dot_scalar(wq[r], wd[r], aq[t], ad[t])))
+}
+
+/// AVX-512 VNNI tile (see the module docs). Every slice holds the same number of blocks.
+///
+/// # Safety
+/// The CPU must support AVX-512F/BW/VL/VNNI.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+pub unsafe fn tile_vnni512<const R: usize, const T: usize>(
+    wq: [&[i8]; R],
+    wd: [&[f32]; R],
+    aq: [&[i8]; T],
+    ad: [&[f32]; T],
+) -> [[f32; T]; R] {
+    let nb = ad[0].len();
+    for r in 0..R {
+        assert!(
+            wq[r].len() == nb * QK && wd[r].len() == nb,
+            "tile_vnni512: weight row shape"
+        );
+    }
+    for t in 0..T {
+        assert!(
+            aq[t].len() == nb * QK && ad[t].len() == nb,
+            "tile_vnni512: activation row shape"
+        );
+    }
+    let flip = _mm512_set1_epi8(-128);
+    let zero = _mm512_setzero_si512();
+    // Lanes 0..8 take the first block's scale, lanes 8..16 the second's.
+    let spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    // Rows of a matrix are contiguous: prefetch the tile of rows after next, which the
+    // hardware streamers miss when R rows are read side by side (matters for decode, T = 1).
+    let ahead = wq[0].as_ptr().wrapping_add(2 * R * nb * QK);
+    let mut b = 0;
+    while b < nb {
+        // Two blocks, or the last one alone (upper half zero: zero weights add exact zeros).
+        let pair = b + 1 < nb;
+        let bytes_mask: u64 = if pair { u64::MAX } else { u32::MAX as u64 };
+        let scale_mask: u16 = if pair { 0b11 } else { 0b01 };
+        let pf = ahead.wrapping_add(b * R * QK);
+        for r in 0..R {
+            _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * r).cast());
+        }
+        // SAFETY: blocks b and (if `pair`) b + 1 are inside every slice (checked above); masked
+        // loads touch only the selected bytes.
+        unsafe {
+            let mut ua = [zero; T];
+            let mut sa = [_mm512_setzero_ps(); T];
+            for t in 0..T {
+                let a = _mm512_maskz_loadu_epi8(bytes_mask, aq[t].as_ptr().add(b * QK).cast());
+                // a + 128 as unsigned; a zero-padded upper half becomes 128, times zero weights.
+                ua[t] = _mm512_xor_si512(a, flip);
+                let s = _mm512_maskz_loadu_ps(scale_mask, ad[t].as_ptr().add(b));
+                sa[t] = _mm512_permutexvar_ps(spread, s);
+            }
+            for r in 0..R {
+                let w = _mm512_maskz_loadu_epi8(bytes_mask, wq[r].as_ptr().add(b * QK).cast());
+                let bias = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, flip, w));
+                let sw = _mm512_maskz_loadu_ps(scale_mask, wd[r].as_ptr().add(b));
+                let sw = _mm512_permutexvar_ps(spread, sw);
+                for t in 0..T {
+                    let p = _mm512_dpbusd_epi32(bias, ua[t], w);
+                    let d = _mm512_mul_ps(sw, sa[t]);
+                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), d, acc[r][t]);
+                }
+            }
+        }
+        b += 2;
+    }
+    let mut out = [[0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            out[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::cpu::q8::{Q8Matrix, QuantizedRows};
+
+    fn noise(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+        crate::kernels::cpu::f32::tests::noise(n, seed, scale)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn vnni() -> bool {
+        crate::kernels::cpu::dispatch::KernelPath::Avx512Vnni.is_supported()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vnni_tile_matches_the_scalar_twin_and_is_independent_of_the_tile_shape() {
+        if !vnni() {
+            eprintln!("no AVX-512 VNNI here: nothing to compare");
+            return;
+        }
+        // 1, 3 (odd: a lone last block) and 18 blocks; tiny, huge and mixed magnitudes.
+        for cols in [32, 96, 576] {
+            for (seed, scale) in [(1u64, 1.0f32), (2, 1e3), (3, 1e-5)] {
+                let w = Q8Matrix::quantize(&noise(4 * cols, seed, scale), 4, cols).unwrap();
+                let mut x = noise(4 * cols, seed + 7, 1.0);
+                x[0] = 0.0;
+                x[cols - 1] = -1.0; // the extreme quant -127
+                x[cols] = 1.0; // +127
+                let mut xq = QuantizedRows::default();
+                xq.quantize(&x, cols);
+                let wr: [_; 4] = std::array::from_fn(|r| w.row(r));
+                let ar: [_; 4] = std::array::from_fn(|t| xq.row(t));
+                let (wq, wd) = (wr.map(|r| r.0), wr.map(|r| r.1));
+                let (aq, ad) = (ar.map(|a| a.0), ar.map(|a| a.1));
+                let want = tile_scalar(wq, wd, aq, ad);
+                // SAFETY: checked above.
+                let got = unsafe { tile_vnni512(wq, wd, aq, ad) };
+                for r in 0..4 {
+                    for t in 0..4 {
+                        // Integer block sums are exact; only the f32 accumulation order differs.
+                        let mag: f32 = (0..cols / QK)
+                            .map(|b| {
+                                let s: i32 = (b * QK..(b + 1) * QK)
+                                    .map(|j| (wq[r][j] as i32 * aq[t][j] as i32).abs())
+                                    .sum();
+                                (wd[r][b] * ad[t][b]).abs() * s as f32
+                            })
+                            .sum();
+                        let (g, w) = (got[r][t], want[r][t]);
+                        assert!((g - w).abs() <= 1e-6 * mag, "cols={cols} r={r} t={t}: {g} vs {w}");
+                        // The same product in any other tile shape is bit-identical.
+                        // SAFETY: checked above.
+                        let one = unsafe { tile_vnni512::<1, 1>([wq[r]], [wd[r]], [aq[t]], [ad[t]]) };
+                        assert_eq!(one[0][0].to_bits(), g.to_bits(), "cols={cols} r={r} t={t}");
+                    }
+                }
+                // SAFETY: checked above.
+                let two_by_three = unsafe {
+                    tile_vnni512::<2, 3>(
+                        [wq[1], wq[2]],
+                        [wd[1], wd[2]],
+                        [aq[0], aq[1], aq[3]],
+                        [ad[0], ad[1], ad[3]],
+                    )
+                };
+                assert_eq!(two_by_three[1][2].to_bits(), got[2][3].to_bits());
+            }
+        }
+    }
+}
