@@ -72,7 +72,7 @@ enum Cmd {
         /// Repetitions; the median is reported.
         #[arg(long, default_value_t = 3)]
         reps: usize,
-        /// Weight formats to measure (f32, q8_0).
+        /// Weight formats to measure (f32, q8_0, q4_0, q4_1, native).
         #[arg(long, value_delimiter = ',', default_value = "f32")]
         weights: Vec<WeightFormat>,
         /// Thread counts to measure.

@@ -155,6 +155,12 @@ pub enum LoadError {
         index: usize,
         value: f32,
     },
+    #[error("{source_name}: tensor '{name}' cannot be kept in its stored format: {reason}")]
+    Blocks {
+        source_name: String,
+        name: String,
+        reason: String,
+    },
     #[error("layer range {start}..{end} is not inside the model's {layers} layers")]
     LayerRange { start: usize, end: usize, layers: usize },
 }
@@ -292,6 +298,38 @@ impl ModelFiles {
         Ok(())
     }
 
+    /// One tensor's stored bytes in Hugging Face row order (GGUF llama q/k rows un-permuted),
+    /// for a matrix kept in the file's own block format. Shape-checked; `None` for tensors that
+    /// are not 2-D block formats (Q8_0, Q4_0, Q4_1).
+    pub fn load_blocks(
+        &self,
+        cfg: &ModelConfig,
+        role: TensorRole,
+        layer: Option<usize>,
+    ) -> Result<Option<(DType, Vec<u8>)>, LoadError> {
+        let source_name = self.source_name();
+        let name = self.name_of(role, layer);
+        let t = self.stored(role, layer).ok_or_else(|| LoadError::MissingTensor {
+            source_name: source_name.clone(),
+            name: name.clone(),
+        })?;
+        let expected = role.shape(cfg);
+        check_shape(&source_name, &name, t.shape, &expected)?;
+        if !matches!(t.dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1) || expected.len() != 2 {
+            return Ok(None);
+        }
+        let mut data = t.data.to_vec();
+        if matches!(self, Self::Gguf(_)) && cfg.architecture == Architecture::Llama {
+            let row_bytes = t.dtype.n_bytes(expected[1]);
+            match role {
+                TensorRole::Q => data = move_rows(&data, cfg.num_heads, row_bytes, |gguf, hf| (gguf, hf)),
+                TensorRole::K => data = move_rows(&data, cfg.num_kv_heads, row_bytes, |gguf, hf| (gguf, hf)),
+                _ => {}
+            }
+        }
+        Ok(Some((t.dtype, data)))
+    }
+
     /// Load one tensor as f32 in Hugging Face layout (GGUF llama q/k rows un-permuted).
     ///
     /// With `check_finite`, a NaN or infinity anywhere is an error naming the tensor.
@@ -357,10 +395,15 @@ pub fn permute_rows(w: &[f32], n_heads: usize, cols: usize) -> Vec<f32> {
 }
 
 /// Copy rows between the GGUF and HF orders; `pick(gguf_row, hf_row)` gives `(src, dst)`.
-fn move_rows(w: &[f32], n_heads: usize, cols: usize, pick: impl Fn(usize, usize) -> (usize, usize)) -> Vec<f32> {
+fn move_rows<T: Copy + Default>(
+    w: &[T],
+    n_heads: usize,
+    cols: usize,
+    pick: impl Fn(usize, usize) -> (usize, usize),
+) -> Vec<T> {
     let head_dim = w.len() / cols / n_heads;
     let half = head_dim / 2;
-    let mut out = vec![0f32; w.len()];
+    let mut out = vec![T::default(); w.len()];
     for h in 0..n_heads {
         for i in 0..half {
             for j in 0..2 {

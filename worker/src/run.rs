@@ -123,7 +123,10 @@ pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
         cores,
         memory_bytes: total_memory(),
         kv_cache_bytes: w.kv_cache_mib << 20,
-        features: vec![format!("kernels:{}", kernels.path().name()), "weights:f32,q8_0".into()],
+        features: vec![
+            format!("kernels:{}", kernels.path().name()),
+            "weights:f32,q8_0,q4_0,q4_1,native".into(),
+        ],
     };
     baton_shared::telemetry::prometheus();
     metrics::gauge!("baton_kernel_info", "path" => kernels.path().name()).set(1.0);

@@ -36,7 +36,7 @@ pub struct PipelineConfig {
     pub cluster_token: String,
     /// Wire type of hidden states between stages.
     pub activation_dtype: Dtype,
-    /// Weight format the workers hold (`f32`, `q8_0`).
+    /// Weight format the workers hold (`f32`, `q8_0`, `q4_0`, `q4_1`, `native`).
     pub weights: String,
     /// Requests waiting to start, beyond which submissions get 429.
     pub max_queue: usize,

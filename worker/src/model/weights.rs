@@ -93,6 +93,31 @@ pub struct StageWeights {
     pub pool: Arc<ThreadPool>,
 }
 
+/// A matrix from a file's block bytes, kept in that format.
+fn native_matrix(
+    files: &ModelFiles,
+    role: TensorRole,
+    layer: Option<usize>,
+    dtype: baton_shared::dtype::DType,
+    bytes: &[u8],
+    rows: usize,
+    cols: usize,
+) -> Result<Matrix, LoadError> {
+    let err = |reason: String| LoadError::Blocks {
+        source_name: files.source_name(),
+        name: match files {
+            ModelFiles::Gguf(_) => role.gguf_name(layer),
+            ModelFiles::HfDir { .. } => role.hf_name(layer),
+        },
+        reason,
+    };
+    match Matrix::from_ggml(dtype, bytes, rows, cols) {
+        Some(Ok(m)) => Ok(m),
+        Some(Err(reason)) => Err(err(reason)),
+        None => Err(err(format!("{dtype} is not a block format"))),
+    }
+}
+
 impl StageWeights {
     /// Load the tensors for `layers` (and the embedding when `first`, the head when `last`) as
     /// f32 on one thread (the reference behaviour).
@@ -138,10 +163,25 @@ impl StageWeights {
         };
         let fmt = opts.format;
         // Dequantize to f32 (checked for NaN/Inf), then convert: one path for every file format.
-        let mat = |role: TensorRole, layer: Option<usize>| -> Result<Matrix, LoadError> {
-            let cols = *role.shape(config).last().unwrap_or(&1);
-            Ok(Matrix::from_f32(get(role, layer)?, cols, fmt))
+        // `native` keeps a file's block formats as stored instead (after the same checks).
+        // The head stays at 8 bits under the 4-bit formats, as llama.cpp keeps its output tensor
+        // at higher precision: measured on SmolLM2, a Q4_1 head alone takes the logit error
+        // from 4% to 10% of the spread.
+        let head_fmt = match fmt {
+            WeightFormat::Q4_0 | WeightFormat::Q4_1 => WeightFormat::Q8_0,
+            other => other,
         };
+        let mat_as = |role: TensorRole, layer: Option<usize>, fmt: WeightFormat| -> Result<Matrix, LoadError> {
+            let cols = *role.shape(config).last().unwrap_or(&1);
+            let values = get(role, layer)?;
+            if fmt == WeightFormat::Native
+                && let Some((dtype, bytes)) = files.load_blocks(config, role, layer)?
+            {
+                return native_matrix(files, role, layer, dtype, &bytes, values.len() / cols, cols);
+            }
+            Ok(Matrix::from_f32(values, cols, fmt))
+        };
+        let mat = |role, layer| mat_as(role, layer, fmt);
         let mut layer_weights = Vec::with_capacity(layers.len());
         for l in layers.clone() {
             let l = Some(l);
@@ -166,11 +206,16 @@ impl StageWeights {
         let embedding = opt(need_embedding, TensorRole::Embedding, None)?;
         let lm_head = match (last, config.tie_word_embeddings, fmt) {
             (false, _, _) | (true, true, WeightFormat::F32) => None,
-            (true, false, _) => Some(mat(TensorRole::LmHead, None)?),
+            (true, false, _) => Some(mat_as(TensorRole::LmHead, None, head_fmt)?),
+            // A tied head in the embedding's stored block format, or f32 (borrowing it).
+            (true, true, WeightFormat::Native) => match mat(TensorRole::Embedding, None)? {
+                Matrix::F32 { .. } => None,
+                m => Some(m),
+            },
             (true, true, _) => {
                 let emb = embedding.as_deref().expect("a tied head loads the embedding");
                 let h = config.hidden_size;
-                Some(Matrix::from_f32(emb.to_vec(), h, fmt))
+                Some(Matrix::from_f32(emb.to_vec(), h, head_fmt))
             }
         };
         Ok(Self {

@@ -5,10 +5,12 @@
 //! count.
 
 use super::dispatch::{KernelPath, Kernels};
+use super::q4::{self, Q4Matrix};
 use super::q8::{self, Q8Error, Q8Matrix, QuantizedRows};
 use super::q8_gemm;
 use super::{f32 as kf32, reference};
 use crate::threads::{SharedMut, ThreadPool};
+use baton_shared::dtype::DType;
 
 /// Output rows per task: small enough to balance 576-row matrices over a few threads, large
 /// enough that claiming a task costs nothing next to it.
@@ -22,6 +24,13 @@ pub enum WeightFormat {
     F32,
     /// ggml Q8_0 (32-value blocks), re-quantized at load from whatever the file holds.
     Q8_0,
+    /// ggml Q4_0 (32 4-bit codes, one scale), re-quantized at load.
+    Q4_0,
+    /// ggml Q4_1 (32 4-bit codes, scale and minimum), re-quantized at load.
+    Q4_1,
+    /// Each tensor as the file stores it: Q8_0, Q4_0 and Q4_1 kept as they are (no second
+    /// rounding), anything else as f32.
+    Native,
 }
 
 impl WeightFormat {
@@ -30,13 +39,16 @@ impl WeightFormat {
         match self {
             Self::F32 => "f32",
             Self::Q8_0 => "q8_0",
+            Self::Q4_0 => "q4_0",
+            Self::Q4_1 => "q4_1",
+            Self::Native => "native",
         }
     }
 }
 
 /// Errors naming a weight format.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("unknown weight format {0:?} (expected f32 or q8_0)")]
+#[error("unknown weight format {0:?} (expected f32, q8_0, q4_0, q4_1 or native)")]
 pub struct UnknownFormat(pub String);
 
 impl std::str::FromStr for WeightFormat {
@@ -46,6 +58,9 @@ impl std::str::FromStr for WeightFormat {
         match s.to_ascii_lowercase().as_str() {
             "f32" => Ok(Self::F32),
             "q8_0" | "q8" => Ok(Self::Q8_0),
+            "q4_0" => Ok(Self::Q4_0),
+            "q4_1" => Ok(Self::Q4_1),
+            "native" => Ok(Self::Native),
             _ => Err(UnknownFormat(s.to_string())),
         }
     }
@@ -62,6 +77,7 @@ impl std::fmt::Display for WeightFormat {
 pub enum Matrix {
     F32 { data: Vec<f32>, cols: usize },
     Q8_0(Q8Matrix),
+    Q4(Q4Matrix),
 }
 
 /// A borrowed weight matrix (a tied f32 head borrows the embedding table).
@@ -69,20 +85,44 @@ pub enum Matrix {
 pub enum MatRef<'a> {
     F32 { data: &'a [f32], cols: usize },
     Q8_0(&'a Q8Matrix),
+    Q4(&'a Q4Matrix),
 }
 
 impl Matrix {
-    /// Convert f32 weights to `format`. Q8_0 needs `cols` to be a multiple of 32; other
-    /// shapes stay f32 (correct, just not compressed).
+    /// Convert f32 weights to `format`. Block formats need `cols` to be a multiple of 32; other
+    /// shapes stay f32 (correct, just not compressed). `Native` stays f32: the loader keeps a
+    /// file's block formats through [`Matrix::from_ggml`] instead.
     pub fn from_f32(data: Vec<f32>, cols: usize, format: WeightFormat) -> Self {
         assert!(cols > 0 && data.len().is_multiple_of(cols), "Matrix::from_f32: shape");
-        match format {
-            WeightFormat::Q8_0 => match Q8Matrix::quantize(&data, data.len() / cols, cols) {
-                Ok(m) => Self::Q8_0(m),
-                Err(Q8Error::RowLength(_) | Q8Error::Bytes { .. }) => Self::F32 { data, cols },
+        let rows = data.len() / cols;
+        let q4 = |dtype| match Q4Matrix::quantize(&data, rows, cols, dtype) {
+            Ok(m) => Some(Self::Q4(m)),
+            Err(_) => None,
+        };
+        let converted = match format {
+            WeightFormat::Q8_0 => match Q8Matrix::quantize(&data, rows, cols) {
+                Ok(m) => Some(Self::Q8_0(m)),
+                Err(Q8Error::RowLength(_) | Q8Error::Bytes { .. }) => None,
             },
-            WeightFormat::F32 => Self::F32 { data, cols },
-        }
+            WeightFormat::Q4_0 => q4(DType::Q4_0),
+            WeightFormat::Q4_1 => q4(DType::Q4_1),
+            WeightFormat::F32 | WeightFormat::Native => None,
+        };
+        converted.unwrap_or(Self::F32 { data, cols })
+    }
+
+    /// A matrix straight from a file's ggml block bytes (Q8_0, Q4_0 or Q4_1), or `None` for
+    /// any other type.
+    pub fn from_ggml(dtype: DType, bytes: &[u8], rows: usize, cols: usize) -> Option<Result<Self, String>> {
+        Some(match dtype {
+            DType::Q8_0 => Q8Matrix::from_ggml(bytes, rows, cols)
+                .map(Self::Q8_0)
+                .map_err(|e| e.to_string()),
+            DType::Q4_0 | DType::Q4_1 => Q4Matrix::from_ggml(dtype, bytes, rows, cols)
+                .map(Self::Q4)
+                .map_err(|e| e.to_string()),
+            _ => return None,
+        })
     }
 
     /// A borrowed view.
@@ -90,6 +130,7 @@ impl Matrix {
         match self {
             Self::F32 { data, cols } => MatRef::F32 { data, cols: *cols },
             Self::Q8_0(m) => MatRef::Q8_0(m),
+            Self::Q4(m) => MatRef::Q4(m),
         }
     }
 
@@ -98,6 +139,7 @@ impl Matrix {
         match self {
             Self::F32 { data, .. } => 4 * data.len(),
             Self::Q8_0(m) => m.bytes(),
+            Self::Q4(m) => m.bytes(),
         }
     }
 
@@ -105,7 +147,7 @@ impl Matrix {
     pub fn as_f32(&self) -> Option<&[f32]> {
         match self {
             Self::F32 { data, .. } => Some(data),
-            Self::Q8_0(_) => None,
+            Self::Q8_0(_) | Self::Q4(_) => None,
         }
     }
 }
@@ -116,6 +158,7 @@ impl MatRef<'_> {
         match self {
             Self::F32 { cols, .. } => *cols,
             Self::Q8_0(m) => m.cols,
+            Self::Q4(m) => m.cols,
         }
     }
 
@@ -124,6 +167,7 @@ impl MatRef<'_> {
         match self {
             Self::F32 { data, cols } => data.len() / cols,
             Self::Q8_0(m) => m.rows,
+            Self::Q4(m) => m.rows,
         }
     }
 }
@@ -168,7 +212,7 @@ pub fn matmul_many<const N: usize>(
         if let Some(b) = bias {
             assert_eq!(b.len(), w.rows(), "matmul: bias size");
         }
-        if matches!(w, MatRef::Q8_0(_)) && !quantized {
+        if matches!(w, MatRef::Q8_0(_) | MatRef::Q4(_)) && !quantized {
             xq.quantize(x, cols);
             quantized = true;
         }
@@ -188,12 +232,16 @@ pub fn matmul_many<const N: usize>(
         let r0 = chunk * CHUNK_ROWS;
         let n = CHUNK_ROWS.min(rows - r0);
         #[cfg(target_arch = "x86_64")]
-        if let MatRef::Q8_0(m) = w
-            && k.path() == KernelPath::Avx512Vnni
-        {
+        if k.path() == KernelPath::Avx512Vnni && matches!(w, MatRef::Q8_0(_) | MatRef::Q4(_)) {
             // SAFETY: the path is supported (a `Kernels` exists for it); this task alone writes
             // rows r0..r0+n of every output row of product p.
-            unsafe { q8_chunk_vnni(m, xq, r0, n, t, shared) };
+            unsafe {
+                match w {
+                    MatRef::Q8_0(m) => chunk_vnni(m, xq, r0, n, t, shared),
+                    MatRef::Q4(m) => chunk_vnni(m, xq, r0, n, t, shared),
+                    MatRef::F32 { .. } => unreachable!("matched above"),
+                }
+            }
             if let Some(b) = bias {
                 for i in 0..t {
                     // SAFETY: as above.
@@ -228,6 +276,13 @@ pub fn matmul_many<const N: usize>(
                         *oj = q8::dot(k, wq, wd, aq, ad);
                     }
                 }
+                // Only the scalar twin below AVX-512 VNNI.
+                MatRef::Q4(m) => {
+                    let a = xq.row_with_sums(i);
+                    for (j, oj) in o.iter_mut().enumerate() {
+                        *oj = q4::dot_scalar(m.row(r0 + j), a);
+                    }
+                }
             }
             if let Some(b) = bias {
                 o.iter_mut().zip(&b[r0..r0 + n]).for_each(|(v, b)| *v += b);
@@ -236,17 +291,90 @@ pub fn matmul_many<const N: usize>(
     });
 }
 
-/// Weight rows and activation rows per [`q8_gemm::tile_vnni512`] call.
+/// Weight rows and activation rows per tile-kernel call.
 const TILE_ROWS: usize = 4;
 const TILE_TOKENS: usize = 4;
 
+/// A block-quantized matrix with an `R × T` tile kernel.
+#[cfg(target_arch = "x86_64")]
+trait Tiled {
+    /// Rows `r..r+R` against activation rows `tok..tok+T`, written into `out` (`t × rows`).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 VNNI, and no other thread may touch these outputs.
+    unsafe fn tile<const R: usize, const T: usize>(
+        &self,
+        xq: &QuantizedRows,
+        r: usize,
+        tok: usize,
+        out: &SharedMut<f32>,
+    );
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Tiled for Q8Matrix {
+    #[inline]
+    unsafe fn tile<const R: usize, const T: usize>(
+        &self,
+        xq: &QuantizedRows,
+        r: usize,
+        tok: usize,
+        out: &SharedMut<f32>,
+    ) {
+        let w: [_; R] = std::array::from_fn(|j| self.row(r + j));
+        let a: [_; T] = std::array::from_fn(|i| xq.row(tok + i));
+        // SAFETY: forwarded from the caller.
+        let y = unsafe { q8_gemm::tile_vnni512(w.map(|w| w.0), w.map(|w| w.1), a.map(|a| a.0), a.map(|a| a.1)) };
+        // SAFETY: forwarded from the caller.
+        unsafe { store_tile(&y, self.rows, r, tok, out) };
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Tiled for Q4Matrix {
+    #[inline]
+    unsafe fn tile<const R: usize, const T: usize>(
+        &self,
+        xq: &QuantizedRows,
+        r: usize,
+        tok: usize,
+        out: &SharedMut<f32>,
+    ) {
+        let w: [_; R] = std::array::from_fn(|j| self.row(r + j));
+        let a: [_; T] = std::array::from_fn(|i| xq.row_with_sums(tok + i));
+        // SAFETY: forwarded from the caller.
+        let y = unsafe { q4::tile_vnni512(w, a) };
+        // SAFETY: forwarded from the caller.
+        unsafe { store_tile(&y, self.rows, r, tok, out) };
+    }
+}
+
+/// Write an `R × T` tile's results (`y[row][token]`) into the `t × rows` output.
+///
+/// # Safety
+/// No other thread may touch these outputs.
+#[inline]
+unsafe fn store_tile<const R: usize, const T: usize>(
+    y: &[[f32; T]; R],
+    rows: usize,
+    r: usize,
+    tok: usize,
+    out: &SharedMut<f32>,
+) {
+    for i in 0..T {
+        // SAFETY: forwarded from the caller.
+        let o = unsafe { out.slice((tok + i) * rows + r, R) };
+        o.iter_mut().zip(y).for_each(|(o, y)| *o = y[i]);
+    }
+}
+
 /// Rows `r0..r0+n` of `m` against all `t` activation rows of `xq`, written into `out`
-/// (`t × m.rows`), tile by tile.
+/// (`t × rows`), tile by tile.
 ///
 /// # Safety
 /// The CPU must support AVX-512 VNNI, and no other thread may touch rows `r0..r0+n` of `out`.
 #[cfg(target_arch = "x86_64")]
-unsafe fn q8_chunk_vnni(m: &Q8Matrix, xq: &QuantizedRows, r0: usize, n: usize, t: usize, out: &SharedMut<f32>) {
+unsafe fn chunk_vnni<M: Tiled>(m: &M, xq: &QuantizedRows, r0: usize, n: usize, t: usize, out: &SharedMut<f32>) {
     let mut tok = 0;
     while tok < t {
         let tn = TILE_TOKENS.min(t - tok);
@@ -256,43 +384,19 @@ unsafe fn q8_chunk_vnni(m: &Q8Matrix, xq: &QuantizedRows, r0: usize, n: usize, t
             // SAFETY: forwarded from the caller.
             unsafe {
                 match (rn, tn) {
-                    (TILE_ROWS, TILE_TOKENS) => q8_tile::<TILE_ROWS, TILE_TOKENS>(m, xq, r, tok, out),
-                    (TILE_ROWS, 3) => q8_tile::<TILE_ROWS, 3>(m, xq, r, tok, out),
-                    (TILE_ROWS, 2) => q8_tile::<TILE_ROWS, 2>(m, xq, r, tok, out),
-                    (TILE_ROWS, _) => q8_tile::<TILE_ROWS, 1>(m, xq, r, tok, out),
-                    (_, TILE_TOKENS) => q8_tile::<1, TILE_TOKENS>(m, xq, r, tok, out),
-                    (_, 3) => q8_tile::<1, 3>(m, xq, r, tok, out),
-                    (_, 2) => q8_tile::<1, 2>(m, xq, r, tok, out),
-                    _ => q8_tile::<1, 1>(m, xq, r, tok, out),
+                    (TILE_ROWS, TILE_TOKENS) => m.tile::<TILE_ROWS, TILE_TOKENS>(xq, r, tok, out),
+                    (TILE_ROWS, 3) => m.tile::<TILE_ROWS, 3>(xq, r, tok, out),
+                    (TILE_ROWS, 2) => m.tile::<TILE_ROWS, 2>(xq, r, tok, out),
+                    (TILE_ROWS, _) => m.tile::<TILE_ROWS, 1>(xq, r, tok, out),
+                    (_, TILE_TOKENS) => m.tile::<1, TILE_TOKENS>(xq, r, tok, out),
+                    (_, 3) => m.tile::<1, 3>(xq, r, tok, out),
+                    (_, 2) => m.tile::<1, 2>(xq, r, tok, out),
+                    _ => m.tile::<1, 1>(xq, r, tok, out),
                 }
             }
             r += rn;
         }
         tok += tn;
-    }
-}
-
-/// One `R × T` tile: weight rows `r..r+R`, activation rows `tok..tok+T`.
-///
-/// # Safety
-/// As [`q8_chunk_vnni`].
-#[cfg(target_arch = "x86_64")]
-#[inline]
-unsafe fn q8_tile<const R: usize, const T: usize>(
-    m: &Q8Matrix,
-    xq: &QuantizedRows,
-    r: usize,
-    tok: usize,
-    out: &SharedMut<f32>,
-) {
-    let w: [_; R] = std::array::from_fn(|j| m.row(r + j));
-    let a: [_; T] = std::array::from_fn(|i| xq.row(tok + i));
-    // SAFETY: forwarded from the caller.
-    let y = unsafe { q8_gemm::tile_vnni512(w.map(|w| w.0), w.map(|w| w.1), a.map(|a| a.0), a.map(|a| a.1)) };
-    for i in 0..T {
-        // SAFETY: forwarded from the caller.
-        let o = unsafe { out.slice((tok + i) * m.rows + r, R) };
-        o.iter_mut().zip(&y).for_each(|(o, y)| *o = y[i]);
     }
 }
 
@@ -308,6 +412,13 @@ pub fn matmul_reference(x: &[f32], w: MatRef<'_>, bias: Option<&[f32]>, out: &mu
                 for ((o, &qv), &dv) in row.iter_mut().zip(q).zip(d.iter().flat_map(|d| [d; 32])) {
                     *o = qv as f32 * dv;
                 }
+            }
+            reference::matmul_t(x, &deq, bias, m.cols, out);
+        }
+        MatRef::Q4(m) => {
+            let mut deq = vec![0f32; m.rows * m.cols];
+            for (r, row) in deq.chunks_exact_mut(m.cols).enumerate() {
+                m.dequantize_row(r, row);
             }
             reference::matmul_t(x, &deq, bias, m.cols, out);
         }
@@ -396,6 +507,52 @@ mod tests {
             let mut three = vec![0f32; t * rows];
             matmul(k, &ThreadPool::new(3), &x, w.view(), None, &mut three, &mut xq);
             assert_eq!(one, three, "{}", k.path());
+        }
+    }
+
+    #[test]
+    fn q4_matmul_equals_the_dequantized_product_on_every_path_and_thread_count() {
+        let (rows, cols, t) = (37, 576, 5);
+        let x = noise(t * cols, 8, 1.0);
+        let mut xq = QuantizedRows::default();
+        xq.quantize(&x, cols);
+        // The activations as the kernels see them: any difference left is f32 summation order.
+        let xr: Vec<f32> = (0..t * cols)
+            .map(|j| xq.quants[j] as f32 * xq.scales[j / baton_shared::dtype::QK])
+            .collect();
+        for format in [WeightFormat::Q4_0, WeightFormat::Q4_1] {
+            let w = Matrix::from_f32(noise(rows * cols, 9, 0.1), cols, format);
+            assert!(matches!(w, Matrix::Q4(_)), "{format}");
+            let bias = noise(rows, 10, 0.5);
+            let mut want = vec![0f32; t * rows];
+            matmul_reference(&xr, w.view(), Some(&bias), &mut want);
+            let mut first: Option<Vec<f32>> = None;
+            for k in Kernels::all_supported() {
+                for threads in [1, 3] {
+                    let mut got = vec![0f32; t * rows];
+                    matmul(
+                        k,
+                        &ThreadPool::new(threads),
+                        &x,
+                        w.view(),
+                        Some(&bias),
+                        &mut got,
+                        &mut xq,
+                    );
+                    for (g, e) in got.iter().zip(&want) {
+                        assert!(
+                            (g - e).abs() < 1e-4 * (1.0 + e.abs()),
+                            "{format} {}: {g} vs {e}",
+                            k.path()
+                        );
+                    }
+                    // Thread count never changes a result on a given path.
+                    match &first {
+                        Some(f) if threads > 1 => assert_eq!(&got, f, "{format} {}", k.path()),
+                        _ => first = Some(got),
+                    }
+                }
+            }
         }
     }
 }

@@ -102,6 +102,8 @@ impl Q8Matrix {
 pub struct QuantizedRows {
     pub quants: AlignedI8,
     pub scales: Vec<f32>,
+    /// Per block, `scale · Σ quants`: the term Q4 weights' block offsets multiply.
+    pub sums: Vec<f32>,
     pub cols: usize,
 }
 
@@ -112,15 +114,21 @@ impl QuantizedRows {
         if self.quants.len() < x.len() {
             self.quants.resize(x.len());
             self.scales.resize(x.len() / QK, 0.0);
+            self.sums.resize(x.len() / QK, 0.0);
         }
         self.cols = cols;
-        let (q, d) = (&mut self.quants[..x.len()], &mut self.scales[..x.len() / QK]);
+        let nb = x.len() / QK;
+        let (q, d, s) = (
+            &mut self.quants[..x.len()],
+            &mut self.scales[..nb],
+            &mut self.sums[..nb],
+        );
         #[cfg(target_arch = "x86_64")]
         if KernelPath::Avx2.is_supported() {
             // SAFETY: checked just above.
-            return unsafe { quantize_blocks_avx2(x, q, d) };
+            return unsafe { quantize_blocks_avx2(x, q, d, s) };
         }
-        quantize_blocks(x, q, d);
+        quantize_blocks(x, q, d, s);
     }
 
     /// Row `i`'s quants and scales.
@@ -136,9 +144,10 @@ impl QuantizedRows {
 
 /// [`quantize_block`] over consecutive blocks.
 #[inline(always)]
-fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32]) {
-    for ((xb, qb), d) in x.chunks_exact(QK).zip(q.chunks_exact_mut(QK)).zip(d) {
+fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32], sums: &mut [f32]) {
+    for (((xb, qb), d), s) in x.chunks_exact(QK).zip(q.chunks_exact_mut(QK)).zip(d).zip(sums) {
         *d = quantize_block(xb, qb);
+        *s = *d * qb.iter().map(|&v| v as i32).sum::<i32>() as f32;
     }
 }
 
@@ -149,8 +158,8 @@ fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32]) {
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn quantize_blocks_avx2(x: &[f32], q: &mut [i8], d: &mut [f32]) {
-    quantize_blocks(x, q, d);
+unsafe fn quantize_blocks_avx2(x: &[f32], q: &mut [i8], d: &mut [f32], sums: &mut [f32]) {
+    quantize_blocks(x, q, d, sums);
 }
 
 /// Quantize one block to i8 with scale max|x|/127 (round to nearest); returns the scale.
@@ -384,10 +393,12 @@ mod tests {
         x[0] = 127.0 * 2.0;
         let mut xq = QuantizedRows::default();
         xq.quantize(&x, 96);
-        let (mut q, mut d) = (vec![0i8; x.len()], vec![0f32; x.len() / QK]);
-        quantize_blocks(&x, &mut q, &mut d);
+        let (mut q, mut d, mut s) = (vec![0i8; x.len()], vec![0f32; x.len() / QK], vec![0f32; x.len() / QK]);
+        quantize_blocks(&x, &mut q, &mut d, &mut s);
         assert_eq!(&xq.quants[..], &q[..]);
-        assert_eq!(xq.scales, d);
+        assert_eq!((&xq.scales, &xq.sums), (&d, &s));
+        let block0: i32 = q[..QK].iter().map(|&v| v as i32).sum();
+        assert_eq!(s[0], d[0] * block0 as f32);
         // Scale 2: x[15] = -1 is -0.5 steps → -1, x[31] = 31 is 15.5 steps → 16.
         assert_eq!((q[15], q[31]), (-1, 16));
     }
