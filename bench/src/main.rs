@@ -19,6 +19,7 @@ use clap::{Parser, Subcommand};
 
 mod kernels;
 mod load;
+mod perplexity;
 mod roofline;
 mod serve_decode;
 
@@ -82,6 +83,24 @@ enum Cmd {
         #[arg(long)]
         kernel_path: Option<KernelPath>,
     },
+    /// Perplexity of a text per weight format and its change from f32 (the quality cost).
+    Perplexity {
+        /// Model path or name (default: smollm2-135m).
+        #[arg(long)]
+        model: Option<String>,
+        /// Plain English text to score (default: the few kB committed in bench/data).
+        #[arg(long, default_value = "bench/data/perplexity.txt")]
+        text: std::path::PathBuf,
+        /// Tokens per window; each window is scored on its own.
+        #[arg(long, default_value_t = 256)]
+        context: usize,
+        /// Weight formats besides f32 (always measured, the baseline).
+        #[arg(long, value_delimiter = ',', default_value = "q8_0,native,q4_1,q4_0")]
+        weights: Vec<WeightFormat>,
+        /// Threads for the matrix products.
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+    },
     /// Matrix-product GB/s and GFLOP/s per weight format, kernel path, thread count and
     /// activation rows at SmolLM2's shapes.
     Kernels {
@@ -135,6 +154,13 @@ fn main() -> Result<()> {
             reps,
         } => kernels::run(&threads, &tokens, &weights, ms, reps)?,
         Cmd::Load(args) => load::run(args)?,
+        Cmd::Perplexity {
+            model,
+            text,
+            context,
+            weights,
+            threads,
+        } => perplexity::run(model, &text, context, &weights, threads)?,
     }
     Ok(())
 }
