@@ -14,13 +14,13 @@ use baton_worker::engine::Engine;
 use baton_worker::kernels::cpu::dispatch::{KernelPath, Kernels};
 use baton_worker::kernels::cpu::matmul::WeightFormat;
 use baton_worker::model::{LoadOptions, StageWeights};
+use baton_worker::roofline;
 use baton_worker::threads::ThreadPool;
 use clap::{Parser, Subcommand};
 
 mod kernels;
 mod load;
 mod perplexity;
-mod roofline;
 mod serve_decode;
 
 #[derive(Parser)]

@@ -325,3 +325,55 @@ fn serving_commands_explain_missing_settings() {
         "config file reaches the worker: {e}"
     );
 }
+
+#[test]
+fn bench_prints_one_json_object_per_configuration_with_the_roofline() {
+    let model = default_model();
+    let model = model.to_str().unwrap();
+    for kind in ["decode", "prefill"] {
+        let out = baton(&[
+            "bench",
+            kind,
+            "--model",
+            model,
+            "--weights",
+            "q8_0,native",
+            "--threads",
+            "1",
+            "--tokens",
+            "8",
+            "--reps",
+            "1",
+            "--format",
+            "json",
+        ]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad JSON ({e}): {l}")))
+            .collect();
+        assert_eq!(lines.len(), 2, "one object per (weights, threads)");
+        for (v, weights) in lines.iter().zip(["q8_0", "native"]) {
+            assert_eq!(v["bench"], kind);
+            assert_eq!(v["weights"], weights);
+            assert_eq!(v["threads"], 1);
+            assert!(v["kernel_path"].is_string());
+            let measured = &v[format!("{kind}_tok_per_s")];
+            assert!(measured.as_f64().is_some_and(|r| r > 0.0), "{v}");
+            let other = if kind == "decode" { "prefill" } else { "decode" };
+            assert!(v[format!("{other}_tok_per_s")].is_null(), "{v}");
+            for key in [
+                "weight_bytes",
+                "matrix_bytes",
+                "roofline_tok_per_s",
+                "stream_read_gb_per_s",
+            ] {
+                assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key}: {v}");
+            }
+        }
+        // Q4_1 as stored reads fewer bytes than Q8_0.
+        assert!(lines[1]["matrix_bytes"].as_u64() < lines[0]["matrix_bytes"].as_u64());
+    }
+    let err = stderr_of_failure(&["bench", "decode", "--model", model, "--threads", "0"]);
+    assert!(err.contains("--threads"), "{err}");
+}

@@ -1,14 +1,16 @@
 //! Baton worker: holds a contiguous range of a model's layers and runs them.
 //!
-//! [`model`] loads a stage's weights (f32 or Q8_0 linear layers) and runs "layers [a, b) on these
+//! [`model`] loads a stage's weights (f32, Q8_0, Q4_0 or Q4_1 linear layers) and runs "layers [a, b) on these
 //! hidden states" with the runtime-dispatched kernels in [`kernels`] on a [`threads::ThreadPool`];
-//! [`engine`] drives a whole model on one stage.
+//! [`engine`] drives a whole model on one stage; [`roofline`] measures the memory bandwidth
+//! that bounds batch-1 decode.
 
 pub mod engine;
 pub mod kernels;
 pub mod kv_cache;
 pub mod model;
 pub mod registration;
+pub mod roofline;
 pub mod run;
 pub mod sampler;
 pub mod service;

@@ -1,5 +1,6 @@
 //! Subcommand definitions and dispatch; each subcommand lives in its own module.
 
+mod bench;
 mod convert;
 mod coordinator;
 mod generate;
@@ -78,6 +79,9 @@ pub enum Command {
     Coordinator(coordinator::CoordinatorArgs),
     /// Run a pipeline worker that registers with a coordinator.
     Worker(baton_worker::run::WorkerArgs),
+    /// Measure batch-1 decode or prefill speed on this machine per weight format and thread
+    /// count, with the memory-bandwidth roofline for the same bytes.
+    Bench(bench::BenchArgs),
 }
 
 /// Shared state for running a subcommand.
@@ -143,6 +147,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Serve(a) => serve::run(&ctx, a),
         Command::Coordinator(a) => coordinator::run(&ctx, a),
         Command::Worker(a) => worker::run(&ctx, a),
+        Command::Bench(a) => bench::run(&ctx, a),
     }
 }
 

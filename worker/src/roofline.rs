@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use baton_worker::threads::{SharedMut, ThreadPool};
+use crate::threads::{SharedMut, ThreadPool};
 
 /// Bytes each pool task reads (large enough that claiming a task costs nothing next to it).
 const CHUNK: usize = 1 << 20;
