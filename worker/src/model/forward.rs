@@ -3,9 +3,10 @@
 //! fp32 reference kernels.
 
 use crate::kernels::cpu::attention::{SeqAttn, attention_batch};
+use crate::kernels::cpu::elementwise as ew;
 use crate::kernels::cpu::matmul::{MatRef, Product, matmul, matmul_many};
 use crate::kernels::cpu::q8::QuantizedRows;
-use crate::kernels::cpu::reference::{self as k, AttnShape};
+use crate::kernels::cpu::reference::AttnShape;
 use crate::kv_cache::{BatchKv, BatchSeq, SequenceKv};
 
 use super::weights::StageWeights;
@@ -179,7 +180,7 @@ impl StageWeights {
         };
         for (l, lw) in self.layer_weights.iter().enumerate() {
             let xn = grow(&mut s.xn, t * h);
-            k::rmsnorm(hidden, &lw.attn_norm, c.rms_norm_eps, xn);
+            ew::rmsnorm(self.kernels, hidden, &lw.attn_norm, c.rms_norm_eps, xn);
             let q = grow(&mut s.q, t * qd);
             let kk = grow(&mut s.kk, t * kvd);
             let vv = grow(&mut s.vv, t * kvd);
@@ -193,13 +194,13 @@ impl StageWeights {
                 &mut s.xq,
             );
             if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
-                k::rmsnorm_inplace(q, qn, c.rms_norm_eps);
-                k::rmsnorm_inplace(kk, kn, c.rms_norm_eps);
+                ew::rmsnorm_inplace(self.kernels, q, qn, c.rms_norm_eps);
+                ew::rmsnorm_inplace(self.kernels, kk, kn, c.rms_norm_eps);
             }
             for i in 0..t {
                 let (cr, sr) = (&s.cos[i * half..(i + 1) * half], &s.sin[i * half..(i + 1) * half]);
-                k::rope_rotate_half(&mut q[i * qd..(i + 1) * qd], hd, cr, sr);
-                k::rope_rotate_half(&mut kk[i * kvd..(i + 1) * kvd], hd, cr, sr);
+                ew::rope_rotate_half(self.kernels, &mut q[i * qd..(i + 1) * qd], hd, cr, sr);
+                ew::rope_rotate_half(self.kernels, &mut kk[i * kvd..(i + 1) * kvd], hd, cr, sr);
             }
             let mut row = 0;
             for i in 0..n_seqs {
@@ -237,7 +238,7 @@ impl StageWeights {
             hidden.iter_mut().zip(proj.iter()).for_each(|(x, p)| *x += p);
 
             let xn = grow(&mut s.xn, t * h);
-            k::rmsnorm(hidden, &lw.ffn_norm, c.rms_norm_eps, xn);
+            ew::rmsnorm(self.kernels, hidden, &lw.ffn_norm, c.rms_norm_eps, xn);
             let gate = grow(&mut s.gate, t * f);
             let up = grow(&mut s.up, t * f);
             self.mm_many(
@@ -245,7 +246,7 @@ impl StageWeights {
                 [(lw.w_gate.view(), None, &mut *gate), (lw.w_up.view(), None, &mut *up)],
                 &mut s.xq,
             );
-            k::silu_mul(gate, up);
+            ew::silu_mul(self.kernels, gate, up);
             let proj = grow(&mut s.proj, t * h);
             self.mm(gate, lw.w_down.view(), None, proj, &mut s.xq);
             hidden.iter_mut().zip(proj.iter()).for_each(|(x, p)| *x += p);
@@ -269,7 +270,7 @@ impl StageWeights {
             });
         }
         let xn = grow(&mut s.xn, hidden.len());
-        k::rmsnorm(hidden, norm, self.config.rms_norm_eps, xn);
+        ew::rmsnorm(self.kernels, hidden, norm, self.config.rms_norm_eps, xn);
         self.mm(xn, head, None, out, &mut s.xq);
         Ok(())
     }

@@ -6,8 +6,9 @@
 //! reference's bit for bit whatever the path or thread count.
 
 use super::dispatch::{KernelPath, Kernels};
+use super::elementwise::softmax;
 use super::f32 as kf32;
-use super::reference::{AttnShape, softmax};
+use super::reference::AttnShape;
 use crate::threads::{SharedMut, ThreadPool};
 
 /// Where a sequence's K/V rows live: position `p` is storage row `row(p)`.
@@ -155,7 +156,7 @@ fn one_head(
             *score = kf32::dot(kern, qh, kr) * scale;
         }
     }
-    softmax(sc);
+    softmax(kern, sc);
     match hd {
         64 => weighted_values::<64>(kern, sc, s, kv_dim, off, oh),
         128 => weighted_values::<128>(kern, sc, s, kv_dim, off, oh),

@@ -6,7 +6,7 @@
 const LANES: usize = 16;
 
 /// Dot product with `LANES` interleaved partial sums.
-#[inline]
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [0f32; LANES];
@@ -47,6 +47,7 @@ pub fn matmul_t(x: &[f32], w: &[f32], bias: Option<&[f32]>, cols: usize, out: &m
 }
 
 /// RMSNorm of each `weight.len()`-wide row of `x` into `out`: `x / sqrt(mean(x²) + eps) * weight`.
+#[inline(always)]
 pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let n = weight.len();
     for (xr, or) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
@@ -59,6 +60,7 @@ pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 }
 
 /// In-place RMSNorm of each `weight.len()`-wide row (per-head q/k norm).
+#[inline(always)]
 pub fn rmsnorm_inplace(x: &mut [f32], weight: &[f32], eps: f32) {
     let n = weight.len();
     for xr in x.chunks_exact_mut(n) {
@@ -72,6 +74,7 @@ pub fn rmsnorm_inplace(x: &mut [f32], weight: &[f32], eps: f32) {
 
 /// Rotate-half RoPE on every `head_dim`-wide head of one token's row, with that position's
 /// `cos`/`sin` tables (`head_dim / 2` entries each).
+#[inline(always)]
 pub fn rope_rotate_half(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
     let half = head_dim / 2;
     for head in x.chunks_exact_mut(head_dim) {
@@ -85,20 +88,65 @@ pub fn rope_rotate_half(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]
 }
 
 /// `gate = silu(gate) * up`, in place.
+#[inline(always)]
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     for (g, &u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
+        *g = *g / (1.0 + exp(-*g)) * u;
     }
 }
 
-/// Numerically stable softmax in place.
-pub fn softmax(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
+/// `e^x` from plain f32 operations (no libm call, no FMA), so a loop over it vectorizes and the
+/// vector code gives the same bits as the scalar code: `x = n·ln2 + r` with `|r| ≤ ln2/2`
+/// (Cody-Waite split of ln2), a degree-7 Taylor polynomial in `r` (truncation below 1e-8
+/// relative), times `2^n` built from its exponent bits. Within a few ulp of the exact value on
+/// `[-87, 88]`; inputs are clamped there (softmax only sees `x ≤ 0`, and SiLU's `1 + e^x` past
+/// 88 is huge either way), so the result is always finite and positive.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // ln2 split so that n·LN2_HI is exact (LN2_HI = 355/512 has 9 significant bits).
+    const LN2_HI: f32 = 355.0 / 512.0;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let x = x.clamp(-87.0, 88.0);
+    let n = (x * LOG2E + 0.5).floor();
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let mut p = 1.0 / 5040.0;
+    for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = p * r + c;
     }
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+/// Numerically stable softmax in place. The maximum and the sum use `LANES` partial results,
+/// like [`dot`], so the whole function vectorizes.
+#[inline(always)]
+pub fn softmax(x: &mut [f32]) {
+    let mut m = [f32::NEG_INFINITY; LANES];
+    let (chunks, tail) = x.split_at(x.len() / LANES * LANES);
+    for c in chunks.chunks_exact(LANES) {
+        for l in 0..LANES {
+            m[l] = m[l].max(c[l]);
+        }
+    }
+    let max = tail.iter().chain(&m).copied().fold(f32::NEG_INFINITY, f32::max);
+    for v in x.iter_mut() {
+        *v = exp(*v - max);
+    }
+    let mut acc = [0f32; LANES];
+    let (chunks, tail) = x.split_at(x.len() / LANES * LANES);
+    for c in chunks.chunks_exact(LANES) {
+        for l in 0..LANES {
+            acc[l] += c[l];
+        }
+    }
+    let mut w = LANES;
+    while w > 1 {
+        w /= 2;
+        for l in 0..w {
+            acc[l] += acc[l + w];
+        }
+    }
+    let sum = acc[0] + tail.iter().sum::<f32>();
     let inv = 1.0 / sum;
     for v in x.iter_mut() {
         *v *= inv;
