@@ -10,6 +10,8 @@
 # contention). llama.cpp is built outside the repo by bench/llamacpp/build.sh.
 #
 #   ROUNDS=3 THREADS=1,2 PROMPT=512 GEN=128   what to measure (defaults shown)
+#   FORMAT=q8_0  or q4_1: llama.cpp on the original Q4_1 file against Baton's `--weights native`
+#                (the same Q4_1 blocks as stored, Q8_0 tied head/embedding in both)
 #   LLAMA_BUILD=/opt/llama.cpp-build LLAMA_MODELS=/opt/models   as in build.sh
 #   OUT=DIR      keep the raw outputs there (default: a new directory under /tmp, printed)
 #
@@ -28,7 +30,13 @@ REPO=$(cd "$(dirname "$0")/../.." && pwd)
 HERE="$REPO/bench/llamacpp"
 LLAMA_BENCH="$LLAMA_BUILD/bin/llama-bench"
 BATON_BENCH="$REPO/target/release/baton-bench"
-Q8="$LLAMA_MODELS/SmolLM2-135M-Instruct.Q8_0.gguf"
+FORMAT=${FORMAT:-q8_0}
+BATON_HOME=${BATON_HOME:-$HOME/.cache/baton}
+case "$FORMAT" in
+    q8_0) Q8="$LLAMA_MODELS/SmolLM2-135M-Instruct.Q8_0.gguf"; BATON_WEIGHTS=q8_0 ;;
+    q4_1) Q8="$BATON_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf"; BATON_WEIGHTS=native ;;
+    *) echo "compare-kernels: FORMAT must be q8_0 or q4_1, got $FORMAT" >&2; exit 1 ;;
+esac
 
 die() { echo "compare-kernels: $*" >&2; exit 1; }
 [[ -x "$LLAMA_BENCH" ]] || die "$LLAMA_BENCH missing: run bench/llamacpp/build.sh (or set LLAMA_BUILD)"
@@ -46,7 +54,7 @@ run_llama() { # round threads
         || die "llama-bench failed (exit $?): $(tail -3 "$OUT/llama-r$1-t$2.log")"
 }
 run_baton() { # round threads
-    "$BATON_BENCH" reference --weights q8_0 --threads "$2" --prompt-tokens "$PROMPT" \
+    "$BATON_BENCH" reference --weights "$BATON_WEIGHTS" --threads "$2" --prompt-tokens "$PROMPT" \
         --gen-tokens "$GEN" --reps 1 >"$OUT/baton-r$1-t$2.jsonl" 2>"$OUT/baton-r$1-t$2.log" \
         || die "baton-bench reference failed (exit $?): $(tail -3 "$OUT/baton-r$1-t$2.log")"
 }
@@ -64,6 +72,6 @@ for ((r = 1; r <= ROUNDS; r++)); do
 done
 LOAD_AFTER=$(cut -d' ' -f1-3 /proc/loadavg)
 
-echo "## llama.cpp vs Baton, Q8_0, pp$PROMPT / tg$GEN, $ROUNDS rounds ($(date -u +%Y-%m-%dT%H:%MZ), $(nproc) CPUs, load after: $LOAD_AFTER)"
+echo "## llama.cpp vs Baton, $FORMAT (Baton --weights $BATON_WEIGHTS), pp$PROMPT / tg$GEN, $ROUNDS rounds ($(date -u +%Y-%m-%dT%H:%MZ), $(nproc) CPUs, load after: $LOAD_AFTER)"
 echo
-python3 "$HERE/table.py" kernels "$OUT"
+BATON_WEIGHTS=$BATON_WEIGHTS python3 "$HERE/table.py" kernels "$OUT"

@@ -8,6 +8,7 @@
 """
 
 import json
+import os
 import statistics
 import sys
 from collections import defaultdict
@@ -38,12 +39,12 @@ def kernels(d: Path) -> None:
             if not line.startswith("{"):
                 continue
             e = json.loads(line)
-            if e.get("engine") != "cpu" or e.get("weights") != "q8_0":
+            if e.get("engine") != "cpu" or e.get("weights") != os.environ.get("BATON_WEIGHTS", "q8_0"):
                 continue
             t = int(e["threads"])
             baton[(f"pp{e['prompt_tokens']}", t)].append(float(e["prefill_tok_per_s"]))
             baton[(f"tg{e['gen_tokens']}", t)].append(float(e["decode_tok_per_s"]))
-            meta.setdefault("baton", f"Baton q8_0, kernel path {e.get('kernel_path')}, {e.get('model')}")
+            meta.setdefault("baton", f"Baton {e.get('weights')}, kernel path {e.get('kernel_path')}, {e.get('model')}")
     if not llama and not baton:
         sys.exit(f"table.py: no results in {d}")
     for k in ("llama", "baton"):

@@ -73,7 +73,7 @@ enum Cmd {
         /// Repetitions; the median is reported.
         #[arg(long, default_value_t = 3)]
         reps: usize,
-        /// Weight formats to measure (f32, q8_0, q4_0, q4_1, native).
+        /// Weight formats to measure (f32, bf16, f16, q8_0, q4_0, q4_1, native).
         #[arg(long, value_delimiter = ',', default_value = "f32")]
         weights: Vec<WeightFormat>,
         /// Thread counts to measure.
@@ -95,7 +95,7 @@ enum Cmd {
         #[arg(long, default_value_t = 256)]
         context: usize,
         /// Weight formats besides f32 (always measured, the baseline).
-        #[arg(long, value_delimiter = ',', default_value = "q8_0,native,q4_1,q4_0")]
+        #[arg(long, value_delimiter = ',', default_value = "bf16,f16,q8_0,native,q4_1,q4_0")]
         weights: Vec<WeightFormat>,
         /// Threads for the matrix products.
         #[arg(long, default_value_t = 2)]

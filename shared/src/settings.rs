@@ -79,7 +79,7 @@ pub struct ServeSettings {
     /// Wire type of hidden states between workers: f32, bf16 or f16.
     pub activation_dtype: String,
     /// Weight format workers hold: `f32` (the reference numerics), `q8_0` (about 4x faster
-    /// decode on CPU, logits within a few percent), `q4_0` / `q4_1` (fewer bytes) or `native`
+    /// decode on CPU, logits within a few percent), `bf16` / `f16`, `q4_0` / `q4_1` (fewer bytes) or `native`
     /// (each tensor as the file stores it).
     pub weights: String,
 }
@@ -120,7 +120,7 @@ pub struct CoordinatorSettings {
     pub worker_model: Option<String>,
     /// Wire type of hidden states between stages: f32, bf16 or f16.
     pub activation_dtype: String,
-    /// Weight format workers hold: `f32`, `q8_0`, `q4_0`, `q4_1` or `native`.
+    /// Weight format workers hold: `f32`, `bf16`, `f16`, `q8_0`, `q4_0`, `q4_1` or `native`.
     pub weights: String,
     /// Name clients pass as `model`.
     pub served_model_name: Option<String>,

@@ -127,16 +127,19 @@ fn native_load_keeps_the_files_blocks_with_the_values_the_f32_path_decodes() {
     assert!(layer_bytes(&native) * 3 < layer_bytes(&q8) * 2 + 1);
 }
 
-/// Q4 formats against fp32: logits within a stated share of the spread, identical for 1 and 3
+/// 16-bit and 4-bit formats against fp32: logits within a stated share of the spread, identical for 1 and 3
 /// threads, and the reference's greedy tokens kept wherever its top-1/top-2 gap exceeds twice
 /// the format's measured logit error (teacher-forced over 16 greedy tokens per prompt).
 #[test]
-fn q4_formats_stay_close_to_fp32_and_keep_clear_greedy_tokens() {
+fn compressed_formats_stay_close_to_fp32_and_keep_clear_greedy_tokens() {
     let model = LoadedModel::open(&default_model()).unwrap();
     let mut fp32 = engine(&model, WeightFormat::F32, 1);
     let vocab = model.config.vocab_size;
     // (format, max |logit error| / spread). Measured on these prompts: see eprintln output.
     for (format, rel_tol) in [
+        // 16-bit floats of Q4_1-origin weights: measured well under 1% (no activation rounding).
+        (WeightFormat::Bf16, 0.02),
+        (WeightFormat::F16, 0.02),
         // The file's Q4_1 blocks as they are: 2.7-4.0% measured (like Q8_0, activation rounding).
         (WeightFormat::Native, 0.05),
         // Re-quantizing Q4_1 values to Q4_1 is lossless here (same grid), so the same figures.

@@ -125,7 +125,7 @@ pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
         kv_cache_bytes: w.kv_cache_mib << 20,
         features: vec![
             format!("kernels:{}", kernels.path().name()),
-            "weights:f32,q8_0,q4_0,q4_1,native".into(),
+            "weights:f32,bf16,f16,q8_0,q4_0,q4_1,native".into(),
         ],
     };
     baton_shared::telemetry::prometheus();

@@ -37,7 +37,7 @@ pub enum BenchKind {
 pub struct BenchOpts {
     #[command(flatten)]
     pub model: ModelArg,
-    /// Weight formats (f32, q8_0, q4_0, q4_1, native).
+    /// Weight formats (f32, bf16, f16, q8_0, q4_0, q4_1, native).
     #[arg(long, value_delimiter = ',', default_value = "q8_0")]
     pub weights: Vec<WeightFormat>,
     /// Thread counts.

@@ -48,9 +48,9 @@ pub struct CoordinatorArgs {
     #[arg(long, value_parser = ["f32", "bf16", "f16"])]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub activation_dtype: Option<String>,
-    /// Weight format the workers hold: f32 (reference numerics), q8_0 (faster), q4_0 / q4_1
-    /// (fewer bytes) or native (each tensor as the file stores it) [default: f32].
-    #[arg(long, value_parser = ["f32", "q8_0", "q4_0", "q4_1", "native"])]
+    /// Weight format the workers hold: f32 (reference numerics), bf16 / f16, q8_0 (faster),
+    /// q4_0 / q4_1 (fewer bytes) or native (each tensor as the file stores it) [default: f32].
+    #[arg(long, value_parser = ["f32", "bf16", "f16", "q8_0", "q4_0", "q4_1", "native"])]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub weights: Option<String>,
     /// Name clients pass as `model`.

@@ -47,9 +47,9 @@ pub struct GenerateArgs {
     /// Keep generating past the end-of-sequence token.
     #[arg(long)]
     pub ignore_eos: bool,
-    /// Weight format: f32 (reference numerics), q8_0 (about 4x faster decode), q4_0 / q4_1
-    /// (fewer bytes) or native (each tensor as the file stores it).
-    #[arg(long, default_value = "f32", value_parser = ["f32", "q8_0", "q4_0", "q4_1", "native"])]
+    /// Weight format: f32 (reference numerics), bf16 / f16, q8_0 (about 4x faster
+    /// decode), q4_0 / q4_1 (fewer bytes) or native (each tensor as the file stores it).
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16", "f16", "q8_0", "q4_0", "q4_1", "native"])]
     pub weights: String,
     /// Threads for the matrix products (default: all cores).
     #[arg(long)]

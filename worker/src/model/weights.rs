@@ -5,6 +5,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use baton_shared::dtype::DType;
 use baton_shared::model_config::ModelConfig;
 use baton_shared::model_files::{LoadError, ModelFiles, TensorRole};
 
@@ -98,7 +99,7 @@ fn native_matrix(
     files: &ModelFiles,
     role: TensorRole,
     layer: Option<usize>,
-    dtype: baton_shared::dtype::DType,
+    dtype: DType,
     bytes: &[u8],
     rows: usize,
     cols: usize,
@@ -174,10 +175,18 @@ impl StageWeights {
         let mat_as = |role: TensorRole, layer: Option<usize>, fmt: WeightFormat| -> Result<Matrix, LoadError> {
             let cols = *role.shape(config).last().unwrap_or(&1);
             let values = get(role, layer)?;
-            if fmt == WeightFormat::Native
-                && let Some((dtype, bytes)) = files.load_blocks(config, role, layer)?
-            {
-                return native_matrix(files, role, layer, dtype, &bytes, values.len() / cols, cols);
+            if fmt == WeightFormat::Native {
+                if let Some((dtype, bytes)) = files.load_blocks(config, role, layer)? {
+                    return native_matrix(files, role, layer, dtype, &bytes, values.len() / cols, cols);
+                }
+                // 16-bit floats widen exactly, so rounding the f32 values back is lossless.
+                let stored = files.stored(role, layer).map(|t| t.dtype);
+                let as_stored = match stored {
+                    Some(DType::BF16) => WeightFormat::Bf16,
+                    Some(DType::F16) => WeightFormat::F16,
+                    _ => WeightFormat::F32,
+                };
+                return Ok(Matrix::from_f32(values, cols, as_stored));
             }
             Ok(Matrix::from_f32(values, cols, fmt))
         };

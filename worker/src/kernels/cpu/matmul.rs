@@ -5,6 +5,7 @@
 //! count.
 
 use super::dispatch::{KernelPath, Kernels};
+use super::half::{self, HalfKind, HalfMatrix};
 use super::q4::{self, Q4Matrix};
 use super::q8::{self, Q8Error, Q8Matrix, QuantizedRows};
 use super::q8_gemm;
@@ -24,12 +25,16 @@ pub enum WeightFormat {
     F32,
     /// ggml Q8_0 (32-value blocks), re-quantized at load from whatever the file holds.
     Q8_0,
+    /// bfloat16, rounded at load.
+    Bf16,
+    /// IEEE half precision, rounded at load (matrices with values past ±65504 stay f32).
+    F16,
     /// ggml Q4_0 (32 4-bit codes, one scale), re-quantized at load.
     Q4_0,
     /// ggml Q4_1 (32 4-bit codes, scale and minimum), re-quantized at load.
     Q4_1,
-    /// Each tensor as the file stores it: Q8_0, Q4_0 and Q4_1 kept as they are (no second
-    /// rounding), anything else as f32.
+    /// Each tensor as the file stores it: Q8_0, Q4_0, Q4_1, bf16 and f16 kept as they are (no
+    /// second rounding), anything else as f32.
     Native,
 }
 
@@ -39,6 +44,8 @@ impl WeightFormat {
         match self {
             Self::F32 => "f32",
             Self::Q8_0 => "q8_0",
+            Self::Bf16 => "bf16",
+            Self::F16 => "f16",
             Self::Q4_0 => "q4_0",
             Self::Q4_1 => "q4_1",
             Self::Native => "native",
@@ -48,7 +55,7 @@ impl WeightFormat {
 
 /// Errors naming a weight format.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("unknown weight format {0:?} (expected f32, q8_0, q4_0, q4_1 or native)")]
+#[error("unknown weight format {0:?} (expected f32, bf16, f16, q8_0, q4_0, q4_1 or native)")]
 pub struct UnknownFormat(pub String);
 
 impl std::str::FromStr for WeightFormat {
@@ -58,6 +65,8 @@ impl std::str::FromStr for WeightFormat {
         match s.to_ascii_lowercase().as_str() {
             "f32" => Ok(Self::F32),
             "q8_0" | "q8" => Ok(Self::Q8_0),
+            "bf16" => Ok(Self::Bf16),
+            "f16" => Ok(Self::F16),
             "q4_0" => Ok(Self::Q4_0),
             "q4_1" => Ok(Self::Q4_1),
             "native" => Ok(Self::Native),
@@ -78,6 +87,7 @@ pub enum Matrix {
     F32 { data: Vec<f32>, cols: usize },
     Q8_0(Q8Matrix),
     Q4(Q4Matrix),
+    Half(HalfMatrix),
 }
 
 /// A borrowed weight matrix (a tied f32 head borrows the embedding table).
@@ -86,6 +96,7 @@ pub enum MatRef<'a> {
     F32 { data: &'a [f32], cols: usize },
     Q8_0(&'a Q8Matrix),
     Q4(&'a Q4Matrix),
+    Half(&'a HalfMatrix),
 }
 
 impl Matrix {
@@ -104,6 +115,11 @@ impl Matrix {
                 Ok(m) => Some(Self::Q8_0(m)),
                 Err(Q8Error::RowLength(_) | Q8Error::Bytes { .. }) => None,
             },
+            WeightFormat::Bf16 => Some(Self::Half(HalfMatrix::from_f32(&data, cols, HalfKind::Bf16))),
+            WeightFormat::F16 if data.iter().all(|v| v.abs() <= 65504.0) => {
+                Some(Self::Half(HalfMatrix::from_f32(&data, cols, HalfKind::F16)))
+            }
+            WeightFormat::F16 => None,
             WeightFormat::Q4_0 => q4(DType::Q4_0),
             WeightFormat::Q4_1 => q4(DType::Q4_1),
             WeightFormat::F32 | WeightFormat::Native => None,
@@ -131,6 +147,7 @@ impl Matrix {
             Self::F32 { data, cols } => MatRef::F32 { data, cols: *cols },
             Self::Q8_0(m) => MatRef::Q8_0(m),
             Self::Q4(m) => MatRef::Q4(m),
+            Self::Half(m) => MatRef::Half(m),
         }
     }
 
@@ -140,6 +157,7 @@ impl Matrix {
             Self::F32 { data, .. } => 4 * data.len(),
             Self::Q8_0(m) => m.bytes(),
             Self::Q4(m) => m.bytes(),
+            Self::Half(m) => 2 * m.data.len(),
         }
     }
 
@@ -147,7 +165,7 @@ impl Matrix {
     pub fn as_f32(&self) -> Option<&[f32]> {
         match self {
             Self::F32 { data, .. } => Some(data),
-            Self::Q8_0(_) | Self::Q4(_) => None,
+            Self::Q8_0(_) | Self::Q4(_) | Self::Half(_) => None,
         }
     }
 }
@@ -159,6 +177,7 @@ impl MatRef<'_> {
             Self::F32 { cols, .. } => *cols,
             Self::Q8_0(m) => m.cols,
             Self::Q4(m) => m.cols,
+            Self::Half(m) => m.cols,
         }
     }
 
@@ -168,6 +187,7 @@ impl MatRef<'_> {
             Self::F32 { data, cols } => data.len() / cols,
             Self::Q8_0(m) => m.rows,
             Self::Q4(m) => m.rows,
+            Self::Half(m) => m.rows,
         }
     }
 }
@@ -239,7 +259,7 @@ pub fn matmul_many<const N: usize>(
                 match w {
                     MatRef::Q8_0(m) => chunk_vnni(m, xq, r0, n, t, shared),
                     MatRef::Q4(m) => chunk_vnni(m, xq, r0, n, t, shared),
-                    MatRef::F32 { .. } => unreachable!("matched above"),
+                    MatRef::F32 { .. } | MatRef::Half(_) => unreachable!("matched above"),
                 }
             }
             if let Some(b) = bias {
@@ -274,6 +294,12 @@ pub fn matmul_many<const N: usize>(
                     for (j, oj) in quads.into_remainder().iter_mut().enumerate() {
                         let (wq, wd) = m.row(r0 + done + j);
                         *oj = q8::dot(k, wq, wd, aq, ad);
+                    }
+                }
+                MatRef::Half(m) => {
+                    let xr = &x[i * m.cols..(i + 1) * m.cols];
+                    for (j, oj) in o.iter_mut().enumerate() {
+                        *oj = half::dot(k, m.kind, xr, m.row(r0 + j));
                     }
                 }
                 // Only the scalar twin below AVX-512 VNNI.
@@ -422,6 +448,13 @@ pub fn matmul_reference(x: &[f32], w: MatRef<'_>, bias: Option<&[f32]>, out: &mu
             }
             reference::matmul_t(x, &deq, bias, m.cols, out);
         }
+        MatRef::Half(m) => {
+            let mut wide = vec![0f32; m.rows * m.cols];
+            for (r, row) in wide.chunks_exact_mut(m.cols).enumerate() {
+                m.widen_row(r, row);
+            }
+            reference::matmul_t(x, &wide, bias, m.cols, out);
+        }
     }
 }
 
@@ -554,5 +587,29 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn half_matmul_equals_the_reference_on_the_widened_weights_bit_for_bit() {
+        let (rows, cols, t) = (21, 96, 3);
+        let x = noise(t * cols, 11, 1.0);
+        let mut xq = QuantizedRows::default();
+        for format in [WeightFormat::Bf16, WeightFormat::F16] {
+            let w = Matrix::from_f32(noise(rows * cols, 12, 0.5), cols, format);
+            assert!(matches!(w, Matrix::Half(_)), "{format}");
+            assert_eq!(w.bytes(), 2 * rows * cols);
+            let mut want = vec![0f32; t * rows];
+            matmul_reference(&x, w.view(), None, &mut want);
+            for k in Kernels::all_supported() {
+                for threads in [1, 3] {
+                    let mut got = vec![0f32; t * rows];
+                    matmul(k, &ThreadPool::new(threads), &x, w.view(), None, &mut got, &mut xq);
+                    assert_eq!(got, want, "{format} {} {threads} threads", k.path());
+                }
+            }
+        }
+        // Past f16's range the matrix stays f32 rather than turning into infinities.
+        let big = Matrix::from_f32(vec![1e5; 32], 32, WeightFormat::F16);
+        assert!(matches!(big, Matrix::F32 { .. }));
     }
 }
