@@ -8,6 +8,7 @@ use crate::kernels::cpu::matmul::{MatRef, Product, matmul, matmul_many};
 use crate::kernels::cpu::q8::QuantizedRows;
 use crate::kernels::cpu::reference::AttnShape;
 use crate::kv_cache::{BatchKv, BatchSeq, SequenceKv};
+use crate::threads::SharedMut;
 
 use super::weights::StageWeights;
 
@@ -74,6 +75,23 @@ impl StageWeights {
     /// Several products of the same `x` in one pool job.
     fn mm_many<const N: usize>(&self, x: &[f32], products: [Product<'_, '_>; N], xq: &mut QuantizedRows) {
         matmul_many(self.kernels, &self.pool, x, products, xq);
+    }
+
+    /// `gate = silu(gate) · up` over `width`-wide rows, spread over the pool for many rows
+    /// (element-wise, so the split never changes a result).
+    fn silu_mul_rows(&self, gate: &mut [f32], up: &[f32], width: usize) {
+        const ROWS: usize = 8;
+        let rows = gate.len() / width;
+        if rows < 2 * ROWS || self.pool.threads() == 1 {
+            return ew::silu_mul(self.kernels, gate, up);
+        }
+        let shared = SharedMut::new(gate);
+        self.pool.run(rows.div_ceil(ROWS), &|task| {
+            let (v0, n) = (task * ROWS * width, ROWS.min(rows - task * ROWS) * width);
+            // SAFETY: tasks cover disjoint row ranges.
+            let g = unsafe { shared.slice(v0, n) };
+            ew::silu_mul(self.kernels, g, &up[v0..v0 + n]);
+        });
     }
 
     /// Embedding rows for `tokens` into `out` (`tokens.len() × hidden`).
@@ -246,7 +264,7 @@ impl StageWeights {
                 [(lw.w_gate.view(), None, &mut *gate), (lw.w_up.view(), None, &mut *up)],
                 &mut s.xq,
             );
-            ew::silu_mul(self.kernels, gate, up);
+            self.silu_mul_rows(gate, up, f);
             let proj = grow(&mut s.proj, t * h);
             self.mm(gate, lw.w_down.view(), None, proj, &mut s.xq);
             hidden.iter_mut().zip(proj.iter()).for_each(|(x, p)| *x += p);

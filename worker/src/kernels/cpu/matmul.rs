@@ -233,7 +233,7 @@ pub fn matmul_many<const N: usize>(
             assert_eq!(b.len(), w.rows(), "matmul: bias size");
         }
         if matches!(w, MatRef::Q8_0(_) | MatRef::Q4(_)) && !quantized {
-            xq.quantize(x, cols);
+            xq.quantize_on(pool, x, cols);
             quantized = true;
         }
     }

@@ -17,6 +17,7 @@ use baton_shared::dtype::QK;
 
 use super::aligned::AlignedI8;
 use super::dispatch::{KernelPath, Kernels};
+use crate::threads::{SharedMut, ThreadPool};
 
 /// Errors building a Q8_0 matrix.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -107,9 +108,12 @@ pub struct QuantizedRows {
     pub cols: usize,
 }
 
+/// Rows per pool task in [`QuantizedRows::quantize_on`].
+const QUANT_ROWS: usize = 8;
+
 impl QuantizedRows {
-    /// Quantize every `cols`-wide row of `x` (cols a multiple of 32).
-    pub fn quantize(&mut self, x: &[f32], cols: usize) {
+    /// Size the buffers for `x` (`cols`-wide rows, cols a multiple of 32).
+    fn prepare(&mut self, x: &[f32], cols: usize) {
         assert!(cols.is_multiple_of(QK) && x.len().is_multiple_of(cols.max(1)));
         if self.quants.len() < x.len() {
             self.quants.resize(x.len());
@@ -117,18 +121,41 @@ impl QuantizedRows {
             self.sums.resize(x.len() / QK, 0.0);
         }
         self.cols = cols;
+    }
+
+    /// Quantize every `cols`-wide row of `x` (cols a multiple of 32).
+    pub fn quantize(&mut self, x: &[f32], cols: usize) {
+        self.prepare(x, cols);
         let nb = x.len() / QK;
-        let (q, d, s) = (
+        quantize_any(
+            x,
             &mut self.quants[..x.len()],
             &mut self.scales[..nb],
             &mut self.sums[..nb],
         );
-        #[cfg(target_arch = "x86_64")]
-        if KernelPath::Avx2.is_supported() {
-            // SAFETY: checked just above.
-            return unsafe { quantize_blocks_avx2(x, q, d, s) };
+    }
+
+    /// [`quantize`](Self::quantize) with the rows spread over `pool`: every block is quantized
+    /// on its own, so the result is the same. A prefill quantizes thousands of rows per
+    /// product; on the caller alone the other threads would wait.
+    pub fn quantize_on(&mut self, pool: &ThreadPool, x: &[f32], cols: usize) {
+        let rows = x.len() / cols.max(1);
+        if pool.threads() == 1 || rows < 2 * QUANT_ROWS {
+            return self.quantize(x, cols);
         }
-        quantize_blocks(x, q, d, s);
+        self.prepare(x, cols);
+        let nb = x.len() / QK;
+        let q = SharedMut::new(&mut self.quants[..x.len()]);
+        let d = SharedMut::new(&mut self.scales[..nb]);
+        let s = SharedMut::new(&mut self.sums[..nb]);
+        pool.run(rows.div_ceil(QUANT_ROWS), &|task| {
+            let r0 = task * QUANT_ROWS;
+            let n = QUANT_ROWS.min(rows - r0);
+            let (v0, v) = (r0 * cols, n * cols);
+            // SAFETY: tasks cover disjoint row ranges.
+            let (qs, ds, ss) = unsafe { (q.slice(v0, v), d.slice(v0 / QK, v / QK), s.slice(v0 / QK, v / QK)) };
+            quantize_any(&x[v0..v0 + v], qs, ds, ss);
+        });
     }
 
     /// Row `i`'s quants and scales.
@@ -140,6 +167,16 @@ impl QuantizedRows {
             &self.scales[i * nb..(i + 1) * nb],
         )
     }
+}
+
+/// [`quantize_blocks`] on the fastest compilation this CPU runs (identical results).
+fn quantize_any(x: &[f32], q: &mut [i8], d: &mut [f32], sums: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if KernelPath::Avx2.is_supported() {
+        // SAFETY: checked just above.
+        return unsafe { quantize_blocks_avx2(x, q, d, sums) };
+    }
+    quantize_blocks(x, q, d, sums);
 }
 
 /// [`quantize_block`] over consecutive blocks.
@@ -401,6 +438,18 @@ mod tests {
         assert_eq!(s[0], d[0] * block0 as f32);
         // Scale 2: x[15] = -1 is -0.5 steps → -1, x[31] = 31 is 15.5 steps → 16.
         assert_eq!((q[15], q[31]), (-1, 16));
+    }
+
+    #[test]
+    fn quantizing_on_a_pool_equals_quantizing_on_the_caller() {
+        let x = noise(37 * 96, 12, 2.0);
+        let (mut one, mut many) = (QuantizedRows::default(), QuantizedRows::default());
+        one.quantize(&x, 96);
+        many.quantize_on(&ThreadPool::new(3), &x, 96);
+        assert_eq!(
+            (&one.quants[..], &one.scales, &one.sums),
+            (&many.quants[..], &many.scales, &many.sums)
+        );
     }
 
     #[test]
