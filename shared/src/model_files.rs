@@ -298,6 +298,24 @@ impl ModelFiles {
         Ok(())
     }
 
+    /// The stored tensor for a role, checked to exist with the shape `cfg` implies.
+    fn checked(
+        &self,
+        cfg: &ModelConfig,
+        role: TensorRole,
+        layer: Option<usize>,
+    ) -> Result<(StoredTensor<'_>, Vec<usize>), LoadError> {
+        let source_name = self.source_name();
+        let name = self.name_of(role, layer);
+        let t = self.stored(role, layer).ok_or_else(|| LoadError::MissingTensor {
+            source_name: source_name.clone(),
+            name: name.clone(),
+        })?;
+        let expected = role.shape(cfg);
+        check_shape(&source_name, &name, t.shape, &expected)?;
+        Ok((t, expected))
+    }
+
     /// One tensor's stored bytes in Hugging Face row order (GGUF llama q/k rows un-permuted),
     /// for a matrix kept in the file's own block format. Shape-checked; `None` for tensors that
     /// are not 2-D block formats (Q8_0, Q4_0, Q4_1).
@@ -307,14 +325,7 @@ impl ModelFiles {
         role: TensorRole,
         layer: Option<usize>,
     ) -> Result<Option<(DType, Vec<u8>)>, LoadError> {
-        let source_name = self.source_name();
-        let name = self.name_of(role, layer);
-        let t = self.stored(role, layer).ok_or_else(|| LoadError::MissingTensor {
-            source_name: source_name.clone(),
-            name: name.clone(),
-        })?;
-        let expected = role.shape(cfg);
-        check_shape(&source_name, &name, t.shape, &expected)?;
+        let (t, expected) = self.checked(cfg, role, layer)?;
         if !matches!(t.dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1) || expected.len() != 2 {
             return Ok(None);
         }
@@ -340,20 +351,13 @@ impl ModelFiles {
         layer: Option<usize>,
         check_finite: bool,
     ) -> Result<Vec<f32>, LoadError> {
-        let source_name = self.source_name();
-        let name = self.name_of(role, layer);
-        let t = self.stored(role, layer).ok_or_else(|| LoadError::MissingTensor {
-            source_name: source_name.clone(),
-            name: name.clone(),
-        })?;
-        let expected = role.shape(cfg);
-        check_shape(&source_name, &name, t.shape, &expected)?;
+        let (t, expected) = self.checked(cfg, role, layer)?;
         let mut out = vec![0f32; expected.iter().product()];
         dequantize(t.dtype, t.data, &mut out);
         if check_finite && let Some((index, &value)) = out.iter().enumerate().find(|(_, v)| !v.is_finite()) {
             return Err(LoadError::NonFinite {
-                source_name,
-                name,
+                source_name: self.source_name(),
+                name: self.name_of(role, layer),
                 index,
                 value,
             });

@@ -89,7 +89,7 @@ pub fn dot(k: Kernels, kind: HalfKind, x: &[f32], w: &[u16]) -> f32 {
 
 /// Scalar twin: the reference dot's lanes over widened values.
 pub fn dot_scalar(kind: HalfKind, x: &[f32], w: &[u16]) -> f32 {
-    const LANES: usize = 16;
+    use super::reference::LANES;
     let n = x.len() / LANES * LANES;
     let mut acc = [0f32; LANES];
     for (xc, wc) in x[..n].chunks_exact(LANES).zip(w[..n].chunks_exact(LANES)) {
@@ -101,14 +101,7 @@ pub fn dot_scalar(kind: HalfKind, x: &[f32], w: &[u16]) -> f32 {
     for (&a, &b) in x[n..].iter().zip(&w[n..]) {
         tail += a * kind.to_f32(b);
     }
-    let mut width = LANES;
-    while width > 1 {
-        width /= 2;
-        for l in 0..width {
-            acc[l] += acc[l + width];
-        }
-    }
-    acc[0] + tail
+    super::reference::reduce_lanes(acc) + tail
 }
 
 /// AVX-512 twin: 16 weights widened per step (`vpmovzxwd` + shift for bf16, `vcvtph2ps` for f16).
@@ -133,22 +126,14 @@ pub unsafe fn dot_avx512(kind: HalfKind, x: &[f32], w: &[u16]) -> f32 {
         }
         i += 16;
     }
-    // The reference's pairwise reduction: lanes l + l+8, then l + l+4, l + l+2, l + l+1.
     let mut lanes = [0f32; 16];
     // SAFETY: 16 floats.
     unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), acc) };
-    let mut width = 16;
-    while width > 1 {
-        width /= 2;
-        for l in 0..width {
-            lanes[l] += lanes[l + width];
-        }
-    }
     let mut tail = 0f32;
     for (&a, &b) in x[n..].iter().zip(&w[n..]) {
         tail += a * kind.to_f32(b);
     }
-    lanes[0] + tail
+    super::reference::reduce_lanes(lanes) + tail
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //! becomes a libm call per element.
 
 /// Lanes of partial sums in [`dot`]; a fixed width lets LLVM keep them in vector registers.
-const LANES: usize = 16;
+pub const LANES: usize = 16;
 
 /// Dot product with `LANES` interleaved partial sums.
 #[inline(always)]
@@ -21,7 +21,13 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     for (x, y) in ar.iter().zip(br) {
         tail += x * y;
     }
-    // Pairwise reduction keeps rounding error low.
+    reduce_lanes(acc) + tail
+}
+
+/// The pairwise sum of [`dot`]'s partial sums (lane l + lane l+8, then +4, +2, +1), which keeps
+/// rounding error low; every twin of `dot` reduces in exactly this order.
+#[inline(always)]
+pub fn reduce_lanes(mut acc: [f32; LANES]) -> f32 {
     let mut w = LANES;
     while w > 1 {
         w /= 2;
@@ -29,7 +35,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
             acc[l] += acc[l + w];
         }
     }
-    acc[0] + tail
+    acc[0]
 }
 
 /// `out[t][r] = x[t] · w[r] (+ bias[r])` for `t` rows of `x` (each `cols` long) and a row-major
@@ -139,14 +145,7 @@ pub fn softmax(x: &mut [f32]) {
             acc[l] += c[l];
         }
     }
-    let mut w = LANES;
-    while w > 1 {
-        w /= 2;
-        for l in 0..w {
-            acc[l] += acc[l + w];
-        }
-    }
-    let sum = acc[0] + tail.iter().sum::<f32>();
+    let sum = reduce_lanes(acc) + tail.iter().sum::<f32>();
     let inv = 1.0 / sum;
     for v in x.iter_mut() {
         *v *= inv;
