@@ -302,11 +302,10 @@ pub fn matmul_many<const N: usize>(
                         *oj = half::dot(k, m.kind, xr, m.row(r0 + j));
                     }
                 }
-                // Only the scalar twin below AVX-512 VNNI.
                 MatRef::Q4(m) => {
                     let a = xq.row_with_sums(i);
                     for (j, oj) in o.iter_mut().enumerate() {
-                        *oj = q4::dot_scalar(m.row(r0 + j), a);
+                        *oj = q4::dot(k, m.row(r0 + j), a);
                     }
                 }
             }
