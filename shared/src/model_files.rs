@@ -216,7 +216,8 @@ impl ModelFiles {
         })
     }
 
-    fn name_of(&self, role: TensorRole, layer: Option<usize>) -> String {
+    /// The tensor's name in this file's naming scheme (GGUF or Hugging Face).
+    pub fn name_of(&self, role: TensorRole, layer: Option<usize>) -> String {
         match self {
             Self::HfDir { .. } => role.hf_name(layer),
             Self::Gguf(_) => role.gguf_name(layer),

@@ -106,10 +106,7 @@ fn native_matrix(
 ) -> Result<Matrix, LoadError> {
     let err = |reason: String| LoadError::Blocks {
         source_name: files.source_name(),
-        name: match files {
-            ModelFiles::Gguf(_) => role.gguf_name(layer),
-            ModelFiles::HfDir { .. } => role.hf_name(layer),
-        },
+        name: files.name_of(role, layer),
         reason,
     };
     match Matrix::from_ggml(dtype, bytes, rows, cols) {
