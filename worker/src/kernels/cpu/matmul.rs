@@ -323,73 +323,65 @@ const TILE_TOKENS: usize = 4;
 /// A block-quantized matrix with an `R × T` tile kernel.
 #[cfg(target_arch = "x86_64")]
 trait Tiled {
-    /// Rows `r..r+R` against activation rows `tok..tok+T`, written into `out` (`t × rows`).
+    /// Output width (the matrix's rows).
+    fn rows(&self) -> usize;
+
+    /// Rows `r..r+R` against activation rows `tok..tok+T`: `y[row][token]`.
     ///
     /// # Safety
-    /// The CPU must support AVX-512 VNNI, and no other thread may touch these outputs.
-    unsafe fn tile<const R: usize, const T: usize>(
-        &self,
-        xq: &QuantizedRows,
-        r: usize,
-        tok: usize,
-        out: &SharedMut<f32>,
-    );
+    /// The CPU must support AVX-512 VNNI.
+    unsafe fn tile<const R: usize, const T: usize>(&self, xq: &QuantizedRows, r: usize, tok: usize) -> [[f32; T]; R];
 }
 
 #[cfg(target_arch = "x86_64")]
 impl Tiled for Q8Matrix {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+
     #[inline]
-    unsafe fn tile<const R: usize, const T: usize>(
-        &self,
-        xq: &QuantizedRows,
-        r: usize,
-        tok: usize,
-        out: &SharedMut<f32>,
-    ) {
+    unsafe fn tile<const R: usize, const T: usize>(&self, xq: &QuantizedRows, r: usize, tok: usize) -> [[f32; T]; R] {
         let w: [_; R] = std::array::from_fn(|j| self.row(r + j));
         let a: [_; T] = std::array::from_fn(|i| xq.row(tok + i));
         // SAFETY: forwarded from the caller.
-        let y = unsafe { q8_gemm::tile_vnni512(w.map(|w| w.0), w.map(|w| w.1), a.map(|a| a.0), a.map(|a| a.1)) };
-        // SAFETY: forwarded from the caller.
-        unsafe { store_tile(&y, self.rows, r, tok, out) };
+        unsafe { q8_gemm::tile_vnni512(w.map(|w| w.0), w.map(|w| w.1), a.map(|a| a.0), a.map(|a| a.1)) }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 impl Tiled for Q4Matrix {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+
     #[inline]
-    unsafe fn tile<const R: usize, const T: usize>(
-        &self,
-        xq: &QuantizedRows,
-        r: usize,
-        tok: usize,
-        out: &SharedMut<f32>,
-    ) {
+    unsafe fn tile<const R: usize, const T: usize>(&self, xq: &QuantizedRows, r: usize, tok: usize) -> [[f32; T]; R] {
         let w: [_; R] = std::array::from_fn(|j| self.row(r + j));
         let a: [_; T] = std::array::from_fn(|i| xq.row_with_sums(tok + i));
         // SAFETY: forwarded from the caller.
-        let y = unsafe { q4::tile_vnni512(w, a) };
-        // SAFETY: forwarded from the caller.
-        unsafe { store_tile(&y, self.rows, r, tok, out) };
+        unsafe { q4::tile_vnni512(w, a) }
     }
 }
 
-/// Write an `R × T` tile's results (`y[row][token]`) into the `t × rows` output.
+/// One `R × T` tile of `m`, written into the `t × rows` output.
 ///
 /// # Safety
-/// No other thread may touch these outputs.
+/// The CPU must support AVX-512 VNNI, and no other thread may touch these outputs.
+#[cfg(target_arch = "x86_64")]
 #[inline]
-unsafe fn store_tile<const R: usize, const T: usize>(
-    y: &[[f32; T]; R],
-    rows: usize,
+unsafe fn tile_into<M: Tiled, const R: usize, const T: usize>(
+    m: &M,
+    xq: &QuantizedRows,
     r: usize,
     tok: usize,
     out: &SharedMut<f32>,
 ) {
+    // SAFETY: forwarded from the caller.
+    let y = unsafe { m.tile::<R, T>(xq, r, tok) };
     for i in 0..T {
         // SAFETY: forwarded from the caller.
-        let o = unsafe { out.slice((tok + i) * rows + r, R) };
-        o.iter_mut().zip(y).for_each(|(o, y)| *o = y[i]);
+        let o = unsafe { out.slice((tok + i) * m.rows() + r, R) };
+        o.iter_mut().zip(&y).for_each(|(o, y)| *o = y[i]);
     }
 }
 
@@ -409,14 +401,14 @@ unsafe fn chunk_vnni<M: Tiled>(m: &M, xq: &QuantizedRows, r0: usize, n: usize, t
             // SAFETY: forwarded from the caller.
             unsafe {
                 match (rn, tn) {
-                    (TILE_ROWS, TILE_TOKENS) => m.tile::<TILE_ROWS, TILE_TOKENS>(xq, r, tok, out),
-                    (TILE_ROWS, 3) => m.tile::<TILE_ROWS, 3>(xq, r, tok, out),
-                    (TILE_ROWS, 2) => m.tile::<TILE_ROWS, 2>(xq, r, tok, out),
-                    (TILE_ROWS, _) => m.tile::<TILE_ROWS, 1>(xq, r, tok, out),
-                    (_, TILE_TOKENS) => m.tile::<1, TILE_TOKENS>(xq, r, tok, out),
-                    (_, 3) => m.tile::<1, 3>(xq, r, tok, out),
-                    (_, 2) => m.tile::<1, 2>(xq, r, tok, out),
-                    _ => m.tile::<1, 1>(xq, r, tok, out),
+                    (TILE_ROWS, TILE_TOKENS) => tile_into::<_, TILE_ROWS, TILE_TOKENS>(m, xq, r, tok, out),
+                    (TILE_ROWS, 3) => tile_into::<_, TILE_ROWS, 3>(m, xq, r, tok, out),
+                    (TILE_ROWS, 2) => tile_into::<_, TILE_ROWS, 2>(m, xq, r, tok, out),
+                    (TILE_ROWS, _) => tile_into::<_, TILE_ROWS, 1>(m, xq, r, tok, out),
+                    (_, TILE_TOKENS) => tile_into::<_, 1, TILE_TOKENS>(m, xq, r, tok, out),
+                    (_, 3) => tile_into::<_, 1, 3>(m, xq, r, tok, out),
+                    (_, 2) => tile_into::<_, 1, 2>(m, xq, r, tok, out),
+                    _ => tile_into::<_, 1, 1>(m, xq, r, tok, out),
                 }
             }
             r += rn;

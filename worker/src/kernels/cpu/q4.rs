@@ -279,13 +279,7 @@ pub unsafe fn tile_vnni512<const R: usize, const T: usize>(w: [Q4Row<'_>; R], a:
         }
         b += 2;
     }
-    let mut out = [[0f32; T]; R];
-    for r in 0..R {
-        for t in 0..T {
-            out[r][t] = _mm512_reduce_add_ps(acc[r][t]);
-        }
-    }
-    out
+    super::q8_gemm::reduce_tile(&acc)
 }
 
 impl QuantizedRows {

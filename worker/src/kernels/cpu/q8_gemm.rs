@@ -100,13 +100,15 @@ pub unsafe fn tile_vnni512<const R: usize, const T: usize>(
         }
         b += 2;
     }
-    let mut out = [[0f32; T]; R];
-    for r in 0..R {
-        for t in 0..T {
-            out[r][t] = _mm512_reduce_add_ps(acc[r][t]);
-        }
-    }
-    out
+    reduce_tile(&acc)
+}
+
+/// Each accumulator of a tile summed across its 16 lanes, in one fixed order for every tile
+/// kernel and shape.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(super) fn reduce_tile<const R: usize, const T: usize>(acc: &[[__m512; T]; R]) -> [[f32; T]; R] {
+    std::array::from_fn(|r| std::array::from_fn(|t| _mm512_reduce_add_ps(acc[r][t])))
 }
 
 #[cfg(test)]
