@@ -36,7 +36,10 @@ impl KernelPath {
     pub fn is_supported(self) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
-            let avx2 = std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
+            // F16C (16-bit float conversion) came with AVX2 on every x86 CPU; the half-float kernels use it.
+            let avx2 = std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c");
             let avx512 = avx2
                 && std::arch::is_x86_feature_detected!("avx512f")
                 && std::arch::is_x86_feature_detected!("avx512bw")

@@ -41,7 +41,7 @@ fn tail(a: &[f32], b: &[f32]) -> f32 {
 /// Pairwise reduction of 8 lanes (already folded from 16 as lane l + lane l+8).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn reduce8(v: __m256) -> f32 {
+pub(super) fn reduce8(v: __m256) -> f32 {
     let lo = _mm256_castps256_ps128(v);
     let hi = _mm256_extractf128_ps::<1>(v);
     let s4 = _mm_add_ps(lo, hi); // lanes l + l+4

@@ -5,7 +5,8 @@
 //! arithmetic:
 //! 16 lanes of partial sums, a multiply then an add per element, the same pairwise reduction
 //! and sequential tail. Widening is exact, so every path gives the bits of the reference dot on
-//! the widened weights: a 16-bit stage equals an f32 stage holding the rounded weights.
+//! the widened weights: a 16-bit stage equals an f32 stage holding the rounded weights. The same
+//! kernels read an f16 KV cache.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -83,8 +84,91 @@ pub fn dot(k: Kernels, kind: HalfKind, x: &[f32], w: &[u16]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Kernels` is only made for paths the CPU supports.
         KernelPath::Avx512 | KernelPath::Avx512Vnni => unsafe { dot_avx512(kind, x, w) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above (the AVX2 path includes F16C).
+        KernelPath::Avx2 => unsafe { dot_avx2(kind, x, w) },
         _ => dot_scalar(kind, x, w),
     }
+}
+
+/// `dst[i] = src[i]` widened to f32 on path `k` (exact: every path gives the same bits).
+#[inline]
+pub fn widen(k: Kernels, kind: HalfKind, src: &[u16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "half::widen: length mismatch");
+    match k.path() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Kernels` is only made for paths the CPU supports; AVX2 includes F16C.
+        KernelPath::Avx2 | KernelPath::Avx512 | KernelPath::Avx512Vnni => unsafe { widen_avx2(kind, src, dst) },
+        _ => widen_scalar(kind, src, dst),
+    }
+}
+
+/// Scalar twin of [`widen`].
+pub fn widen_scalar(kind: HalfKind, src: &[u16], dst: &mut [f32]) {
+    dst.iter_mut().zip(src).for_each(|(d, &b)| *d = kind.to_f32(b));
+}
+
+/// Eight 16-bit floats at `p` widened to f32.
+///
+/// # Safety
+/// `p` must point to 8 readable values; the CPU must support AVX2 and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+unsafe fn widen8(kind: HalfKind, p: *const u16) -> __m256 {
+    // SAFETY: the caller guarantees 8 values at p.
+    let bits = unsafe { _mm_loadu_si128(p.cast()) };
+    match kind {
+        HalfKind::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(bits))),
+        HalfKind::F16 => _mm256_cvtph_ps(bits),
+    }
+}
+
+/// AVX2 twin of [`widen`]: eight values per step.
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn widen_avx2(kind: HalfKind, src: &[u16], dst: &mut [f32]) {
+    let n = src.len().min(dst.len()) / 8 * 8;
+    let mut i = 0;
+    while i < n {
+        // SAFETY: i + 8 <= n <= both lengths.
+        unsafe { _mm256_storeu_ps(dst.as_mut_ptr().add(i), widen8(kind, src.as_ptr().add(i))) };
+        i += 8;
+    }
+    widen_scalar(kind, &src[n..], &mut dst[n..]);
+}
+
+/// AVX2 twin of [`dot`]: the reference's 16 lanes as two 8-lane registers, folded as the
+/// reference folds them.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_avx2(kind: HalfKind, x: &[f32], w: &[u16]) -> f32 {
+    let n = x.len().min(w.len()) / 16 * 16;
+    let (px, pw) = (x.as_ptr(), w.as_ptr());
+    let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut i = 0;
+    while i < n {
+        // SAFETY: i + 16 <= n <= both lengths.
+        unsafe {
+            lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(px.add(i)), widen8(kind, pw.add(i))));
+            hi = _mm256_add_ps(
+                hi,
+                _mm256_mul_ps(_mm256_loadu_ps(px.add(i + 8)), widen8(kind, pw.add(i + 8))),
+            );
+        }
+        i += 16;
+    }
+    let mut tail = 0f32;
+    for (&a, &b) in x[n..].iter().zip(&w[n..]) {
+        tail += a * kind.to_f32(b);
+    }
+    super::f32::reduce8(_mm256_add_ps(lo, hi)) + tail
 }
 
 /// Scalar twin: the reference dot's lanes over widened values.
@@ -170,5 +254,25 @@ mod tests {
             1.0 + 1.0 / 1024.0
         );
         assert!(HalfKind::F16.to_f32(HalfKind::F16.from_f32(1e6)).is_infinite());
+    }
+
+    #[test]
+    fn widening_is_exact_on_every_path() {
+        for kind in [HalfKind::Bf16, HalfKind::F16] {
+            for n in [0, 1, 7, 8, 9, 64, 100] {
+                // Every bit pattern class: zeros, subnormals, infinities, NaNs, ordinary values.
+                let src: Vec<u16> = (0..n as u32)
+                    .map(|i| (i.wrapping_mul(40503) ^ (i << 11)) as u16)
+                    .collect();
+                let mut want = vec![0f32; n];
+                widen_scalar(kind, &src, &mut want);
+                for k in Kernels::all_supported() {
+                    let mut got = vec![1f32; n];
+                    widen(k, kind, &src, &mut got);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "{kind:?} {} n={n}", k.path());
+                }
+            }
+        }
     }
 }
