@@ -72,6 +72,9 @@ pub struct ServeSettings {
     pub kv_block_size: usize,
     /// At most this many KV blocks per pipeline (default: what every worker's kv_cache_mib fits).
     pub kv_max_blocks: Option<usize>,
+    /// How workers store keys and values: `f32` (exact) or `f16` (half the memory per position,
+    /// so twice the tokens fit in kv_cache_mib; logits within about 0.1%).
+    pub kv_dtype: String,
     /// Largest request body in bytes (HTTP 413 beyond).
     pub max_body_bytes: usize,
     /// Most tokens (prompt + completion) per request; default: the model's context.
@@ -96,6 +99,7 @@ impl Default for ServeSettings {
             max_batch_tokens: 128,
             kv_block_size: 16,
             kv_max_blocks: None,
+            kv_dtype: "f32".into(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_model_len: None,
             activation_dtype: "f32".into(),
@@ -134,6 +138,9 @@ pub struct CoordinatorSettings {
     pub kv_block_size: usize,
     /// At most this many KV blocks per pipeline (default: what every worker's kv_cache_mib fits).
     pub kv_max_blocks: Option<usize>,
+    /// How workers store keys and values: `f32` (exact) or `f16` (half the memory per position,
+    /// so twice the tokens fit in kv_cache_mib; logits within about 0.1%).
+    pub kv_dtype: String,
     /// Largest request body in bytes (HTTP 413 beyond).
     pub max_body_bytes: usize,
 }
@@ -154,6 +161,7 @@ impl Default for CoordinatorSettings {
             max_batch_tokens: 128,
             kv_block_size: 16,
             kv_max_blocks: None,
+            kv_dtype: "f32".into(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
         }
     }

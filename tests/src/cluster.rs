@@ -12,6 +12,7 @@ use baton_coordinator::registry::{self, Cluster};
 use baton_shared::model_config::ModelConfig;
 use baton_shared::proto::Dtype;
 use baton_shared::sampling::SamplingParams;
+use baton_worker::kv_cache::KvDtype;
 use tokio::process::{Child, Command};
 
 /// The `baton-worker` binary next to `baton`.
@@ -30,6 +31,8 @@ pub struct Limits {
     pub heartbeat: Duration,
     /// Cap on the pipeline's KV blocks (of 16 positions); None: the workers' budgets.
     pub kv_max_blocks: Option<usize>,
+    /// How the workers store keys and values.
+    pub kv_dtype: KvDtype,
 }
 
 impl Default for Limits {
@@ -40,6 +43,7 @@ impl Default for Limits {
             max_batch_tokens: 512,
             heartbeat: Duration::from_millis(200),
             kv_max_blocks: None,
+            kv_dtype: KvDtype::F32,
         }
     }
 }
@@ -137,6 +141,7 @@ impl TestCluster {
             kv_dim: cfg.kv_dim(),
             kv_block_size: 16,
             kv_max_blocks: limits.kv_max_blocks,
+            kv_dtype: limits.kv_dtype,
         };
         let generator = Arc::new(PipelineGenerator::start(config, cluster.clone()));
         let workers = (0..stages)

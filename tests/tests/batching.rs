@@ -10,9 +10,10 @@ use baton_shared::model_source::LoadedModel;
 use baton_shared::sampling::SamplingParams;
 use baton_tests::cluster::{Limits, TestCluster};
 use baton_tests::{default_model, fixtures};
+use baton_worker::backend::{self, Backend, BackendOptions, Device, SeqChunk};
 use baton_worker::engine::Engine;
-use baton_worker::kv_cache::BatchSeq;
 use baton_worker::kv_cache::SequenceKv;
+use baton_worker::kv_cache::{BatchSeq, KvDtype};
 use baton_worker::model::{LoadOptions, Scratch, StageWeights, WeightFormat};
 
 /// Deterministic token ids below `vocab`.
@@ -134,6 +135,135 @@ fn a_batch_of_sequences_equals_each_sequence_alone_bit_for_bit() {
         ];
         assert!(w.forward_batch(&mut x, &mut bad[..], &mut scratch).is_err());
         assert_eq!(kvs.iter().map(SequenceKv::len).collect::<Vec<_>>(), before);
+    }
+}
+
+/// The backend a pipeline stage runs on, split in two at every layer boundary: a mixed step
+/// (decode tokens of running sequences plus a newcomer's prompt, in scattered KV blocks) gives
+/// each sequence the logits it gets alone through the single-process engine, bit for bit.
+#[test]
+fn backends_split_across_layers_give_each_sequence_its_solo_logits() {
+    for (name, format) in [("llama_tied", WeightFormat::F32), ("qwen3", WeightFormat::Q8_0)] {
+        let files = ModelFiles::open(&fixtures().join("tiny").join(name)).unwrap();
+        let cfg = files.config().unwrap();
+        let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
+        let opts = LoadOptions {
+            format,
+            threads: 2,
+            kernels: None,
+        };
+        let mut engine = Engine::new(StageWeights::load_full_with(&files, &cfg, true, &opts).unwrap());
+        let prompts = [6, 2, 9].map(|n| tokens(n as u32 + 40, n, vocab));
+        let next = [31u32, 37, 41];
+        // Solo: the logits after each prompt, and after its prompt plus one more token.
+        let solo: Vec<(Vec<f32>, Vec<f32>)> = prompts
+            .iter()
+            .zip(next)
+            .map(|(p, t)| {
+                let mut longer = p.clone();
+                longer.push(t);
+                let a = engine.prompt_logits(p, false).unwrap();
+                let b = engine.prompt_logits(&longer, false).unwrap();
+                (a, b)
+            })
+            .collect();
+
+        for cut in 1..cfg.num_layers {
+            let load = |layers: std::ops::Range<usize>| {
+                let o = BackendOptions {
+                    device: Device::Cpu { threads: Some(2) },
+                    format,
+                    threads: 1,
+                    kernels: None,
+                    check_finite: true,
+                    kv_blocks: 12,
+                    kv_block_size: 4,
+                    kv_dtype: KvDtype::F32,
+                };
+                backend::load(&files, &cfg, layers, &o).unwrap()
+            };
+            let mut stages: Vec<Box<dyn Backend>> = vec![load(0..cut), load(cut..cfg.num_layers)];
+            assert!(stages[0].shape().first && !stages[0].shape().last);
+            assert_eq!(stages[1].info().threads, 2);
+            // Scattered, interleaved block tables.
+            let tables: [&[u32]; 3] = [&[7, 2, 10], &[0, 5, 3], &[11, 4, 9]];
+            let run = |stages: &mut [Box<dyn Backend>], ids: &[u32], chunks: &[SeqChunk<'_>]| {
+                let mut x = vec![0f32; ids.len() * h];
+                stages[0].embed(ids, &mut x).unwrap();
+                for s in stages.iter_mut() {
+                    s.forward(&mut x, chunks).unwrap();
+                }
+                let mut last_rows = Vec::new();
+                let mut end = 0;
+                for c in chunks {
+                    end += c.len;
+                    last_rows.extend_from_slice(&x[(end - 1) * h..end * h]);
+                }
+                let mut logits = vec![0f32; chunks.len() * vocab];
+                stages[1].logits(&last_rows, &mut logits).unwrap();
+                logits
+            };
+            // Step 1: the first two prompts. Step 2: their next tokens plus the third prompt.
+            let ids: Vec<u32> = prompts[..2].concat();
+            let step1 = [0, 1].map(|i| SeqChunk {
+                pos0: 0,
+                len: prompts[i].len(),
+                stored: 0,
+                table: tables[i],
+            });
+            let got = run(&mut stages, &ids, &step1);
+            for i in 0..2 {
+                assert_eq!(
+                    got[i * vocab..(i + 1) * vocab],
+                    solo[i].0[..],
+                    "{name} cut {cut}: prefill {i}"
+                );
+            }
+            let mut ids = vec![next[0], next[1]];
+            ids.extend(&prompts[2]);
+            let step2 = [
+                SeqChunk {
+                    pos0: prompts[0].len(),
+                    len: 1,
+                    stored: prompts[0].len(),
+                    table: tables[0],
+                },
+                SeqChunk {
+                    pos0: prompts[1].len(),
+                    len: 1,
+                    stored: prompts[1].len(),
+                    table: tables[1],
+                },
+                SeqChunk {
+                    pos0: 0,
+                    len: prompts[2].len(),
+                    stored: 0,
+                    table: tables[2],
+                },
+            ];
+            let got = run(&mut stages, &ids, &step2);
+            for (i, want) in [&solo[0].1, &solo[1].1, &solo[2].0].into_iter().enumerate() {
+                assert_eq!(
+                    got[i * vocab..(i + 1) * vocab],
+                    want[..],
+                    "{name} cut {cut}: step 2, sequence {i}"
+                );
+            }
+            // A block id outside the pool is refused, naming it.
+            let bad = [SeqChunk {
+                pos0: 0,
+                len: 1,
+                stored: 0,
+                table: &[12],
+            }];
+            let mut x = vec![0f32; h];
+            stages[0].embed(&[1], &mut x).unwrap();
+            let e = stages[0].forward(&mut x, &bad).unwrap_err();
+            assert!(e.to_string().contains("block id 12"), "{e}");
+            // The first stage has no head, the last no embedding.
+            assert!(stages[0].logits(&x, &mut vec![0f32; vocab]).is_err());
+            assert!(stages[1].embed(&[1], &mut x).is_err());
+        }
     }
 }
 

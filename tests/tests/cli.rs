@@ -321,9 +321,40 @@ fn serving_commands_explain_missing_settings() {
         .unwrap();
     let e = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !out.status.success() && e.contains("device 'gpu:7' is not available"),
+        !out.status.success() && e.contains("device 'cuda:7' is not available") && e.contains("no CUDA backend"),
         "config file reaches the worker: {e}"
     );
+    std::fs::write(
+        &cfg,
+        "[worker]\ncoordinator = \"http://127.0.0.1:9\"\ndevice = \"tpu\"\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(baton_tests::baton_bin())
+        .args(["--config", cfg.to_str().unwrap(), "worker"])
+        .env("BATON_CLUSTER_TOKEN", "x")
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && e.contains("bad device 'tpu'"), "{e}");
+    // f16 KV is for worker pools; the in-process engine refuses it, and unknown dtypes are named.
+    let m = default_model();
+    for (toml, want) in [
+        (
+            "[serve]\nport = 0\nworkers = 0\nkv_dtype = \"f16\"\n",
+            "in-process engine",
+        ),
+        ("[serve]\nport = 0\nkv_dtype = \"f8\"\n", "unknown KV cache dtype 'f8'"),
+    ] {
+        std::fs::write(&cfg, toml).unwrap();
+        let e = stderr_of_failure(&[
+            "--config",
+            cfg.to_str().unwrap(),
+            "serve",
+            "--model",
+            m.to_str().unwrap(),
+        ]);
+        assert!(e.contains(want), "{toml}: {e}");
+    }
 }
 
 #[test]

@@ -321,6 +321,31 @@ async fn workers_take_new_layer_ranges_without_restarting() {
         .await
         .unwrap_err();
     assert!(e.message().contains("KV budget"), "{}", e.message());
+    // An unknown KV dtype is refused by name; an f16 pool takes half the bytes of an f32 one.
+    let e = first
+        .load_stage(baton_shared::proto::LoadStageRequest {
+            kv_dtype: "int3".into(),
+            ..load(0, 2, &assignment[1].address)
+        })
+        .await
+        .unwrap_err();
+    assert!(e.message().contains("KV cache dtype 'int3'"), "{}", e.message());
+    let f32_bytes = first.health(HealthRequest {}).await.unwrap().into_inner().kv_bytes;
+    for (client, req) in [
+        (&mut first, load(0, 2, &assignment[1].address)),
+        (&mut second, load(2, 3, "")),
+    ] {
+        let req = baton_shared::proto::LoadStageRequest {
+            kv_dtype: "f16".into(),
+            ..req
+        };
+        client.load_stage(req).await.unwrap();
+    }
+    let h = first.health(HealthRequest {}).await.unwrap().into_inner();
+    assert_eq!(h.kv_bytes * 2, f32_bytes);
+    assert_eq!(h.kv_capacity_tokens, kv_blocks * 16);
+    let (got, _) = tc.generate(&prompt, params.clone()).await.unwrap();
+    assert_eq!(got.len(), 8, "an f16-KV pipeline serves");
 }
 
 /// GET http://addr/metrics.

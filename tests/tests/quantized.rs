@@ -194,3 +194,82 @@ fn compressed_formats_stay_close_to_fp32_and_keep_clear_greedy_tokens() {
         }
     }
 }
+
+/// An f16 KV cache against f32 weights and f32 KV: every key and value is rounded to 11
+/// significant bits when stored, nothing else changes. Logits within a stated share of the
+/// spread, and the reference's clear greedy tokens kept (prefill of the prompt, then one decode
+/// step per greedy token, through the backend a pipeline stage uses).
+#[test]
+fn an_f16_kv_cache_stays_close_to_f32_and_keeps_clear_greedy_tokens() {
+    use baton_worker::backend::{self, BackendOptions, Device, SeqChunk};
+    use baton_worker::kv_cache::KvDtype;
+
+    /// Measured on these prompts: at most 0.1% of the spread (see the eprintln output).
+    const F16_KV_REL_TOL: f32 = 0.01;
+    let model = LoadedModel::open(&default_model()).unwrap();
+    let (cfg, vocab, h) = (&model.config, model.config.vocab_size, model.config.hidden_size);
+    let mut fp32 = engine(&model, WeightFormat::F32, 1);
+    let opts = BackendOptions {
+        device: Device::Cpu { threads: Some(2) },
+        format: WeightFormat::F32,
+        threads: 1,
+        kernels: None,
+        check_finite: true,
+        kv_blocks: 8,
+        kv_block_size: 16,
+        kv_dtype: KvDtype::F16,
+    };
+    let mut stage = backend::load(&model.files, cfg, 0..cfg.num_layers, &opts).unwrap();
+    assert_eq!(stage.kv().dtype, KvDtype::F16);
+    assert_eq!(stage.kv().bytes, 8 * 16 * cfg.num_layers * 2 * cfg.kv_dim() * 2);
+    let table: Vec<u32> = (0..8).rev().collect();
+    for prompt in prompts() {
+        let greedy = fp32
+            .generate(&prompt, &SamplingParams::greedy(16), None, |_| {})
+            .unwrap();
+        let mut tokens = prompt.clone();
+        tokens.extend(&greedy.tokens);
+        let want = fp32.prompt_logits(&tokens, true).unwrap();
+        // The prompt as one chunk, then each further token as a decode step.
+        let mut got = Vec::new();
+        let mut pos = 0;
+        for n in std::iter::once(prompt.len()).chain(std::iter::repeat_n(1, tokens.len() - prompt.len())) {
+            let mut x = vec![0f32; n * h];
+            stage.embed(&tokens[pos..pos + n], &mut x).unwrap();
+            let chunk = [SeqChunk {
+                pos0: pos,
+                len: n,
+                stored: pos,
+                table: &table,
+            }];
+            stage.forward(&mut x, &chunk).unwrap();
+            let mut logits = vec![0f32; vocab];
+            stage.logits(&x[(n - 1) * h..], &mut logits).unwrap();
+            got.push(logits);
+            pos += n;
+        }
+        let (mut worst, mut kept, mut checked) = (0f32, 0, 0);
+        for (w, g) in want.chunks_exact(vocab).skip(prompt.len() - 1).zip(&got) {
+            let spread = w.iter().fold(f32::MIN, |m, &v| m.max(v)) - w.iter().fold(f32::MAX, |m, &v| m.min(v));
+            let err = max_abs_diff(g, w);
+            worst = worst.max(err / spread);
+            assert!(
+                err < F16_KV_REL_TOL * spread,
+                "f16 KV: max |logit error| {err} vs spread {spread}"
+            );
+            let mut sorted = w.to_vec();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            if sorted[0] - sorted[1] > 2.0 * err {
+                checked += 1;
+                kept += usize::from(argmax(g) == argmax(w));
+            }
+        }
+        eprintln!(
+            "f16 KV vs f32, prompt of {}: worst error {:.3}% of the spread; greedy token kept at {kept}/{checked} clear positions",
+            prompt.len(),
+            100.0 * worst
+        );
+        assert!(checked > 0, "no clear position to check");
+        assert_eq!(kept, checked, "f16 KV: a clear greedy token changed");
+    }
+}

@@ -1,10 +1,13 @@
 //! Baton worker: holds a contiguous range of a model's layers and runs them.
 //!
-//! [`model`] loads a stage's weights (f32, Q8_0, Q4_0 or Q4_1 linear layers) and runs "layers [a, b) on these
-//! hidden states" with the runtime-dispatched kernels in [`kernels`] on a [`threads::ThreadPool`];
+//! [`backend`] is what a [`stage`] computes on: it owns a layer range's weights, their paged KV
+//! and kernels. On the CPU, [`model`] loads a stage's weights (f32, bf16/f16, Q8_0, Q4_0 or Q4_1
+//! linear layers) and runs "layers [a, b) on these hidden states" with the runtime-dispatched
+//! kernels in [`kernels`] on a [`threads::ThreadPool`];
 //! [`engine`] drives a whole model on one stage; [`roofline`] measures the memory bandwidth
 //! that bounds batch-1 decode.
 
+pub mod backend;
 pub mod engine;
 pub mod kernels;
 pub mod kv_cache;

@@ -3,13 +3,14 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use baton_shared::auth::CheckToken;
 use baton_shared::proto::worker_server::WorkerServer;
 use baton_shared::settings::Settings;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::server::TcpIncoming;
 
+use crate::backend::Device;
 use crate::registration::{self, WorkerDescription};
 use crate::service::{MAX_MESSAGE, WorkerService, WorkerState};
 
@@ -29,7 +30,8 @@ pub struct WorkerArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub coordinator: Option<String>,
-    /// Device: `cpu` (all cores) or `cpu:N` (N threads for the matrix products) [default: cpu].
+    /// Device: `cpu` (all cores) or `cpu:N` (N threads for the matrix products) [default: cpu];
+    /// `cuda[:GPU]` is refused with a clear error until the CUDA backend lands.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub device: Option<String>,
@@ -78,34 +80,24 @@ pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
         "a cluster token is required: pass --cluster-token, set BATON_CLUSTER_TOKEN, or put cluster_token in baton.toml \
          (the same on coordinator and workers)",
     )?;
-    let (kind, threads) = match w.device.split_once(':') {
-        None => (w.device.as_str(), None),
-        Some((k, n)) => (
-            k,
-            Some(
-                n.parse::<u32>()
-                    .with_context(|| format!("bad device '{}': expected cpu or cpu:N", w.device))?,
-            ),
-        ),
-    };
-    if kind != "cpu" {
-        bail!(
-            "device '{}' is not available in this build (supported: cpu, cpu:N)",
-            w.device
-        );
-    }
+    let device: Device = w.device.parse()?;
+    device.check_available()?;
     let listener = tokio::net::TcpListener::bind(w.listen)
         .await
         .with_context(|| format!("binding {}", w.listen))?;
     let bound = listener.local_addr()?;
     let address = w.advertise.clone().unwrap_or_else(|| format!("http://{bound}"));
-    let cores = threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u32));
+    let cores = match device {
+        Device::Cpu { threads: Some(n) } => n as u32,
+        _ => std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
+    };
     let kernels = crate::kernels::cpu::dispatch::Kernels::detect();
     let state = Arc::new(WorkerState::new(
         token.clone(),
         settings.home(),
         settings.sources(),
         settings.check_weights,
+        device,
         cores as usize,
         w.kv_cache_mib << 20,
     ));
@@ -119,13 +111,14 @@ pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
     let desc = WorkerDescription {
         worker_id: w.worker_id.clone(),
         address: address.clone(),
-        device_kind: "cpu".into(),
+        device_kind: device.kind().into(),
         cores,
         memory_bytes: total_memory(),
         kv_cache_bytes: w.kv_cache_mib << 20,
         features: vec![
             format!("kernels:{}", kernels.path().name()),
             "weights:f32,bf16,f16,q8_0,q4_0,q4_1,native".into(),
+            "kv_dtype:f32,f16".into(),
         ],
     };
     baton_shared::telemetry::prometheus();

@@ -21,8 +21,9 @@ use tonic::transport::Channel;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
-use crate::kv_cache::PagedKv;
-use crate::model::{LoadOptions, StageWeights, WeightFormat};
+use crate::backend::{self, BackendOptions, Device};
+use crate::kv_cache::{KvDtype, UnknownKvDtype};
+use crate::model::WeightFormat;
 use crate::stage::{Stage, StageOutput};
 
 /// Client for a worker, with the cluster token attached.
@@ -50,6 +51,8 @@ pub struct WorkerState {
     home: std::path::PathBuf,
     sources: Sources,
     check_weights: bool,
+    /// Where stages run.
+    device: Device,
     /// Threads for a stage's matrix products.
     threads: usize,
     /// Most bytes a stage's KV pool may take.
@@ -63,6 +66,7 @@ impl WorkerState {
         home: std::path::PathBuf,
         sources: Sources,
         check_weights: bool,
+        device: Device,
         threads: usize,
         kv_cache_bytes: u64,
     ) -> Self {
@@ -74,6 +78,7 @@ impl WorkerState {
             home,
             sources,
             check_weights,
+            device,
             threads: threads.max(1),
             kv_cache_bytes,
         }
@@ -128,40 +133,40 @@ impl Worker for WorkerService {
                     cfg.num_layers
                 )));
             }
-            let (blocks, block_size) = (r.kv_blocks as usize, r.kv_block_size as usize);
-            let pool_bytes = PagedKv::bytes_per_block(end - start, cfg.kv_dim(), block_size) as u128 * blocks as u128;
-            if blocks == 0 || block_size == 0 {
-                return Err(Status::invalid_argument(format!(
-                    "kv_blocks ({blocks}) and kv_block_size ({block_size}) must both be positive"
-                )));
-            }
-            if pool_bytes > state.kv_cache_bytes as u128 {
-                return Err(Status::resource_exhausted(format!(
-                    "{blocks} KV blocks of {block_size} positions for layers {start}..{end} take {pool_bytes} bytes, \
-                     more than this worker's KV budget of {} bytes (kv_cache_mib)",
-                    state.kv_cache_bytes
-                )));
-            }
-            let opts = LoadOptions {
+            let opts = BackendOptions {
+                device: state.device,
                 format,
                 threads: state.threads,
                 kernels: None,
+                check_finite: state.check_weights,
+                kv_blocks: r.kv_blocks as usize,
+                kv_block_size: r.kv_block_size as usize,
+                kv_dtype: if r.kv_dtype.is_empty() {
+                    KvDtype::F32
+                } else {
+                    r.kv_dtype
+                        .parse()
+                        .map_err(|e: UnknownKvDtype| Status::invalid_argument(e.to_string()))?
+                },
             };
-            let weights = StageWeights::load_with(
-                &files,
-                &cfg,
-                start..end,
-                start == 0,
-                end == cfg.num_layers,
-                state.check_weights,
-                &opts,
-            )
-            .map_err(|e| Status::failed_precondition(e.to_string()))?;
+            let pool_bytes = opts.kv_bytes(&cfg, end - start);
+            if pool_bytes > state.kv_cache_bytes as u128 {
+                return Err(Status::resource_exhausted(format!(
+                    "{} KV blocks of {} positions for layers {start}..{end} take {pool_bytes} bytes, \
+                     more than this worker's KV budget of {} bytes (kv_cache_mib)",
+                    opts.kv_blocks, opts.kv_block_size, state.kv_cache_bytes
+                )));
+            }
+            let backend = backend::load(&files, &cfg, start..end, &opts).map_err(|e| match e {
+                backend::BackendError::KvGeometry { .. } => Status::invalid_argument(e.to_string()),
+                _ => Status::failed_precondition(e.to_string()),
+            })?;
+            let info = backend.info();
+            tracing::info!(device = %info.device, kernels = %info.kernels, threads = info.threads,
+                weights = %info.weights, weight_bytes = info.weight_bytes, kv_dtype = %opts.kv_dtype,
+                "stage backend loaded");
             let dtype = Dtype::try_from(r.activation_dtype).unwrap_or(Dtype::F32);
-            Ok((
-                Stage::new(weights, r.stage_index, dtype, blocks, block_size),
-                r.next_stage,
-            ))
+            Ok((Stage::new(backend, r.stage_index, dtype), r.next_stage))
         })
         .await
         .map_err(|e| Status::internal(format!("stage load task failed: {e}")))??;

@@ -1,5 +1,6 @@
-//! A loaded pipeline stage: its weights, every sequence's KV for its layers, and (on the last
-//! stage) each sequence's sampler. `run` takes one micro-batch through the layers.
+//! A loaded pipeline stage: its [`Backend`] (weights and the KV of its layers on some device),
+//! the sequences it holds KV for, and (on the last stage) each sequence's sampler. `run` takes
+//! one micro-batch through the layers.
 
 use std::collections::HashMap;
 
@@ -7,8 +8,8 @@ use baton_shared::proto::{BatchResult, Dtype, MicroBatch, SequenceChunk, Sequenc
 use baton_shared::sampling::SamplingParams;
 use baton_shared::wire;
 
-use crate::kv_cache::{PagedBatch, PagedKv, PagedSeq};
-use crate::model::{ForwardError, Scratch, StageWeights};
+use crate::backend::{Backend, SeqChunk};
+use crate::model::ForwardError;
 use crate::sampler::{Sampler, log_softmax_top};
 
 /// What a micro-batch becomes after this stage.
@@ -49,14 +50,12 @@ impl ForwardTotals {
 
 /// A stage with its sequences.
 pub struct Stage {
-    pub weights: StageWeights,
+    backend: Box<dyn Backend>,
     pub stage_index: u32,
     /// Reported by Health, so the coordinator can show per-stage latency.
     pub totals: ForwardTotals,
     activation_dtype: Dtype,
     seqs: HashMap<u64, SeqState>,
-    kv: PagedKv,
-    scratch: Scratch,
     hidden: Vec<f32>,
     logits: Vec<f32>,
     /// Last rows of the sequences sampled in a batch (reused).
@@ -68,29 +67,14 @@ const MAX_BATCH_TOKENS: usize = 1 << 16;
 const MAX_TOP_LOGPROBS: usize = 20;
 
 impl Stage {
-    /// A stage over loaded weights with a KV pool of `kv_blocks` blocks of `kv_block_size`
-    /// positions.
-    pub fn new(
-        weights: StageWeights,
-        stage_index: u32,
-        activation_dtype: Dtype,
-        kv_blocks: usize,
-        kv_block_size: usize,
-    ) -> Self {
-        let kv = PagedKv::new(
-            weights.layers.len(),
-            weights.config.kv_dim(),
-            kv_block_size.max(1),
-            kv_blocks,
-        );
+    /// A stage over a loaded backend; hidden states leave it as `activation_dtype`.
+    pub fn new(backend: Box<dyn Backend>, stage_index: u32, activation_dtype: Dtype) -> Self {
         Self {
-            kv,
-            weights,
+            backend,
             stage_index,
             totals: ForwardTotals::default(),
             activation_dtype,
             seqs: HashMap::new(),
-            scratch: Scratch::default(),
             hidden: Vec::new(),
             logits: Vec::new(),
             sample_rows: Vec::new(),
@@ -99,15 +83,20 @@ impl Stage {
 
     /// Description for LoadStage/Health answers.
     pub fn info(&self) -> StageInfo {
-        let w = &self.weights;
+        let s = self.backend.shape();
         StageInfo {
-            layer_start: w.layers.start as u32,
-            layer_end: w.layers.end as u32,
-            num_layers: w.config.num_layers as u32,
-            first: w.is_first,
-            last: w.is_last,
-            weight_bytes: w.weight_bytes() as u64,
+            layer_start: s.layers.start as u32,
+            layer_end: s.layers.end as u32,
+            num_layers: s.config.num_layers as u32,
+            first: s.first,
+            last: s.last,
+            weight_bytes: self.backend.info().weight_bytes as u64,
         }
+    }
+
+    /// The backend the stage runs on.
+    pub fn backend(&self) -> &dyn Backend {
+        &*self.backend
     }
 
     /// Sequences holding KV here, and the positions they hold.
@@ -117,14 +106,15 @@ impl Stage {
 
     /// KV positions the pool has room for, and the bytes it reserves.
     pub fn kv_reserved(&self) -> (usize, usize) {
-        (self.kv.blocks() * self.kv.block_size(), self.kv.bytes())
+        let kv = self.backend.kv();
+        (kv.blocks * kv.block_size, kv.bytes)
     }
 
     /// Blocks the live sequences' positions cover, and blocks in the pool.
     pub fn kv_blocks(&self) -> (usize, usize) {
-        let bs = self.kv.block_size();
-        let used = self.seqs.values().map(|s| s.len.div_ceil(bs)).sum();
-        (used, self.kv.blocks())
+        let kv = self.backend.kv();
+        let used = self.seqs.values().map(|s| s.len.div_ceil(kv.block_size)).sum();
+        (used, kv.blocks)
     }
 
     /// Keep the first `len` positions of a sequence; returns its new length, None if unknown.
@@ -140,13 +130,14 @@ impl Stage {
     }
 
     fn err(&self, msg: impl std::fmt::Display) -> String {
-        let l = &self.weights.layers;
+        let l = &self.backend.shape().layers;
         format!("stage {} (layers {}..{}): {msg}", self.stage_index, l.start, l.end)
     }
 
     /// Run one micro-batch through this stage's layers.
     pub fn run(&mut self, mut batch: MicroBatch) -> Result<StageOutput, String> {
-        let h = self.weights.config.hidden_size;
+        let shape = self.backend.shape();
+        let (h, first, last) = (shape.config.hidden_size, shape.first, shape.last);
         let total: usize = batch.seqs.iter().map(|s| s.tokens.len()).sum();
         if total == 0 || total > MAX_BATCH_TOKENS {
             return Err(self.err(format!(
@@ -157,17 +148,17 @@ impl Stage {
             return Err(self.err("a sequence chunk has no tokens"));
         }
         let mut hidden = std::mem::take(&mut self.hidden);
-        let prepared = if self.weights.is_first {
+        let prepared = if first {
             hidden.resize(total * h, 0.0);
             let tokens: Vec<u32> = batch.seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
-            self.weights.embed(&tokens, &mut hidden).map_err(|e| self.err(e))
+            self.backend.embed(&tokens, &mut hidden).map_err(|e| self.err(e))
         } else {
             let t = batch.hidden.take().unwrap_or_default();
             wire::decode(&t, total, h, &mut hidden).map_err(|e| self.err(e))
         };
         let result = prepared.and_then(|()| self.run_layers(&batch.seqs, &mut hidden));
         let out = result.and_then(|()| {
-            if self.weights.is_last {
+            if last {
                 self.sample(&batch, &hidden).map(StageOutput::Sampled)
             } else {
                 let mut t = Tensor::default();
@@ -183,7 +174,8 @@ impl Stage {
     /// Run every chunk's rows through the layers as one batch (each weight matrix read once
     /// for the whole micro-batch), after checking each sequence can take its chunk.
     fn run_layers(&mut self, seqs: &[SequenceChunk], hidden: &mut [f32]) -> Result<(), String> {
-        let c = &self.weights.config;
+        let shape = self.backend.shape();
+        let (max_ctx, last) = (shape.config.max_position_embeddings, shape.last);
         for (i, chunk) in seqs.iter().enumerate() {
             if seqs[..i].iter().any(|o| o.seq_id == chunk.seq_id) {
                 return Err(self.err(format!("sequence {} appears twice in one micro-batch", chunk.seq_id)));
@@ -192,10 +184,10 @@ impl Stage {
         for chunk in seqs {
             let n = chunk.tokens.len();
             let pos0 = chunk.pos0 as usize;
-            if pos0 + n > c.max_position_embeddings {
+            if pos0 + n > max_ctx {
                 let e = ForwardError::ContextOverflow {
                     needed: pos0 + n,
-                    max: c.max_position_embeddings,
+                    max: max_ctx,
                 };
                 return Err(self.err(format!("sequence {}: {e}", chunk.seq_id)));
             }
@@ -212,7 +204,7 @@ impl Stage {
                 };
                 let state = SeqState {
                     len: 0,
-                    sampler: self.weights.is_last.then(|| Sampler::new(&params)),
+                    sampler: last.then(|| Sampler::new(&params)),
                     logprobs: sampling.logprobs,
                     top_logprobs: (sampling.top_logprobs as usize).min(MAX_TOP_LOGPROBS),
                 };
@@ -231,9 +223,9 @@ impl Stage {
                 return Err(self.err(format!("sequence {}: {e}", chunk.seq_id)));
             }
         }
-        let batch: Vec<PagedSeq<'_>> = seqs
+        let batch: Vec<SeqChunk<'_>> = seqs
             .iter()
-            .map(|chunk| PagedSeq {
+            .map(|chunk| SeqChunk {
                 pos0: chunk.pos0 as usize,
                 len: chunk.tokens.len(),
                 // The real length, so the forward pass checks positions against the state.
@@ -241,11 +233,7 @@ impl Stage {
                 table: &chunk.blocks,
             })
             .collect();
-        let mut kv = PagedBatch {
-            pool: &mut self.kv,
-            seqs: &batch,
-        };
-        if let Err(e) = self.weights.forward_batch(hidden, &mut kv, &mut self.scratch) {
+        if let Err(e) = self.backend.forward(hidden, &batch) {
             return Err(self.err(e));
         }
         for chunk in seqs {
@@ -259,8 +247,8 @@ impl Stage {
     /// Sample the next token of every chunk that asks for one, with one head product over all
     /// their last rows.
     fn sample(&mut self, batch: &MicroBatch, hidden: &[f32]) -> Result<BatchResult, String> {
-        let h = self.weights.config.hidden_size;
-        let vocab = self.weights.config.vocab_size;
+        let config = &self.backend.shape().config;
+        let (h, vocab) = (config.hidden_size, config.vocab_size);
         let rows = &mut self.sample_rows;
         rows.clear();
         let mut offset = 0;
@@ -279,8 +267,8 @@ impl Stage {
             });
         }
         self.logits.resize(rows.len() / h * vocab, 0.0);
-        self.weights
-            .logits(&self.sample_rows, &mut self.scratch, &mut self.logits)
+        self.backend
+            .logits(&self.sample_rows, &mut self.logits)
             .map_err(|e| self.err(e))?;
         for (chunk, logits) in batch
             .seqs

@@ -77,6 +77,10 @@ pub struct CoordinatorArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_max_blocks: Option<usize>,
+    /// How workers store keys and values: f32, or f16 for twice the tokens per KV budget [default: f32].
+    #[arg(long, value_parser = ["f32", "f16"])]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_dtype: Option<String>,
     /// Largest accepted request body in bytes (HTTP 413 beyond) [default: 4194304].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -96,6 +100,7 @@ pub fn run(ctx: &Ctx, args: CoordinatorArgs) -> Result<()> {
     let dtype = parse_dtype(&a.activation_dtype)
         .with_context(|| format!("--activation-dtype '{}': expected f32, bf16 or f16", a.activation_dtype))?;
     super::serve::weight_format(&a.weights)?;
+    use super::serve::kv_dtype;
     let stages = if a.layer_cuts.is_empty() {
         a.workers
     } else {
@@ -125,6 +130,7 @@ pub fn run(ctx: &Ctx, args: CoordinatorArgs) -> Result<()> {
         kv_dim: model.config.kv_dim(),
         kv_block_size: a.kv_block_size,
         kv_max_blocks: a.kv_max_blocks,
+        kv_dtype: kv_dtype(&a.kv_dtype)?,
     };
     let name = a
         .served_model_name

@@ -18,6 +18,7 @@ use baton_shared::model_source::LoadedModel;
 use baton_shared::proto::Dtype;
 use baton_shared::settings::ServeSettings;
 use baton_shared::wire::parse_dtype;
+use baton_worker::kv_cache::KvDtype;
 use baton_worker::model::{LoadOptions, StageWeights, WeightFormat};
 
 use super::{Ctx, ModelArg};
@@ -67,6 +68,10 @@ pub struct ServeArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_max_blocks: Option<usize>,
+    /// How workers store keys and values: f32, or f16 for twice the tokens per KV budget [default: f32].
+    #[arg(long, value_parser = ["f32", "f16"])]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_dtype: Option<String>,
     /// Largest accepted request body in bytes (HTTP 413 beyond) [default: 4194304].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -96,6 +101,11 @@ pub fn run(ctx: &Ctx, args: ServeArgs) -> Result<()> {
         .served_model_name
         .clone()
         .unwrap_or_else(|| default_served_name(args.model.model.as_deref()));
+    let kv = kv_dtype(&a.kv_dtype)?;
+    anyhow::ensure!(
+        a.workers > 0 || kv == KvDtype::F32,
+        "kv_dtype {kv} applies to worker processes' paged KV; the in-process engine (workers = 0) keeps f32"
+    );
     // Bind before the slow model load so a taken port fails at once.
     let listener = std::net::TcpListener::bind((a.host.as_str(), a.port))
         .with_context(|| format!("listening on {}:{}", a.host, a.port))?;
@@ -202,6 +212,11 @@ impl LocalWorkers {
     }
 }
 
+/// A `kv_dtype` setting, with an error naming the setting.
+pub(crate) fn kv_dtype(s: &str) -> Result<KvDtype> {
+    s.parse().with_context(|| format!("kv_dtype '{s}'"))
+}
+
 /// The token generator for the chosen mode, and the worker processes it drives.
 async fn build_generator(
     ctx: &Ctx,
@@ -253,6 +268,7 @@ async fn build_generator(
         kv_dim: model.config.kv_dim(),
         kv_block_size: a.kv_block_size,
         kv_max_blocks: a.kv_max_blocks,
+        kv_dtype: kv_dtype(&a.kv_dtype)?,
     };
     weight_format(&a.weights)?;
     let server = cluster::start(registry, config)?;

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use baton_shared::proto::Dtype;
+use baton_worker::kv_cache::KvDtype;
 use tokio::sync::mpsc;
 
 use crate::generation::{GenerationRequest, Generator, SubmitError, TokenEvent};
@@ -51,6 +52,8 @@ pub struct PipelineConfig {
     /// At most this many KV blocks even if the workers' budgets allow more (tests and
     /// deliberate limits); None: as many as every stage's budget fits.
     pub kv_max_blocks: Option<usize>,
+    /// How every stage stores keys and values.
+    pub kv_dtype: KvDtype,
 }
 
 /// A new sequence handed to the step loop.

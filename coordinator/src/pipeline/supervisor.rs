@@ -36,7 +36,7 @@ pub(crate) struct Pipeline {
 fn kv_blocks(config: &PipelineConfig, workers: &[WorkerEntry], ranges: &[Range<usize>]) -> Result<usize, String> {
     let mut blocks = config.kv_max_blocks.unwrap_or(usize::MAX);
     for (w, layers) in workers.iter().zip(ranges) {
-        let per_block = PagedKv::bytes_per_block(layers.len(), config.kv_dim, config.kv_block_size);
+        let per_block = PagedKv::bytes_per_block(layers.len(), config.kv_dim, config.kv_block_size, config.kv_dtype);
         let fits = (w.kv_cache_bytes / per_block as u64) as usize;
         if fits == 0 {
             return Err(format!(
@@ -78,6 +78,7 @@ async fn build(config: &PipelineConfig, workers: &[WorkerEntry]) -> Result<Pipel
             weights: config.weights.clone(),
             kv_blocks: kv_blocks as u64,
             kv_block_size: config.kv_block_size as u32,
+            kv_dtype: config.kv_dtype.to_string(),
             activation_dtype: config.activation_dtype as i32,
             next_stage: next,
             stage_index: i as u32,

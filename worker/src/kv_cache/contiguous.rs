@@ -3,7 +3,7 @@
 //! paged pool ([`super::paged`]).
 
 use super::BatchKv;
-use crate::kernels::cpu::attention::Rows;
+use crate::kernels::cpu::attention::{KvData, Rows};
 use crate::model::ForwardError;
 
 /// Keys and values of one layer: `capacity × kv_dim` each, rows in position order.
@@ -130,9 +130,9 @@ impl BatchKv for [BatchSeq<'_>] {
         l.v[a..b].copy_from_slice(v);
     }
 
-    fn layer(&self, i: usize, layer: usize) -> (&[f32], &[f32], Rows<'_>) {
+    fn layer(&self, i: usize, layer: usize) -> (KvData<'_>, KvData<'_>, Rows<'_>) {
         let l = &self[i].kv.layers[layer];
-        (&l.k, &l.v, Rows::Contiguous)
+        (KvData::F32(&l.k), KvData::F32(&l.v), Rows::Contiguous)
     }
 
     fn commit(&mut self) {

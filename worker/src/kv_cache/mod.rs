@@ -11,8 +11,55 @@ pub mod paged;
 pub use contiguous::{BatchSeq, SequenceKv};
 pub use paged::{PagedBatch, PagedKv, PagedSeq};
 
-use crate::kernels::cpu::attention::Rows;
+use crate::kernels::cpu::attention::{KvData, Rows};
 use crate::model::ForwardError;
+
+/// How a KV cache stores keys and values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvDtype {
+    /// Exact: attention reads what the layer computed.
+    #[default]
+    F32,
+    /// IEEE half: half the memory per position (so twice the sequences or context in the same
+    /// budget), rounded to 11 significant bits when stored.
+    F16,
+}
+
+impl KvDtype {
+    /// Bytes per stored value.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 => 2,
+        }
+    }
+}
+
+impl std::fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+        })
+    }
+}
+
+/// A KV dtype name that is not one.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("unknown KV cache dtype '{0}' (expected f32 or f16)")]
+pub struct UnknownKvDtype(String);
+
+impl std::str::FromStr for KvDtype {
+    type Err = UnknownKvDtype;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "f32" | "fp32" | "float32" => Ok(KvDtype::F32),
+            "f16" | "fp16" | "float16" | "half" => Ok(KvDtype::F16),
+            _ => Err(UnknownKvDtype(s.to_string())),
+        }
+    }
+}
 
 /// The K/V of the sequences in one batched forward pass. Sequence `i` contributes rows
 /// `pos0..pos0+len` (its [`span`](Self::span)), in order, back to back.
@@ -29,7 +76,28 @@ pub trait BatchKv: Sync {
     /// Store sequence `i`'s new rows of `layer` (`len × kv_dim` each).
     fn write(&mut self, i: usize, layer: usize, k: &[f32], v: &[f32]);
     /// Sequence `i`'s keys and values of `layer` and how positions map to their rows.
-    fn layer(&self, i: usize, layer: usize) -> (&[f32], &[f32], Rows<'_>);
+    fn layer(&self, i: usize, layer: usize) -> (KvData<'_>, KvData<'_>, Rows<'_>);
     /// Record the new rows as stored (after every layer succeeded).
     fn commit(&mut self);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_dtypes_parse_print_and_size() {
+        for (s, d, bytes) in [
+            ("f32", KvDtype::F32, 4),
+            ("F16", KvDtype::F16, 2),
+            ("fp16", KvDtype::F16, 2),
+        ] {
+            assert_eq!(s.parse::<KvDtype>(), Ok(d));
+            assert_eq!(d.to_string().parse::<KvDtype>(), Ok(d));
+            assert_eq!(d.bytes(), bytes);
+        }
+        let e = "bf16".parse::<KvDtype>().unwrap_err();
+        assert_eq!(e.to_string(), "unknown KV cache dtype 'bf16' (expected f32 or f16)");
+        assert_eq!(KvDtype::default(), KvDtype::F32);
+    }
 }

@@ -2,17 +2,53 @@
 //! for every layer the stage holds. Block ids come from the coordinator, which allocates them
 //! per pipeline so that id `b` names the same positions of the same sequence on every stage;
 //! each stage stores its own layers' K/V there. The pool is allocated once when the stage
-//! loads (zeroed lazily by the OS), so serving allocates nothing per token.
+//! loads (zeroed lazily by the OS), so serving allocates nothing per token. Values are stored
+//! as f32 or, at half the memory, f16 ([`KvDtype`]).
 
-use super::BatchKv;
-use crate::kernels::cpu::attention::Rows;
+use super::{BatchKv, KvDtype};
+use crate::kernels::cpu::attention::{KvData, Rows};
+use crate::kernels::cpu::half::HalfKind;
 use crate::model::ForwardError;
 
-/// One layer's keys and values: `blocks × block_size × kv_dim` each.
+/// One layer's keys or values: `blocks × block_size × kv_dim`, in the pool's dtype.
+#[derive(Debug)]
+enum Store {
+    F32(Vec<f32>),
+    F16(Vec<u16>),
+}
+
+impl Store {
+    fn new(dtype: KvDtype, n: usize) -> Self {
+        match dtype {
+            KvDtype::F32 => Store::F32(vec![0.0; n]),
+            KvDtype::F16 => Store::F16(vec![0; n]),
+        }
+    }
+
+    /// Store `src` at `at` (rounded to the nearest f16 for an f16 pool).
+    fn put(&mut self, at: usize, src: &[f32]) {
+        match self {
+            Store::F32(d) => d[at..at + src.len()].copy_from_slice(src),
+            Store::F16(d) => d[at..at + src.len()]
+                .iter_mut()
+                .zip(src)
+                .for_each(|(d, &x)| *d = HalfKind::F16.from_f32(x)),
+        }
+    }
+
+    fn data(&self) -> KvData<'_> {
+        match self {
+            Store::F32(d) => KvData::F32(d),
+            Store::F16(d) => KvData::F16(d),
+        }
+    }
+}
+
+/// One layer's keys and values.
 #[derive(Debug)]
 struct LayerPool {
-    k: Vec<f32>,
-    v: Vec<f32>,
+    k: Store,
+    v: Store,
 }
 
 /// K/V storage for a stage's layers, in blocks.
@@ -22,17 +58,24 @@ pub struct PagedKv {
     kv_dim: usize,
     block_size: usize,
     blocks: usize,
+    dtype: KvDtype,
 }
 
 impl PagedKv {
-    /// A pool of `blocks` blocks of `block_size` positions for `n_layers` layers of width `kv_dim`.
+    /// A pool of `blocks` blocks of `block_size` positions for `n_layers` layers of width
+    /// `kv_dim`, storing f32.
     pub fn new(n_layers: usize, kv_dim: usize, block_size: usize, blocks: usize) -> Self {
+        Self::with_dtype(n_layers, kv_dim, block_size, blocks, KvDtype::F32)
+    }
+
+    /// [`new`](Self::new) storing `dtype`.
+    pub fn with_dtype(n_layers: usize, kv_dim: usize, block_size: usize, blocks: usize, dtype: KvDtype) -> Self {
         assert!(block_size > 0, "PagedKv: block size 0");
         let n = blocks * block_size * kv_dim;
         let layers = (0..n_layers)
             .map(|_| LayerPool {
-                k: vec![0.0; n],
-                v: vec![0.0; n],
+                k: Store::new(dtype, n),
+                v: Store::new(dtype, n),
             })
             .collect();
         Self {
@@ -40,12 +83,18 @@ impl PagedKv {
             kv_dim,
             block_size,
             blocks,
+            dtype,
         }
     }
 
-    /// Bytes one block takes across `n_layers` layers (f32 keys and values).
-    pub fn bytes_per_block(n_layers: usize, kv_dim: usize, block_size: usize) -> usize {
-        n_layers * 2 * block_size * kv_dim * size_of::<f32>()
+    /// Bytes one block takes across `n_layers` layers (keys and values of `dtype`).
+    pub fn bytes_per_block(n_layers: usize, kv_dim: usize, block_size: usize, dtype: KvDtype) -> usize {
+        n_layers * 2 * block_size * kv_dim * dtype.bytes()
+    }
+
+    /// How values are stored.
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
     }
 
     /// Blocks in the pool.
@@ -60,7 +109,7 @@ impl PagedKv {
 
     /// Bytes the pool reserves.
     pub fn bytes(&self) -> usize {
-        Self::bytes_per_block(self.layers.len(), self.kv_dim, self.block_size) * self.blocks
+        Self::bytes_per_block(self.layers.len(), self.kv_dim, self.block_size, self.dtype) * self.blocks
     }
 
     /// Storage row of position `pos` through `table`.
@@ -125,18 +174,18 @@ impl BatchKv for PagedBatch<'_> {
         for (r, (kr, vr)) in k.chunks_exact(d).zip(v.chunks_exact(d)).enumerate() {
             let at = self.pool.row(s.table, s.pos0 + r) * d;
             let l = &mut self.pool.layers[layer];
-            l.k[at..at + d].copy_from_slice(kr);
-            l.v[at..at + d].copy_from_slice(vr);
+            l.k.put(at, kr);
+            l.v.put(at, vr);
         }
     }
 
-    fn layer(&self, i: usize, layer: usize) -> (&[f32], &[f32], Rows<'_>) {
+    fn layer(&self, i: usize, layer: usize) -> (KvData<'_>, KvData<'_>, Rows<'_>) {
         let l = &self.pool.layers[layer];
         let layout = Rows::Paged {
             table: self.seqs[i].table,
             block_size: self.pool.block_size,
         };
-        (&l.k, &l.v, layout)
+        (l.k.data(), l.v.data(), layout)
     }
 
     fn commit(&mut self) {}
@@ -188,12 +237,48 @@ mod tests {
             pool: &mut pool,
             seqs: &seqs,
         };
-        let (kp, vp, layout) = batch.layer(0, 0);
+        let (KvData::F32(kp), KvData::F32(vp), layout) = batch.layer(0, 0) else {
+            panic!("an f32 pool gives f32 rows");
+        };
         let mut got = vec![0f32; 3 * qd];
         attention_rows(&q, kp, vp, n - 3, shape, &mut vec![0f32; n], &mut got, |p| {
             layout.row(p)
         });
         assert_eq!(got, want);
+    }
+
+    #[test]
+    fn an_f16_pool_stores_each_value_rounded_to_the_nearest_half() {
+        let (kvd, bs) = (8, 4);
+        let k: Vec<f32> = (0..3 * kvd).map(|i| (i as f32 - 11.3) * 0.377).collect();
+        let v: Vec<f32> = k.iter().map(|x| x * 1e3 + 1e-4).collect();
+        let mut pool = PagedKv::with_dtype(2, kvd, bs, 4, KvDtype::F16);
+        assert_eq!(pool.dtype(), KvDtype::F16);
+        let table = [2u32];
+        let seqs = [PagedSeq {
+            pos0: 0,
+            len: 3,
+            stored: 0,
+            table: &table,
+        }];
+        let mut batch = PagedBatch {
+            pool: &mut pool,
+            seqs: &seqs,
+        };
+        batch.prepare().unwrap();
+        batch.write(0, 1, &k, &v);
+        let (KvData::F16(kp), KvData::F16(vp), layout) = batch.layer(0, 1) else {
+            panic!("an f16 pool gives f16 rows");
+        };
+        for p in 0..3 {
+            let at = layout.row(p) * kvd;
+            for j in 0..kvd {
+                assert_eq!(kp[at + j], HalfKind::F16.from_f32(k[p * kvd + j]));
+                assert_eq!(vp[at + j], HalfKind::F16.from_f32(v[p * kvd + j]));
+                let back = HalfKind::F16.to_f32(kp[at + j]);
+                assert!((back - k[p * kvd + j]).abs() <= k[p * kvd + j].abs() / 2048.0);
+            }
+        }
     }
 
     #[test]
@@ -232,6 +317,8 @@ mod tests {
         .prepare()
         .unwrap_err();
         assert_eq!(e, ForwardError::KvBlockId { id: 3, blocks: 3 });
-        assert_eq!(pool.bytes(), 3 * PagedKv::bytes_per_block(2, 8, 4));
+        assert_eq!(pool.bytes(), 3 * PagedKv::bytes_per_block(2, 8, 4, KvDtype::F32));
+        let half = PagedKv::with_dtype(2, 8, 4, 3, KvDtype::F16);
+        assert_eq!(half.bytes() * 2, pool.bytes());
     }
 }

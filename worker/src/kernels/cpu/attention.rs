@@ -8,6 +8,7 @@
 use super::dispatch::{KernelPath, Kernels};
 use super::elementwise::softmax;
 use super::f32 as kf32;
+use super::half::{self, HalfKind};
 use super::reference::AttnShape;
 use crate::threads::{SharedMut, ThreadPool};
 
@@ -31,6 +32,14 @@ impl Rows<'_> {
     }
 }
 
+/// A KV cache's keys or values, `kv_dim` per storage row, as stored.
+#[derive(Debug, Clone, Copy)]
+pub enum KvData<'a> {
+    F32(&'a [f32]),
+    /// IEEE half bits: half the memory; widened exactly when read.
+    F16(&'a [u16]),
+}
+
 /// One sequence of a batched attention: its query rows (positions `pos0..pos0+rows`), where
 /// they start in the batch, and its keys/values.
 #[derive(Debug, Clone, Copy)]
@@ -39,8 +48,8 @@ pub struct SeqAttn<'a> {
     pub rows: usize,
     /// First row of this sequence in the batch's `q` and `out`.
     pub offset: usize,
-    pub k: &'a [f32],
-    pub v: &'a [f32],
+    pub k: KvData<'a>,
+    pub v: KvData<'a>,
     pub layout: Rows<'a>,
 }
 
@@ -106,7 +115,30 @@ unsafe fn pv_run_avx2<const HD: usize>(
     pv_run(acc, w, v, row0, kv_dim, off);
 }
 
+/// `acc += w·v` through the dispatched [`pv_run`] (rows `kv_dim` apart from value `off`).
+#[inline(always)]
+fn pv_dispatch<const HD: usize>(
+    kern: Kernels,
+    acc: &mut [f32; HD],
+    w: &[f32],
+    v: &[f32],
+    row0: usize,
+    kv_dim: usize,
+    off: usize,
+) {
+    match kern.path() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Kernels` is only made for paths the CPU supports.
+        KernelPath::Avx512 | KernelPath::Avx512Vnni => unsafe { pv_run_avx512(acc, w, v, row0, kv_dim, off) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        KernelPath::Avx2 => unsafe { pv_run_avx2(acc, w, v, row0, kv_dim, off) },
+        _ => pv_run(acc, w, v, row0, kv_dim, off),
+    }
+}
+
 /// `oh = Σ_p sc[p]·v(p)` over the positions of `s`'s layout, for head dims with a register kernel.
+/// f16 values are widened one row at a time, then take the same arithmetic as f32 ones.
 fn weighted_values<const HD: usize>(
     kern: Kernels,
     sc: &[f32],
@@ -118,16 +150,15 @@ fn weighted_values<const HD: usize>(
     let mut acc = [0f32; HD];
     for (p, row0, len) in s.layout.runs(sc.len()) {
         let w = &sc[p..p + len];
-        match kern.path() {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Kernels` is only made for paths the CPU supports.
-            KernelPath::Avx512 | KernelPath::Avx512Vnni => unsafe {
-                pv_run_avx512(&mut acc, w, s.v, row0, kv_dim, off)
-            },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above.
-            KernelPath::Avx2 => unsafe { pv_run_avx2(&mut acc, w, s.v, row0, kv_dim, off) },
-            _ => pv_run(&mut acc, w, s.v, row0, kv_dim, off),
+        match s.v {
+            KvData::F32(v) => pv_dispatch(kern, &mut acc, w, v, row0, kv_dim, off),
+            KvData::F16(v) => {
+                let mut row = [0f32; HD];
+                for (i, wi) in w.chunks_exact(1).enumerate() {
+                    half::widen(kern, HalfKind::F16, &v[(row0 + i) * kv_dim + off..][..HD], &mut row);
+                    pv_dispatch(kern, &mut acc, wi, &row, 0, HD, 0);
+                }
+            }
         }
     }
     oh.copy_from_slice(&acc);
@@ -151,9 +182,18 @@ fn one_head(
     let scale = 1.0 / (hd as f32).sqrt();
     let sc = &mut scores[..pos + 1];
     for (p, row0, len) in s.layout.runs(pos + 1) {
-        for (i, score) in sc[p..p + len].iter_mut().enumerate() {
-            let kr = &s.k[(row0 + i) * kv_dim + off..][..hd];
-            *score = kf32::dot(kern, qh, kr) * scale;
+        let keys = (row0..row0 + len).map(|r| r * kv_dim + off);
+        match s.k {
+            KvData::F32(k) => {
+                for (score, at) in sc[p..p + len].iter_mut().zip(keys) {
+                    *score = kf32::dot(kern, qh, &k[at..at + hd]) * scale;
+                }
+            }
+            KvData::F16(k) => {
+                for (score, at) in sc[p..p + len].iter_mut().zip(keys) {
+                    *score = half::dot(kern, HalfKind::F16, qh, &k[at..at + hd]) * scale;
+                }
+            }
         }
     }
     softmax(kern, sc);
@@ -162,11 +202,24 @@ fn one_head(
         128 => weighted_values::<128>(kern, sc, s, kv_dim, off, oh),
         _ => {
             oh.fill(0.0);
+            let mut buf = [0f32; 64];
             for (p, row0, len) in s.layout.runs(sc.len()) {
                 for (i, &w) in sc[p..p + len].iter().enumerate() {
-                    let vr = &s.v[(row0 + i) * kv_dim + off..][..hd];
-                    for (o, &x) in oh.iter_mut().zip(vr) {
-                        *o += w * x;
+                    let at = (row0 + i) * kv_dim + off;
+                    // Piecewise, so f16 rows of any head size widen into a stack buffer.
+                    for (c, o) in oh.chunks_mut(buf.len()).enumerate() {
+                        let from = at + c * buf.len();
+                        let vr = match s.v {
+                            KvData::F32(v) => &v[from..from + o.len()],
+                            KvData::F16(v) => {
+                                let row = &mut buf[..o.len()];
+                                half::widen(kern, HalfKind::F16, &v[from..from + o.len()], row);
+                                &*row
+                            }
+                        };
+                        for (o, &x) in o.iter_mut().zip(vr) {
+                            *o += w * x;
+                        }
                     }
                 }
             }
@@ -218,60 +271,77 @@ mod tests {
 
     #[test]
     fn batched_attention_equals_the_reference_bit_for_bit_on_every_path_and_thread_count() {
-        for (heads, kv_heads, hd) in [(4, 2, 8), (9, 3, 64), (3, 3, 20)] {
-            let shape = AttnShape {
-                num_heads: heads,
-                num_kv_heads: kv_heads,
-                head_dim: hd,
-            };
-            let (qd, kvd) = (heads * hd, kv_heads * hd);
-            // Three sequences: a decode row at 37, a 5-row chunk from 0, 3 rows from 10.
-            let spans = [(37, 1), (0, 5), (10, 3)];
-            let caches: Vec<(Vec<f32>, Vec<f32>)> = spans
-                .iter()
-                .enumerate()
-                .map(|(i, (p, n))| {
-                    (
-                        noise((p + n) * kvd, 10 + i as u64, 1.0),
-                        noise((p + n) * kvd, 20 + i as u64, 1.0),
-                    )
-                })
-                .collect();
-            let total: usize = spans.iter().map(|s| s.1).sum();
-            let q = noise(total * qd, 7, 1.0);
-            let mut want = vec![0f32; total * qd];
-            let mut offset = 0;
-            for ((p, n), (k, v)) in spans.iter().zip(&caches) {
-                let mut sc = vec![0f32; p + n];
-                let rows = offset * qd..(offset + n) * qd;
-                reference::attention(&q[rows.clone()], k, v, *p, shape, &mut sc, &mut want[rows]);
-                offset += n;
+        // f16 caches must give the reference's bits on their widened values.
+        for f16 in [false, true] {
+            for (heads, kv_heads, hd) in [(4, 2, 8), (9, 3, 64), (3, 3, 20), (2, 1, 128), (2, 2, 72)] {
+                check_batched_attention(
+                    AttnShape {
+                        num_heads: heads,
+                        num_kv_heads: kv_heads,
+                        head_dim: hd,
+                    },
+                    f16,
+                );
             }
-            let mut offset = 0;
-            let seqs: Vec<SeqAttn<'_>> = spans
-                .iter()
-                .zip(&caches)
-                .map(|((p, n), (k, v))| {
-                    let s = SeqAttn {
-                        pos0: *p,
-                        rows: *n,
-                        offset,
-                        k,
-                        v,
-                        layout: Rows::Contiguous,
-                    };
-                    offset += n;
-                    s
-                })
-                .collect();
-            for threads in [1, 2, 3] {
-                let pool = ThreadPool::new(threads);
-                for kern in Kernels::all_supported() {
-                    let mut got = vec![0f32; total * qd];
-                    let seq = |i: usize| seqs[i];
-                    attention_batch(kern, &pool, &q, seqs.len(), &seq, 40, shape, &mut Vec::new(), &mut got);
-                    assert_eq!(got, want, "{} threads, {}", threads, kern.path());
-                }
+        }
+    }
+
+    fn check_batched_attention(shape: AttnShape, f16: bool) {
+        let (qd, kvd) = (shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim);
+        // Three sequences: a decode row at 37, a 5-row chunk from 0, 3 rows from 10.
+        let spans = [(37, 1), (0, 5), (10, 3)];
+        let to_bits = |v: Vec<f32>| -> Vec<u16> { v.iter().map(|&x| HalfKind::F16.from_f32(x)).collect() };
+        let widened = |b: &[u16]| -> Vec<f32> { b.iter().map(|&x| HalfKind::F16.to_f32(x)).collect() };
+        let caches: Vec<(Vec<u16>, Vec<u16>)> = spans
+            .iter()
+            .enumerate()
+            .map(|(i, (p, n))| {
+                (
+                    to_bits(noise((p + n) * kvd, 10 + i as u64, 1.0)),
+                    to_bits(noise((p + n) * kvd, 20 + i as u64, 1.0)),
+                )
+            })
+            .collect();
+        let wide: Vec<(Vec<f32>, Vec<f32>)> = caches.iter().map(|(k, v)| (widened(k), widened(v))).collect();
+        let total: usize = spans.iter().map(|s| s.1).sum();
+        let q = noise(total * qd, 7, 1.0);
+        let mut want = vec![0f32; total * qd];
+        let mut offset = 0;
+        for ((p, n), (k, v)) in spans.iter().zip(&wide) {
+            let mut sc = vec![0f32; p + n];
+            let rows = offset * qd..(offset + n) * qd;
+            reference::attention(&q[rows.clone()], k, v, *p, shape, &mut sc, &mut want[rows]);
+            offset += n;
+        }
+        let mut offset = 0;
+        let seqs: Vec<SeqAttn<'_>> = spans
+            .iter()
+            .zip(caches.iter().zip(&wide))
+            .map(|((p, n), ((kb, vb), (k, v)))| {
+                let (k, v) = if f16 {
+                    (KvData::F16(kb), KvData::F16(vb))
+                } else {
+                    (KvData::F32(k), KvData::F32(v))
+                };
+                let s = SeqAttn {
+                    pos0: *p,
+                    rows: *n,
+                    offset,
+                    k,
+                    v,
+                    layout: Rows::Contiguous,
+                };
+                offset += n;
+                s
+            })
+            .collect();
+        for threads in [1, 2, 3] {
+            let pool = ThreadPool::new(threads);
+            for kern in Kernels::all_supported() {
+                let mut got = vec![0f32; total * qd];
+                let seq = |i: usize| seqs[i];
+                attention_batch(kern, &pool, &q, seqs.len(), &seq, 40, shape, &mut Vec::new(), &mut got);
+                assert_eq!(got, want, "{shape:?} f16={f16}, {threads} threads, {}", kern.path());
             }
         }
     }

@@ -1,0 +1,221 @@
+//! What a stage computes on. A [`Backend`] owns a layer range's weights in a chosen format and
+//! the paged KV store for those layers, and runs a batch of tokens (many sequences, prefill
+//! chunks and decode tokens mixed) through them. [`cpu::CpuBackend`] is this build's backend; a
+//! CUDA backend implements the same trait. The pipeline [`Stage`](crate::stage::Stage) talks only
+//! to this trait, so it never sees where weights, KV or kernels live.
+//!
+//! Hidden states cross the trait as host `f32` rows: that is what travels between stages anyway,
+//! and a device backend keeps everything else (weights, KV, intermediate activations) resident.
+
+pub mod cpu;
+
+use std::fmt;
+use std::ops::Range;
+use std::str::FromStr;
+
+use baton_shared::model_config::ModelConfig;
+use baton_shared::model_files::{LoadError, ModelFiles};
+
+use crate::kernels::cpu::dispatch::Kernels;
+pub use crate::kv_cache::PagedSeq as SeqChunk;
+use crate::kv_cache::{KvDtype, PagedKv};
+use crate::model::{ForwardError, WeightFormat};
+
+/// Where a worker computes, as given by `--device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    /// The CPU socket; `threads` (`cpu:N`) overrides "all cores".
+    Cpu { threads: Option<usize> },
+    /// GPU number `gpu` (`cuda`, `cuda:N`).
+    Cuda { gpu: u32 },
+}
+
+/// A `--device` value that is not one.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("bad device '{0}': expected cpu, cpu:THREADS (THREADS ≥ 1), cuda or cuda:GPU")]
+pub struct DeviceSyntax(String);
+
+impl FromStr for Device {
+    type Err = DeviceSyntax;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || DeviceSyntax(s.to_string());
+        let (kind, n) = match s.trim().split_once(':') {
+            None => (s.trim(), None),
+            Some((k, n)) => (k, Some(n.parse::<u32>().map_err(|_| bad())?)),
+        };
+        match (kind.to_ascii_lowercase().as_str(), n) {
+            ("cpu", Some(0)) => Err(bad()),
+            ("cpu", n) => Ok(Device::Cpu {
+                threads: n.map(|n| n as usize),
+            }),
+            ("cuda" | "gpu", n) => Ok(Device::Cuda { gpu: n.unwrap_or(0) }),
+            _ => Err(bad()),
+        }
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu { threads: None } => write!(f, "cpu"),
+            Device::Cpu { threads: Some(n) } => write!(f, "cpu:{n}"),
+            Device::Cuda { gpu } => write!(f, "cuda:{gpu}"),
+        }
+    }
+}
+
+impl Device {
+    /// The device kind as reported to the coordinator and in metrics (`cpu`, `cuda`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Device::Cpu { .. } => "cpu",
+            Device::Cuda { .. } => "cuda",
+        }
+    }
+
+    /// Whether this build can run on the device; the error says what to use instead.
+    pub fn check_available(&self) -> Result<(), BackendError> {
+        match self {
+            Device::Cpu { .. } => Ok(()),
+            Device::Cuda { .. } => Err(BackendError::Unavailable(*self)),
+        }
+    }
+}
+
+/// The part of a model a backend holds: a layer range, plus the embedding on the first stage and
+/// the final norm and head on the last.
+#[derive(Debug, Clone)]
+pub struct StageShape {
+    pub config: ModelConfig,
+    pub layers: Range<usize>,
+    /// Starts from token ids.
+    pub first: bool,
+    /// Produces logits.
+    pub last: bool,
+}
+
+/// The geometry of a backend's paged KV store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvGeometry {
+    pub blocks: usize,
+    /// Positions per block.
+    pub block_size: usize,
+    /// Bytes the store reserves.
+    pub bytes: usize,
+    pub dtype: KvDtype,
+}
+
+/// What a backend reports about itself (logs, metrics, the coordinator's cluster view).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BackendInfo {
+    pub device: Device,
+    /// The kernel path (`avx512_vnni`, `avx2`, …) or the GPU's name.
+    pub kernels: String,
+    /// Threads the matrix products run on.
+    pub threads: usize,
+    pub weights: WeightFormat,
+    /// Bytes of weights held.
+    pub weight_bytes: usize,
+    /// Bytes of matrix weights one decode step reads (the streaming-read floor).
+    pub matrix_bytes: usize,
+}
+
+/// A compute device holding a stage: weights, paged KV, kernels.
+pub trait Backend: Send {
+    /// The layers and parts held.
+    fn shape(&self) -> &StageShape;
+    /// Device, kernels, threads and weight format.
+    fn info(&self) -> BackendInfo;
+    /// The KV store's geometry.
+    fn kv(&self) -> KvGeometry;
+    /// Token ids to hidden rows (`tokens.len() × hidden_size`); first stage only.
+    fn embed(&mut self, tokens: &[u32], hidden: &mut [f32]) -> Result<(), ForwardError>;
+    /// Run the layers over `hidden`, holding every chunk's rows back to back in `seqs` order,
+    /// and store each chunk's K/V in its blocks. Each weight matrix is applied to all rows at
+    /// once; each row's result is the same as running its sequence alone. An error leaves the
+    /// KV store as it was.
+    fn forward(&mut self, hidden: &mut [f32], seqs: &[SeqChunk<'_>]) -> Result<(), ForwardError>;
+    /// Final norm and head on each row of `rows`, writing `rows × vocab` logits to `out`; last
+    /// stage only.
+    fn logits(&mut self, rows: &[f32], out: &mut [f32]) -> Result<(), ForwardError>;
+}
+
+/// How to build a backend.
+#[derive(Debug, Clone)]
+pub struct BackendOptions {
+    pub device: Device,
+    pub format: WeightFormat,
+    /// Threads when the device does not say (`cpu` rather than `cpu:N`).
+    pub threads: usize,
+    /// CPU kernel path; `None` picks the fastest this CPU supports.
+    pub kernels: Option<Kernels>,
+    /// Reject weights holding NaN or infinity.
+    pub check_finite: bool,
+    pub kv_blocks: usize,
+    pub kv_block_size: usize,
+    pub kv_dtype: KvDtype,
+}
+
+impl BackendOptions {
+    /// Bytes the KV store of `layers` layers of `config` takes under these options (checked
+    /// against a worker's KV budget before anything is allocated).
+    pub fn kv_bytes(&self, config: &ModelConfig, layers: usize) -> u128 {
+        PagedKv::bytes_per_block(layers, config.kv_dim(), self.kv_block_size, self.kv_dtype) as u128
+            * self.kv_blocks as u128
+    }
+}
+
+/// Why a backend could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    #[error("device '{0}' is not available in this build: it has no CUDA backend yet (use cpu or cpu:THREADS)")]
+    Unavailable(Device),
+    #[error("kv_blocks ({blocks}) and kv_block_size ({block_size}) must both be positive")]
+    KvGeometry { blocks: usize, block_size: usize },
+}
+
+/// Load `layers` of the model in `files` onto the device `opts` names.
+pub fn load(
+    files: &ModelFiles,
+    config: &ModelConfig,
+    layers: Range<usize>,
+    opts: &BackendOptions,
+) -> Result<Box<dyn Backend>, BackendError> {
+    opts.device.check_available()?;
+    Ok(Box::new(cpu::CpuBackend::load(files, config, layers, opts)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_parse_and_print() {
+        for (s, d) in [
+            ("cpu", Device::Cpu { threads: None }),
+            ("cpu:3", Device::Cpu { threads: Some(3) }),
+            ("CUDA", Device::Cuda { gpu: 0 }),
+            ("cuda:1", Device::Cuda { gpu: 1 }),
+        ] {
+            assert_eq!(s.parse::<Device>(), Ok(d), "{s}");
+            assert_eq!(d.to_string().parse::<Device>(), Ok(d));
+        }
+        for bad in ["", "cpu:0", "cpu:x", "tpu", "cuda:-1", "cpu:"] {
+            let e = bad.parse::<Device>().unwrap_err();
+            assert!(e.to_string().contains("expected cpu"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn cuda_is_refused_with_a_clear_error() {
+        let e = Device::Cuda { gpu: 1 }.check_available().unwrap_err();
+        assert!(
+            e.to_string().contains("cuda:1") && e.to_string().contains("no CUDA backend"),
+            "{e}"
+        );
+        assert!(Device::Cpu { threads: None }.check_available().is_ok());
+    }
+}
