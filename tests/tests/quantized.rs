@@ -68,7 +68,15 @@ fn q8_0_logits_stay_close_to_fp32_and_do_not_depend_on_threads() {
             100.0 * err / spread
         );
         assert!(err < Q8_REL_TOL * spread, "max |logit error| {err} vs spread {spread}");
-        assert_eq!(argmax(&got), argmax(&want), "top-1 token");
+        // The top-1 token must survive wherever the reference's lead exceeds twice the error
+        // (a closer race may go either way under any rounding, and does between SIMD paths).
+        let mut sorted = want.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        let gap = sorted[0] - sorted[1];
+        eprintln!("  top-1/top-2 gap {gap:.4}");
+        if gap > 2.0 * err {
+            assert_eq!(argmax(&got), argmax(&want), "top-1 token");
+        }
     }
 }
 

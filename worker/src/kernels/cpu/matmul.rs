@@ -252,13 +252,13 @@ pub fn matmul_many<const N: usize>(
         let r0 = chunk * CHUNK_ROWS;
         let n = CHUNK_ROWS.min(rows - r0);
         #[cfg(target_arch = "x86_64")]
-        if k.path() == KernelPath::Avx512Vnni && matches!(w, MatRef::Q8_0(_) | MatRef::Q4(_)) {
+        if k.path() != KernelPath::Scalar && matches!(w, MatRef::Q8_0(_) | MatRef::Q4(_)) {
             // SAFETY: the path is supported (a `Kernels` exists for it); this task alone writes
             // rows r0..r0+n of every output row of product p.
             unsafe {
                 match w {
-                    MatRef::Q8_0(m) => chunk_vnni(m, xq, r0, n, t, shared),
-                    MatRef::Q4(m) => chunk_vnni(m, xq, r0, n, t, shared),
+                    MatRef::Q8_0(m) => chunk_tiles(k, m, xq, r0, n, t, shared),
+                    MatRef::Q4(m) => chunk_tiles(k, m, xq, r0, n, t, shared),
                     MatRef::F32 { .. } | MatRef::Half(_) => unreachable!("matched above"),
                 }
             }
@@ -326,11 +326,17 @@ trait Tiled {
     /// Output width (the matrix's rows).
     fn rows(&self) -> usize;
 
-    /// Rows `r..r+R` against activation rows `tok..tok+T`: `y[row][token]`.
+    /// Rows `r..r+R` against activation rows `tok..tok+T` on path `k`: `y[row][token]`.
     ///
     /// # Safety
-    /// The CPU must support AVX-512 VNNI.
-    unsafe fn tile<const R: usize, const T: usize>(&self, xq: &QuantizedRows, r: usize, tok: usize) -> [[f32; T]; R];
+    /// `k` must not be the scalar path (the tiles need AVX2 at least).
+    unsafe fn tile<const R: usize, const T: usize>(
+        &self,
+        k: Kernels,
+        xq: &QuantizedRows,
+        r: usize,
+        tok: usize,
+    ) -> [[f32; T]; R];
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -340,11 +346,23 @@ impl Tiled for Q8Matrix {
     }
 
     #[inline]
-    unsafe fn tile<const R: usize, const T: usize>(&self, xq: &QuantizedRows, r: usize, tok: usize) -> [[f32; T]; R] {
+    unsafe fn tile<const R: usize, const T: usize>(
+        &self,
+        k: Kernels,
+        xq: &QuantizedRows,
+        r: usize,
+        tok: usize,
+    ) -> [[f32; T]; R] {
         let w: [_; R] = std::array::from_fn(|j| self.row(r + j));
         let a: [_; T] = std::array::from_fn(|i| xq.row(tok + i));
-        // SAFETY: forwarded from the caller.
-        unsafe { q8_gemm::tile_vnni512(w.map(|w| w.0), w.map(|w| w.1), a.map(|a| a.0), a.map(|a| a.1)) }
+        let (wq, wd, aq, ad) = (w.map(|w| w.0), w.map(|w| w.1), a.map(|a| a.0), a.map(|a| a.1));
+        // SAFETY: `Kernels` is only made for supported paths; every non-scalar path has AVX2.
+        unsafe {
+            match k.path() {
+                KernelPath::Avx512Vnni => q8_gemm::tile_vnni512(wq, wd, aq, ad),
+                _ => q8_gemm::tile_avx2(wq, wd, aq, ad),
+            }
+        }
     }
 }
 
@@ -355,21 +373,32 @@ impl Tiled for Q4Matrix {
     }
 
     #[inline]
-    unsafe fn tile<const R: usize, const T: usize>(&self, xq: &QuantizedRows, r: usize, tok: usize) -> [[f32; T]; R] {
+    unsafe fn tile<const R: usize, const T: usize>(
+        &self,
+        k: Kernels,
+        xq: &QuantizedRows,
+        r: usize,
+        tok: usize,
+    ) -> [[f32; T]; R] {
         let w: [_; R] = std::array::from_fn(|j| self.row(r + j));
         let a: [_; T] = std::array::from_fn(|i| xq.row_with_sums(tok + i));
-        // SAFETY: forwarded from the caller.
-        unsafe { q4::tile_vnni512(w, a) }
+        match k.path() {
+            // SAFETY: `Kernels` is only made for supported paths.
+            KernelPath::Avx512Vnni => unsafe { q4::tile_vnni512(w, a) },
+            // SAFETY: as above; every non-scalar path has AVX2.
+            _ => unsafe { q4::tile_avx2(w, a) },
+        }
     }
 }
 
 /// One `R × T` tile of `m`, written into the `t × rows` output.
 ///
 /// # Safety
-/// The CPU must support AVX-512 VNNI, and no other thread may touch these outputs.
+/// `k` must not be the scalar path, and no other thread may touch these outputs.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 unsafe fn tile_into<M: Tiled, const R: usize, const T: usize>(
+    k: Kernels,
     m: &M,
     xq: &QuantizedRows,
     r: usize,
@@ -377,7 +406,7 @@ unsafe fn tile_into<M: Tiled, const R: usize, const T: usize>(
     out: &SharedMut<f32>,
 ) {
     // SAFETY: forwarded from the caller.
-    let y = unsafe { m.tile::<R, T>(xq, r, tok) };
+    let y = unsafe { m.tile::<R, T>(k, xq, r, tok) };
     for i in 0..T {
         // SAFETY: forwarded from the caller.
         let o = unsafe { out.slice((tok + i) * m.rows() + r, R) };
@@ -389,26 +418,40 @@ unsafe fn tile_into<M: Tiled, const R: usize, const T: usize>(
 /// (`t × rows`), tile by tile.
 ///
 /// # Safety
-/// The CPU must support AVX-512 VNNI, and no other thread may touch rows `r0..r0+n` of `out`.
+/// `k` must not be the scalar path, and no other thread may touch rows `r0..r0+n` of `out`.
 #[cfg(target_arch = "x86_64")]
-unsafe fn chunk_vnni<M: Tiled>(m: &M, xq: &QuantizedRows, r0: usize, n: usize, t: usize, out: &SharedMut<f32>) {
+unsafe fn chunk_tiles<M: Tiled>(
+    k: Kernels,
+    m: &M,
+    xq: &QuantizedRows,
+    r0: usize,
+    n: usize,
+    t: usize,
+    out: &SharedMut<f32>,
+) {
+    // AVX2 has 16 vector registers: a 4 × 2 tile's accumulators and operands fit, 4 × 4 spill.
+    let tokens = if k.path() == KernelPath::Avx512Vnni {
+        TILE_TOKENS
+    } else {
+        2
+    };
     let mut tok = 0;
     while tok < t {
-        let tn = TILE_TOKENS.min(t - tok);
+        let tn = tokens.min(t - tok);
         let mut r = r0;
         while r < r0 + n {
             let rn = if r0 + n - r >= TILE_ROWS { TILE_ROWS } else { 1 };
             // SAFETY: forwarded from the caller.
             unsafe {
                 match (rn, tn) {
-                    (TILE_ROWS, TILE_TOKENS) => tile_into::<_, TILE_ROWS, TILE_TOKENS>(m, xq, r, tok, out),
-                    (TILE_ROWS, 3) => tile_into::<_, TILE_ROWS, 3>(m, xq, r, tok, out),
-                    (TILE_ROWS, 2) => tile_into::<_, TILE_ROWS, 2>(m, xq, r, tok, out),
-                    (TILE_ROWS, _) => tile_into::<_, TILE_ROWS, 1>(m, xq, r, tok, out),
-                    (_, TILE_TOKENS) => tile_into::<_, 1, TILE_TOKENS>(m, xq, r, tok, out),
-                    (_, 3) => tile_into::<_, 1, 3>(m, xq, r, tok, out),
-                    (_, 2) => tile_into::<_, 1, 2>(m, xq, r, tok, out),
-                    _ => tile_into::<_, 1, 1>(m, xq, r, tok, out),
+                    (TILE_ROWS, TILE_TOKENS) => tile_into::<_, TILE_ROWS, TILE_TOKENS>(k, m, xq, r, tok, out),
+                    (TILE_ROWS, 3) => tile_into::<_, TILE_ROWS, 3>(k, m, xq, r, tok, out),
+                    (TILE_ROWS, 2) => tile_into::<_, TILE_ROWS, 2>(k, m, xq, r, tok, out),
+                    (TILE_ROWS, _) => tile_into::<_, TILE_ROWS, 1>(k, m, xq, r, tok, out),
+                    (_, TILE_TOKENS) => tile_into::<_, 1, TILE_TOKENS>(k, m, xq, r, tok, out),
+                    (_, 3) => tile_into::<_, 1, 3>(k, m, xq, r, tok, out),
+                    (_, 2) => tile_into::<_, 1, 2>(k, m, xq, r, tok, out),
+                    _ => tile_into::<_, 1, 1>(k, m, xq, r, tok, out),
                 }
             }
             r += rn;

@@ -168,39 +168,66 @@ pub fn dot(k: Kernels, w: Q4Row<'_>, a: ActRow<'_>) -> f32 {
     }
 }
 
-/// AVX2 twin of [`dot_scalar`]: a block's 16 code bytes widen to 32 unsigned bytes, and
-/// `vpmaddubsw` (codes ≤ 15, so pairs stay far from i16 saturation) then `vpmaddwd` give the
-/// exact integer `Σ q·a` in 8 lanes; scales are applied per block in f32.
+/// AVX2 twin of [`dot_scalar`]: the `1 × 1` [`tile_avx2`].
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn dot_avx2(w: Q4Row<'_>, a: ActRow<'_>) -> f32 {
-    let ((codes, d, m), (aq, ad, asum)) = (w, a);
-    let nb = d.len().min(m.len()).min(ad.len()).min(asum.len());
-    assert!(codes.len() >= nb * QK / 2 && aq.len() >= nb * QK, "q4 dot: row shape");
+    // SAFETY: same features.
+    unsafe { tile_avx2::<1, 1>([w], [a])[0][0] }
+}
+
+/// AVX2 tile, `R` weight rows × `T` activation rows: a block's 16 code bytes widen to 32 unsigned
+/// bytes (once per row, for all `T` tokens), and `vpmaddubsw` (codes ≤ 15, so pairs stay far
+/// from i16 saturation) then `vpmaddwd` give the exact integer `Σ q·a` in 8 lanes; scales are
+/// applied per block in f32 and the `m·(s·Σa)` terms summed on the side. Each product's
+/// sequence is the same whatever `R` and `T` are.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn tile_avx2<const R: usize, const T: usize>(w: [Q4Row<'_>; R], a: [ActRow<'_>; T]) -> [[f32; T]; R] {
+    let nb = a[0].1.len();
+    for (c, d, m) in w {
+        assert!(
+            c.len() == nb * QK / 2 && d.len() == nb && m.len() == nb,
+            "q4 tile: weight row shape"
+        );
+    }
+    for (q, d, s) in a {
+        assert!(
+            q.len() == nb * QK && d.len() == nb && s.len() == nb,
+            "q4 tile: activation row shape"
+        );
+    }
     let low4 = _mm_set1_epi8(0x0f);
     let ones = _mm256_set1_epi16(1);
-    let mut acc = _mm256_setzero_ps();
-    let mut offsets = 0f32;
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let mut offsets = [[0f32; T]; R];
     for b in 0..nb {
-        // SAFETY: block b is inside both rows (checked above).
+        // SAFETY: block b is inside every row (checked above).
         unsafe {
-            let y = _mm_loadu_si128(codes.as_ptr().add(b * QK / 2).cast());
-            let lo = _mm_and_si128(y, low4);
-            let hi = _mm_and_si128(_mm_srli_epi16::<4>(y), low4);
-            let q = _mm256_set_m128i(hi, lo);
-            let x = _mm256_loadu_si256(aq.as_ptr().add(b * QK).cast());
-            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones);
-            let s = _mm256_set1_ps(d[b] * ad[b]);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc);
+            let x: [__m256i; T] = std::array::from_fn(|t| _mm256_loadu_si256(a[t].0.as_ptr().add(b * QK).cast()));
+            for r in 0..R {
+                let (codes, d, m) = w[r];
+                let y = _mm_loadu_si128(codes.as_ptr().add(b * QK / 2).cast());
+                let lo = _mm_and_si128(y, low4);
+                let hi = _mm_and_si128(_mm_srli_epi16::<4>(y), low4);
+                let q = _mm256_set_m128i(hi, lo);
+                let sw = _mm256_set1_ps(*d.get_unchecked(b));
+                for t in 0..T {
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x[t]), ones);
+                    let s = _mm256_mul_ps(sw, _mm256_set1_ps(*a[t].1.get_unchecked(b)));
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[r][t]);
+                    offsets[r][t] += *m.get_unchecked(b) * *a[t].2.get_unchecked(b);
+                }
+            }
         }
-        offsets += m[b] * asum[b];
     }
-    let s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
-    let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<0b01>(s2, s2))) + offsets
+    std::array::from_fn(|r| std::array::from_fn(|t| super::f32::reduce8(acc[r][t]) + offsets[r][t]))
 }
 
 /// Scalar reference tile: `R × T` independent [`dot_scalar`] products.
@@ -387,6 +414,37 @@ mod tests {
             eprintln!("no AVX-512 VNNI here: nothing to compare");
             return;
         }
+        // SAFETY: checked above.
+        check_tile(
+            |w, a| unsafe { tile_vnni512(w, a) },
+            |w, a| unsafe { tile_vnni512::<1, 1>(w, a) },
+        );
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_tile_matches_the_scalar_twin_and_is_independent_of_the_tile_shape() {
+        if !crate::kernels::cpu::dispatch::KernelPath::Avx2.is_supported() {
+            eprintln!("no AVX2 here: nothing to compare");
+            return;
+        }
+        // SAFETY: checked above.
+        check_tile(
+            |w, a| unsafe { tile_avx2(w, a) },
+            |w, a| {
+                // SAFETY: as above; the row kernel is the 1 × 1 tile.
+                let (row, tile) = unsafe { (dot_avx2(w[0], a[0]), tile_avx2::<1, 1>(w, a)) };
+                assert_eq!(row.to_bits(), tile[0][0].to_bits());
+                tile
+            },
+        );
+    }
+
+    /// A 4 × 4 tile against the scalar twin, and each of its products bit-identical alone.
+    fn check_tile(
+        four: fn([Q4Row<'_>; 4], [ActRow<'_>; 4]) -> [[f32; 4]; 4],
+        one: fn([Q4Row<'_>; 1], [ActRow<'_>; 1]) -> [[f32; 1]; 1],
+    ) {
         for dtype in [DType::Q4_0, DType::Q4_1] {
             // 1, 3 (odd: a lone last block) and 18 blocks; tiny, huge and mixed magnitudes.
             for cols in [32, 96, 576] {
@@ -400,8 +458,7 @@ mod tests {
                     let wr: [_; 4] = std::array::from_fn(|r| w.row(r));
                     let ar: [_; 4] = std::array::from_fn(|t| xq.row_with_sums(t));
                     let want = tile_scalar(wr, ar);
-                    // SAFETY: checked above.
-                    let got = unsafe { tile_vnni512(wr, ar) };
+                    let got = four(wr, ar);
                     for r in 0..4 {
                         for t in 0..4 {
                             let mag: f32 = {
@@ -419,8 +476,7 @@ mod tests {
                                 (g - e).abs() <= 1e-5 * mag,
                                 "{dtype} cols={cols} r={r} t={t}: {g} vs {e}"
                             );
-                            // SAFETY: checked above.
-                            let one = unsafe { tile_vnni512::<1, 1>([wr[r]], [ar[t]]) };
+                            let one = one([wr[r]], [ar[t]]);
                             assert_eq!(one[0][0].to_bits(), g.to_bits(), "{dtype} cols={cols} r={r} t={t}");
                         }
                     }

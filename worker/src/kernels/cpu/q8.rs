@@ -246,31 +246,16 @@ fn hsum8(v: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<0b01>(s2, s2)))
 }
 
-/// AVX2 twin: `vpmaddubsw` (pairs to i16, at most 2·127·127, no saturation) then `vpmaddwd`.
+/// AVX2 twin: `vpmaddubsw` (pairs to i16, at most 2·127·127, no saturation) then `vpmaddwd`;
+/// it is the `1 × 1` [`super::q8_gemm::tile_avx2`], so rows computed in tiles give its bits.
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn dot_avx2(wq: &[i8], wd: &[f32], aq: &[i8], ad: &[f32]) -> f32 {
-    let nb = wd.len().min(ad.len()).min(wq.len() / QK).min(aq.len() / QK);
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = [_mm256_setzero_ps(); 2];
-    for b in 0..nb {
-        // SAFETY: b < nb, so the 32 bytes at b·32 are inside both slices.
-        let (w, a) = unsafe {
-            (
-                _mm256_loadu_si256(wq.as_ptr().add(b * QK).cast()),
-                _mm256_loadu_si256(aq.as_ptr().add(b * QK).cast()),
-            )
-        };
-        let p16 = _mm256_maddubs_epi16(_mm256_abs_epi8(a), _mm256_sign_epi8(w, a));
-        let p32 = _mm256_madd_epi16(p16, ones);
-        let d = _mm256_set1_ps(wd[b] * ad[b]);
-        // Two accumulators: consecutive blocks do not wait on each other's FMA.
-        acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), d, acc[b & 1]);
-    }
-    hsum8(_mm256_add_ps(acc[0], acc[1]))
+    // SAFETY: same features.
+    unsafe { super::q8_gemm::tile_avx2::<1, 1>([wq], [wd], [aq], [ad])[0][0] }
 }
 
 /// AVX-512 VNNI twin for one row: [`dot_vnni_rows`] with `R = 1`.

@@ -103,6 +103,65 @@ pub unsafe fn tile_vnni512<const R: usize, const T: usize>(
     reduce_tile(&acc)
 }
 
+/// AVX2 tile: per product, per block, `vpsignb` + `vpmaddubsw` + `vpmaddwd` (the exact integer
+/// block sum, as [`super::q8::dot_avx2`] computes it), then the two scales' product and one FMA
+/// into that product's accumulator. Each weight block is loaded once for the `T` tokens and each
+/// activation block (and its `|a|`) once for the `R` rows, which is what makes it faster than
+/// the row kernel; the per-product sequence does not depend on `R` or `T`, and
+/// [`super::q8::dot_avx2`] is this tile at `1 × 1`.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn tile_avx2<const R: usize, const T: usize>(
+    wq: [&[i8]; R],
+    wd: [&[f32]; R],
+    aq: [&[i8]; T],
+    ad: [&[f32]; T],
+) -> [[f32; T]; R] {
+    let nb = ad[0].len();
+    for r in 0..R {
+        assert!(
+            wq[r].len() == nb * QK && wd[r].len() == nb,
+            "tile_avx2: weight row shape"
+        );
+    }
+    for t in 0..T {
+        assert!(
+            aq[t].len() == nb * QK && ad[t].len() == nb,
+            "tile_avx2: activation row shape"
+        );
+    }
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    // As in the VNNI tile: R rows read side by side defeat the hardware streamers in decode.
+    let ahead = wq[0].as_ptr().wrapping_add(2 * R * nb * QK);
+    for b in 0..nb {
+        let pf = ahead.wrapping_add(b * R * QK);
+        for r in 0..R.div_ceil(2) {
+            _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * r).cast());
+        }
+        // SAFETY: block b is inside every slice (checked above).
+        unsafe {
+            let a: [__m256i; T] = std::array::from_fn(|t| _mm256_loadu_si256(aq[t].as_ptr().add(b * QK).cast()));
+            let ua = a.map(|a| _mm256_abs_epi8(a));
+            for r in 0..R {
+                let w = _mm256_loadu_si256(wq[r].as_ptr().add(b * QK).cast());
+                let sw = _mm256_set1_ps(*wd[r].get_unchecked(b));
+                for t in 0..T {
+                    // w with a's sign: |a|·(±w) = a·w, pairs at most 2·127·127 (no saturation).
+                    let p16 = _mm256_maddubs_epi16(ua[t], _mm256_sign_epi8(w, a[t]));
+                    let p32 = _mm256_madd_epi16(p16, ones);
+                    let d = _mm256_mul_ps(sw, _mm256_set1_ps(*ad[t].get_unchecked(b)));
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), d, acc[r][t]);
+                }
+            }
+        }
+    }
+    std::array::from_fn(|r| std::array::from_fn(|t| super::f32::reduce8(acc[r][t])))
+}
+
 /// Each accumulator of a tile summed across its 16 lanes, in one fixed order for every tile
 /// kernel and shape.
 #[cfg(target_arch = "x86_64")]
@@ -132,6 +191,41 @@ mod tests {
             eprintln!("no AVX-512 VNNI here: nothing to compare");
             return;
         }
+        // SAFETY: checked above.
+        check_tile(
+            |wq, wd, aq, ad| unsafe { tile_vnni512(wq, wd, aq, ad) },
+            |wq, wd, aq, ad| unsafe { tile_vnni512::<1, 1>(wq, wd, aq, ad) },
+            |wq, wd, aq, ad| unsafe { tile_vnni512::<2, 3>(wq, wd, aq, ad) },
+        );
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_tile_matches_the_scalar_twin_and_the_row_kernel_and_is_independent_of_the_tile_shape() {
+        if !crate::kernels::cpu::dispatch::KernelPath::Avx2.is_supported() {
+            eprintln!("no AVX2 here: nothing to compare");
+            return;
+        }
+        // SAFETY: checked above.
+        check_tile(
+            |wq, wd, aq, ad| unsafe { tile_avx2(wq, wd, aq, ad) },
+            |wq, wd, aq, ad| {
+                // SAFETY: as above; the row kernel is the 1 × 1 tile.
+                let row = unsafe { crate::kernels::cpu::q8::dot_avx2(wq[0], wd[0], aq[0], ad[0]) };
+                // SAFETY: as above.
+                let tile = unsafe { tile_avx2::<1, 1>(wq, wd, aq, ad) };
+                assert_eq!(row.to_bits(), tile[0][0].to_bits());
+                tile
+            },
+            |wq, wd, aq, ad| unsafe { tile_avx2::<2, 3>(wq, wd, aq, ad) },
+        );
+    }
+
+    type Tile<const R: usize, const T: usize> = fn([&[i8]; R], [&[f32]; R], [&[i8]; T], [&[f32]; T]) -> [[f32; T]; R];
+
+    /// A tile kernel against the scalar twin (within the f32 accumulation-order tolerance), and
+    /// each of its products bit-identical in other tile shapes.
+    fn check_tile(four: Tile<4, 4>, one: Tile<1, 1>, two_by_three: Tile<2, 3>) {
         // 1, 3 (odd: a lone last block) and 18 blocks; tiny, huge and mixed magnitudes.
         for cols in [32, 96, 576] {
             for (seed, scale) in [(1u64, 1.0f32), (2, 1e3), (3, 1e-5)] {
@@ -147,8 +241,7 @@ mod tests {
                 let (wq, wd) = (wr.map(|r| r.0), wr.map(|r| r.1));
                 let (aq, ad) = (ar.map(|a| a.0), ar.map(|a| a.1));
                 let want = tile_scalar(wq, wd, aq, ad);
-                // SAFETY: checked above.
-                let got = unsafe { tile_vnni512(wq, wd, aq, ad) };
+                let got = four(wq, wd, aq, ad);
                 for r in 0..4 {
                     for t in 0..4 {
                         // Integer block sums are exact; only the f32 accumulation order differs.
@@ -163,20 +256,16 @@ mod tests {
                         let (g, w) = (got[r][t], want[r][t]);
                         assert!((g - w).abs() <= 1e-6 * mag, "cols={cols} r={r} t={t}: {g} vs {w}");
                         // The same product in any other tile shape is bit-identical.
-                        // SAFETY: checked above.
-                        let one = unsafe { tile_vnni512::<1, 1>([wq[r]], [wd[r]], [aq[t]], [ad[t]]) };
+                        let one = one([wq[r]], [wd[r]], [aq[t]], [ad[t]]);
                         assert_eq!(one[0][0].to_bits(), g.to_bits(), "cols={cols} r={r} t={t}");
                     }
                 }
-                // SAFETY: checked above.
-                let two_by_three = unsafe {
-                    tile_vnni512::<2, 3>(
-                        [wq[1], wq[2]],
-                        [wd[1], wd[2]],
-                        [aq[0], aq[1], aq[3]],
-                        [ad[0], ad[1], ad[3]],
-                    )
-                };
+                let two_by_three = two_by_three(
+                    [wq[1], wq[2]],
+                    [wd[1], wd[2]],
+                    [aq[0], aq[1], aq[3]],
+                    [ad[0], ad[1], ad[3]],
+                );
                 assert_eq!(two_by_three[1][2].to_bits(), got[2][3].to_bits());
             }
         }
