@@ -39,6 +39,34 @@ fn argmax(v: &[f32]) -> usize {
         .unwrap()
 }
 
+/// Logit rows `(want, got)`: each row's max |error| must stay under `rel_tol` of the reference
+/// row's spread (max − min). Returns the worst error as a share of the spread, and at how many
+/// of the positions where the reference's top-1 leads its top-2 by more than twice the error
+/// (`checked`) the top-1 token was kept (`kept`).
+fn compare_rows<'a>(
+    label: &str,
+    rows: impl Iterator<Item = (&'a [f32], &'a [f32])>,
+    rel_tol: f32,
+) -> (f32, usize, usize) {
+    let (mut worst, mut kept, mut checked) = (0f32, 0, 0);
+    for (w, g) in rows {
+        let spread = w.iter().fold(f32::MIN, |m, &v| m.max(v)) - w.iter().fold(f32::MAX, |m, &v| m.min(v));
+        let err = max_abs_diff(g, w);
+        worst = worst.max(err / spread);
+        assert!(
+            err < rel_tol * spread,
+            "{label}: max |logit error| {err} vs spread {spread}"
+        );
+        let mut sorted = w.to_vec();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        if sorted[0] - sorted[1] > 2.0 * err {
+            checked += 1;
+            kept += usize::from(argmax(g) == argmax(w));
+        }
+    }
+    (worst, kept, checked)
+}
+
 #[test]
 fn f32_fast_path_equals_the_reference_for_any_thread_count() {
     let model = LoadedModel::open(&default_model()).unwrap();
@@ -173,26 +201,11 @@ fn compressed_formats_stay_close_to_fp32_and_keep_clear_greedy_tokens() {
                 got,
                 "{format}: 1 vs 3 threads"
             );
-            let (mut worst, mut kept, mut checked) = (0f32, 0, 0);
-            for (w, g) in want
+            let rows = want
                 .chunks_exact(vocab)
                 .zip(got.chunks_exact(vocab))
-                .skip(prompt.len() - 1)
-            {
-                let spread = w.iter().fold(f32::MIN, |m, &v| m.max(v)) - w.iter().fold(f32::MAX, |m, &v| m.min(v));
-                let err = max_abs_diff(g, w);
-                worst = worst.max(err / spread);
-                assert!(
-                    err < rel_tol * spread,
-                    "{format}: max |logit error| {err} vs spread {spread}"
-                );
-                let mut sorted = w.to_vec();
-                sorted.sort_by(|a, b| b.total_cmp(a));
-                if sorted[0] - sorted[1] > 2.0 * err {
-                    checked += 1;
-                    kept += usize::from(argmax(g) == argmax(w));
-                }
-            }
+                .skip(prompt.len() - 1);
+            let (worst, kept, checked) = compare_rows(&format.to_string(), rows, rel_tol);
             eprintln!(
                 "{format} vs fp32, prompt of {}: worst error {:.2}% of the spread; greedy token kept at {kept}/{checked} clear positions",
                 prompt.len(),
@@ -256,22 +269,11 @@ fn an_f16_kv_cache_stays_close_to_f32_and_keeps_clear_greedy_tokens() {
             got.push(logits);
             pos += n;
         }
-        let (mut worst, mut kept, mut checked) = (0f32, 0, 0);
-        for (w, g) in want.chunks_exact(vocab).skip(prompt.len() - 1).zip(&got) {
-            let spread = w.iter().fold(f32::MIN, |m, &v| m.max(v)) - w.iter().fold(f32::MAX, |m, &v| m.min(v));
-            let err = max_abs_diff(g, w);
-            worst = worst.max(err / spread);
-            assert!(
-                err < F16_KV_REL_TOL * spread,
-                "f16 KV: max |logit error| {err} vs spread {spread}"
-            );
-            let mut sorted = w.to_vec();
-            sorted.sort_by(|a, b| b.total_cmp(a));
-            if sorted[0] - sorted[1] > 2.0 * err {
-                checked += 1;
-                kept += usize::from(argmax(g) == argmax(w));
-            }
-        }
+        let rows = want
+            .chunks_exact(vocab)
+            .skip(prompt.len() - 1)
+            .zip(got.iter().map(Vec::as_slice));
+        let (worst, kept, checked) = compare_rows("f16 KV", rows, F16_KV_REL_TOL);
         eprintln!(
             "f16 KV vs f32, prompt of {}: worst error {:.3}% of the spread; greedy token kept at {kept}/{checked} clear positions",
             prompt.len(),

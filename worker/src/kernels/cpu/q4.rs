@@ -190,19 +190,7 @@ pub unsafe fn dot_avx2(w: Q4Row<'_>, a: ActRow<'_>) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn tile_avx2<const R: usize, const T: usize>(w: [Q4Row<'_>; R], a: [ActRow<'_>; T]) -> [[f32; T]; R] {
-    let nb = a[0].1.len();
-    for (c, d, m) in w {
-        assert!(
-            c.len() == nb * QK / 2 && d.len() == nb && m.len() == nb,
-            "q4 tile: weight row shape"
-        );
-    }
-    for (q, d, s) in a {
-        assert!(
-            q.len() == nb * QK && d.len() == nb && s.len() == nb,
-            "q4 tile: activation row shape"
-        );
-    }
+    let nb = blocks(&w, &a);
     let low4 = _mm_set1_epi8(0x0f);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
@@ -230,6 +218,20 @@ pub unsafe fn tile_avx2<const R: usize, const T: usize>(w: [Q4Row<'_>; R], a: [A
     std::array::from_fn(|r| std::array::from_fn(|t| super::f32::reduce8(acc[r][t]) + offsets[r][t]))
 }
 
+/// Blocks per row of a tile's operands; panics unless every row has that many (the tiles then
+/// read them unchecked).
+fn blocks<const R: usize, const T: usize>(w: &[Q4Row<'_>; R], a: &[ActRow<'_>; T]) -> usize {
+    let nb = a[0].1.len();
+    let weights_ok = w
+        .iter()
+        .all(|(c, d, m)| c.len() == nb * QK / 2 && d.len() == nb && m.len() == nb);
+    let acts_ok = a
+        .iter()
+        .all(|(q, d, s)| q.len() == nb * QK && d.len() == nb && s.len() == nb);
+    assert!(weights_ok && acts_ok, "Q4 tile: rows of different lengths");
+    nb
+}
+
 /// Scalar reference tile: `R × T` independent [`dot_scalar`] products.
 pub fn tile_scalar<const R: usize, const T: usize>(w: [Q4Row<'_>; R], a: [ActRow<'_>; T]) -> [[f32; T]; R] {
     std::array::from_fn(|r| std::array::from_fn(|t| dot_scalar(w[r], a[t])))
@@ -248,19 +250,7 @@ pub fn tile_scalar<const R: usize, const T: usize>(w: [Q4Row<'_>; R], a: [ActRow
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 pub unsafe fn tile_vnni512<const R: usize, const T: usize>(w: [Q4Row<'_>; R], a: [ActRow<'_>; T]) -> [[f32; T]; R] {
-    let nb = a[0].1.len();
-    for (c, d, m) in w {
-        assert!(
-            c.len() == nb * QK / 2 && d.len() == nb && m.len() == nb,
-            "q4 tile: weight row shape"
-        );
-    }
-    for (q, d, s) in a {
-        assert!(
-            q.len() == nb * QK && d.len() == nb && s.len() == nb,
-            "q4 tile: activation row shape"
-        );
-    }
+    let nb = blocks(&w, &a);
     let low4 = _mm256_set1_epi8(0x0f);
     // Scale lanes: 128-bit lanes 0 and 2 hold block b, lanes 1 and 3 block b + 1.
     let spread = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);

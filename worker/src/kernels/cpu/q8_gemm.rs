@@ -31,6 +31,21 @@ pub fn tile_scalar<const R: usize, const T: usize>(
     std::array::from_fn(|r| std::array::from_fn(|t| super::q8::dot_scalar(wq[r], wd[r], aq[t], ad[t])))
 }
 
+/// Blocks per row of a tile's operands; panics unless every row has that many (the tiles then
+/// read them unchecked).
+fn blocks<const R: usize, const T: usize>(
+    wq: &[&[i8]; R],
+    wd: &[&[f32]; R],
+    aq: &[&[i8]; T],
+    ad: &[&[f32]; T],
+) -> usize {
+    let nb = ad[0].len();
+    let weights_ok = (0..R).all(|r| wq[r].len() == nb * QK && wd[r].len() == nb);
+    let acts_ok = (0..T).all(|t| aq[t].len() == nb * QK && ad[t].len() == nb);
+    assert!(weights_ok && acts_ok, "Q8_0 tile: rows of different lengths");
+    nb
+}
+
 /// AVX-512 VNNI tile (see the module docs). Every slice holds the same number of blocks.
 ///
 /// # Safety
@@ -43,19 +58,7 @@ pub unsafe fn tile_vnni512<const R: usize, const T: usize>(
     aq: [&[i8]; T],
     ad: [&[f32]; T],
 ) -> [[f32; T]; R] {
-    let nb = ad[0].len();
-    for r in 0..R {
-        assert!(
-            wq[r].len() == nb * QK && wd[r].len() == nb,
-            "tile_vnni512: weight row shape"
-        );
-    }
-    for t in 0..T {
-        assert!(
-            aq[t].len() == nb * QK && ad[t].len() == nb,
-            "tile_vnni512: activation row shape"
-        );
-    }
+    let nb = blocks(&wq, &wd, &aq, &ad);
     let flip = _mm512_set1_epi8(-128);
     let zero = _mm512_setzero_si512();
     // Lanes 0..8 take the first block's scale, lanes 8..16 the second's.
@@ -120,19 +123,7 @@ pub unsafe fn tile_avx2<const R: usize, const T: usize>(
     aq: [&[i8]; T],
     ad: [&[f32]; T],
 ) -> [[f32; T]; R] {
-    let nb = ad[0].len();
-    for r in 0..R {
-        assert!(
-            wq[r].len() == nb * QK && wd[r].len() == nb,
-            "tile_avx2: weight row shape"
-        );
-    }
-    for t in 0..T {
-        assert!(
-            aq[t].len() == nb * QK && ad[t].len() == nb,
-            "tile_avx2: activation row shape"
-        );
-    }
+    let nb = blocks(&wq, &wd, &aq, &ad);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     // As in the VNNI tile: R rows read side by side defeat the hardware streamers in decode.
