@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Two `baton` binaries serving the same load, interleaved (A B A B ...), to measure a change
+# end to end: e.g. the binary of the previous commit against the current one. Each round starts
+# the server fresh, sends one warm-up request, then drives it with `baton-bench load`
+# (streaming /v1/completions, ignore_eos) and records aggregate output tok/s and ITL p50.
+#
+#   bench/serving-ab.sh OLD_BATON NEW_BATON
+#
+#   ROUNDS=2 CONCURRENCY=16 REQUESTS=32 MAX_TOKENS=128 PROMPT_TOKENS=128   load (defaults shown)
+#   TEMPERATURE=1.0   sampling temperature sent with every request (0: greedy)
+#   WORKERS=1 WEIGHTS=q8_0 MAX_RUNNING=16 PORT=8291   how each server runs
+#   OUT=DIR           keep raw outputs and server logs there (default: a new directory under /tmp)
+set -euo pipefail
+
+[[ $# == 2 ]] || { echo "usage: $0 OLD_BATON NEW_BATON" >&2; exit 2; }
+BINS=("$1" "$2")
+ROUNDS=${ROUNDS:-2}
+CONCURRENCY=${CONCURRENCY:-16}
+REQUESTS=${REQUESTS:-32}
+MAX_TOKENS=${MAX_TOKENS:-128}
+PROMPT_TOKENS=${PROMPT_TOKENS:-128}
+TEMPERATURE=${TEMPERATURE:-1.0}
+WORKERS=${WORKERS:-1}
+WEIGHTS=${WEIGHTS:-q8_0}
+MAX_RUNNING=${MAX_RUNNING:-16}
+PORT=${PORT:-8291}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+BATON_BENCH="$REPO/target/release/baton-bench"
+OUT=${OUT:-$(mktemp -d /tmp/serving-ab.XXXXXX)}
+mkdir -p "$OUT"
+for b in "${BINS[@]}" "$BATON_BENCH"; do
+    [[ -x "$b" ]] || { echo "serving-ab: $b is not an executable (cargo build --release --workspace)" >&2; exit 1; }
+done
+
+PID=
+stop() { [[ -n "$PID" ]] && kill "$PID" 2>/dev/null && wait "$PID" 2>/dev/null; PID=; }
+trap stop EXIT
+
+echo "serving-ab: $ROUNDS rounds, concurrency $CONCURRENCY, temperature $TEMPERATURE; raw outputs in $OUT" >&2
+for ((r = 1; r <= ROUNDS; r++)); do
+    for i in 0 1; do
+        label=$([[ $i == 0 ]] && echo A || echo B)
+        "${BINS[$i]}" serve --weights "$WEIGHTS" --workers "$WORKERS" --host 127.0.0.1 --port "$PORT" \
+            --max-running "$MAX_RUNNING" >"$OUT/$label.$r.server.log" 2>&1 &
+        PID=$!
+        for _ in $(seq 600); do
+            curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null && break
+            kill -0 "$PID" 2>/dev/null || { echo "serving-ab: server $label exited; see $OUT/$label.$r.server.log" >&2; exit 1; }
+            sleep 0.2
+        done
+        url="http://127.0.0.1:$PORT"
+        "$BATON_BENCH" load --url "$url" --concurrency 1 --requests 1 --max-tokens 8 \
+            --temperature "$TEMPERATURE" --format json >/dev/null 2>&1
+        "$BATON_BENCH" load --url "$url" --concurrency "$CONCURRENCY" --requests "$REQUESTS" \
+            --max-tokens "$MAX_TOKENS" --prompt-tokens "$PROMPT_TOKENS" --temperature "$TEMPERATURE" \
+            --format json >"$OUT/$label.$r.json" 2>"$OUT/$label.$r.load.log" || true
+        stop
+    done
+done
+
+python3 - "$OUT" "$ROUNDS" <<'EOF'
+import json, statistics, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
+def level(path):
+    with open(path) as f:
+        return json.load(f)["levels"][-1]
+res = {}
+for label in "AB":
+    tps, itl = [], []
+    for r in range(1, rounds + 1):
+        lv = level(f"{out}/{label}.{r}.json")
+        tps.append(lv["output_tok_per_s"])
+        itl.append(lv["itl_s"]["p50"] * 1e3)
+    res[label] = (tps, itl)
+    print(f"{label}: out tok/s {[round(x, 1) for x in tps]} (median {statistics.median(tps):.1f}), "
+          f"ITL p50 ms {[round(x, 1) for x in itl]}")
+print(f"B / A, median out tok/s: {statistics.median(res['B'][0]) / statistics.median(res['A'][0]):.2f}")
+EOF
