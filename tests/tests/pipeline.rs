@@ -392,6 +392,14 @@ async fn workers_export_stage_metrics() {
         assert_prometheus_text(text);
         assert!(text.contains("baton_worker_kv_tokens"), "{text}");
         assert!(text.contains("baton_kernel_info{path=\""), "{text}");
+        assert!(
+            text.contains("baton_stage_backend_info{") && text.contains("device=\"cpu\""),
+            "{text}"
+        );
+        assert!(
+            text.contains("kv_dtype=\"f32\"") && text.contains("baton_worker_kv_bytes "),
+            "{text}"
+        );
     }
     // Stage 0 sends 64-float hidden rows: 3 prompt rows + 5 decode rows of 4 bytes each.
     let first = texts.iter().find(|t| stage_of(t) == "0").unwrap();

@@ -182,6 +182,13 @@ impl Worker for WorkerService {
         if !info.last {
             metrics::counter!("baton_transfer_bytes_total", &label).increment(0);
         }
+        let b = stage.backend().info();
+        let kv = stage.backend().kv();
+        metrics::gauge!("baton_stage_backend_info",
+            "stage" => stage.stage_index.to_string(), "device" => b.device.kind(), "kernels" => b.kernels,
+            "threads" => b.threads.to_string(), "weights" => b.weights.to_string(), "kv_dtype" => kv.dtype.to_string())
+        .set(1.0);
+        metrics::gauge!("baton_worker_kv_bytes").set(kv.bytes as f64);
         *lock(&self.state.stage) = Some(stage);
         *lock(&self.state.next_stage) = next;
         Ok(Response::new(LoadStageResponse { stage: Some(info) }))
