@@ -188,8 +188,8 @@ fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32], sums: &mut [f32]) {
     }
 }
 
-/// [`quantize_blocks`] compiled for AVX2: the same arithmetic, but `round` becomes a few vector
-/// instructions instead of a libm call per value (a prefill quantizes every activation).
+/// [`quantize_blocks`] compiled for AVX2: the same arithmetic in vector instructions (a prefill
+/// quantizes every activation).
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA.
@@ -206,9 +206,19 @@ pub fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
     let d = amax / 127.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     for (o, &v) in q.iter_mut().zip(x) {
-        *o = (v * id).round().clamp(-127.0, 127.0) as i8;
+        *o = round_half_away(v * id).clamp(-127.0, 127.0) as i8;
     }
     d
+}
+
+/// `x.round()` (halves away from zero, as ggml's `roundf`) from operations that vectorize on
+/// every x86 path: LLVM lowers `f32::round` to a libm call per value below AVX-512. Exact:
+/// `x - trunc(x)` is exact for every f32, and is ±0.5 or more exactly when rounding goes away
+/// from zero.
+#[inline(always)]
+pub fn round_half_away(x: f32) -> f32 {
+    let t = x.trunc();
+    if (x - t).abs() >= 0.5 { t + 1f32.copysign(x) } else { t }
 }
 
 /// Σ over blocks of `wd·ad·(wq·aq)`, on the given path.
@@ -402,6 +412,36 @@ mod tests {
             let (wq, wd) = m.row(0);
             assert_eq!(dot(k, wq, wd, &aq, &ad), dot_scalar(wq, wd, &aq, &ad), "{}", k.path());
         }
+    }
+
+    #[test]
+    fn round_half_away_is_f32_round() {
+        let mut cases = vec![
+            0.0f32,
+            -0.0,
+            0.5,
+            -0.5,
+            1.5,
+            -2.5,
+            0.49999997,
+            -0.49999997,
+            126.5,
+            -127.5,
+            8388607.5,
+        ];
+        cases.extend([
+            f32::MAX,
+            f32::MIN,
+            f32::MIN_POSITIVE,
+            1e-40,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+        ]);
+        cases.extend((0..100_000).map(|i| (i as f32 - 50_000.0) * 0.0031));
+        for x in cases {
+            assert_eq!(round_half_away(x).to_bits(), x.round().to_bits(), "{x}");
+        }
+        assert!(round_half_away(f32::NAN).is_nan());
     }
 
     #[test]
