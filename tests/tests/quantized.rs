@@ -39,6 +39,18 @@ fn argmax(v: &[f32]) -> usize {
         .unwrap()
 }
 
+/// The prompt followed by the reference's 16 greedy tokens, and the reference's logits at every
+/// position of it (the teacher-forced sequence every format is compared on).
+fn greedy_teacher(fp32: &mut Engine, prompt: &[u32]) -> (Vec<u32>, Vec<f32>) {
+    let greedy = fp32
+        .generate(prompt, &SamplingParams::greedy(16), None, |_| {})
+        .unwrap();
+    let mut tokens = prompt.to_vec();
+    tokens.extend(&greedy.tokens);
+    let want = fp32.prompt_logits(&tokens, true).unwrap();
+    (tokens, want)
+}
+
 /// Logit rows `(want, got)`: each row's max |error| must stay under `rel_tol` of the reference
 /// row's spread (max − min). Returns the worst error as a share of the spread, and at how many
 /// of the positions where the reference's top-1 leads its top-2 by more than twice the error
@@ -189,12 +201,7 @@ fn compressed_formats_stay_close_to_fp32_and_keep_clear_greedy_tokens() {
         let mut q1 = engine(&model, format, 1);
         let mut q3 = engine(&model, format, 3);
         for prompt in prompts() {
-            let greedy = fp32
-                .generate(&prompt, &SamplingParams::greedy(16), None, |_| {})
-                .unwrap();
-            let mut tokens = prompt.clone();
-            tokens.extend(&greedy.tokens);
-            let want = fp32.prompt_logits(&tokens, true).unwrap();
+            let (tokens, want) = greedy_teacher(&mut fp32, &prompt);
             let got = q1.prompt_logits(&tokens, true).unwrap();
             assert_eq!(
                 q3.prompt_logits(&tokens, true).unwrap(),
@@ -245,12 +252,7 @@ fn an_f16_kv_cache_stays_close_to_f32_and_keeps_clear_greedy_tokens() {
     assert_eq!(stage.kv().bytes, 8 * 16 * cfg.num_layers * 2 * cfg.kv_dim() * 2);
     let table: Vec<u32> = (0..8).rev().collect();
     for prompt in prompts() {
-        let greedy = fp32
-            .generate(&prompt, &SamplingParams::greedy(16), None, |_| {})
-            .unwrap();
-        let mut tokens = prompt.clone();
-        tokens.extend(&greedy.tokens);
-        let want = fp32.prompt_logits(&tokens, true).unwrap();
+        let (tokens, want) = greedy_teacher(&mut fp32, &prompt);
         // The prompt as one chunk, then each further token as a decode step.
         let mut got = Vec::new();
         let mut pos = 0;
