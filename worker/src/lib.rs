@@ -5,13 +5,14 @@
 //! linear layers) and runs "layers [a, b) on these hidden states" with the runtime-dispatched
 //! kernels in [`kernels`] on a [`threads::ThreadPool`];
 //! [`engine`] drives a whole model on one stage; [`roofline`] measures the memory bandwidth
-//! that bounds batch-1 decode.
+//! that bounds batch-1 decode; [`profiler`] times a layer and the head for the split planner.
 
 pub mod backend;
 pub mod engine;
 pub mod kernels;
 pub mod kv_cache;
 pub mod model;
+pub mod profiler;
 pub mod registration;
 pub mod roofline;
 pub mod run;

@@ -5,13 +5,14 @@ use std::sync::{Arc, Mutex};
 
 use baton_shared::auth::AddToken;
 use baton_shared::fetch::Sources;
+use baton_shared::model_config::ModelConfig;
 use baton_shared::model_files::ModelFiles;
 use baton_shared::model_source::resolve_model;
 use baton_shared::proto::worker_client::WorkerClient;
 use baton_shared::proto::worker_server::Worker;
 use baton_shared::proto::{
-    BatchResult, Dtype, FreeRequest, FreeResponse, HealthRequest, HealthResponse, LoadStageRequest, LoadStageResponse,
-    MicroBatch, ProfileRequest, ProfileResponse, TrimRequest, TrimResponse,
+    BatchResult, CostPoint, Dtype, FreeRequest, FreeResponse, HealthRequest, HealthResponse, LoadStageRequest,
+    LoadStageResponse, MicroBatch, ProfileRequest, ProfileResponse, TrimRequest, TrimResponse,
 };
 use futures::StreamExt;
 use tokio::sync::mpsc;
@@ -24,6 +25,7 @@ use tracing::Instrument;
 use crate::backend::{self, BackendOptions, Device};
 use crate::kv_cache::{KvDtype, UnknownKvDtype};
 use crate::model::WeightFormat;
+use crate::profiler::{self, ProfileError, ProfileSpec};
 use crate::stage::{Stage, StageOutput};
 
 /// Client for a worker, with the cluster token attached.
@@ -85,6 +87,40 @@ impl WorkerState {
     }
 }
 
+impl WorkerState {
+    /// Resolve and open `model` (empty: the default) and parse the weight format `weights`
+    /// (empty: f32), as LoadStage and Profile name them.
+    fn open_model(&self, model: &str, weights: &str) -> Result<(ModelFiles, ModelConfig, WeightFormat), Status> {
+        let format = if weights.is_empty() {
+            Ok(WeightFormat::F32)
+        } else {
+            weights.parse::<WeightFormat>()
+        }
+        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let model = (!model.is_empty()).then_some(model);
+        let path = resolve_model(model, &self.home, &self.sources, false)
+            .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        let files = ModelFiles::open(&path).map_err(|e| Status::failed_precondition(e.to_string()))?;
+        let cfg = files.config().map_err(|e| Status::failed_precondition(e.to_string()))?;
+        Ok((files, cfg, format))
+    }
+
+    /// Backend options on this worker's device for weights in `format` (the KV geometry is the
+    /// caller's to fill in).
+    fn backend_options(&self, format: WeightFormat) -> BackendOptions {
+        BackendOptions {
+            device: self.device,
+            format,
+            threads: self.threads,
+            kernels: None,
+            check_finite: self.check_weights,
+            kv_blocks: 0,
+            kv_block_size: 0,
+            kv_dtype: KvDtype::F32,
+        }
+    }
+}
+
 /// The gRPC service.
 #[derive(Clone)]
 pub struct WorkerService {
@@ -115,17 +151,7 @@ impl Worker for WorkerService {
         baton_shared::trace_context::set_parent_from_metadata(&span, &metadata);
         let stage = tokio::task::spawn_blocking(move || {
             let _g = span.entered();
-            let format = if r.weights.is_empty() {
-                Ok(WeightFormat::F32)
-            } else {
-                r.weights.parse::<WeightFormat>()
-            }
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
-            let model = (!r.model.is_empty()).then_some(r.model.as_str());
-            let path = resolve_model(model, &state.home, &state.sources, false)
-                .map_err(|e| Status::failed_precondition(e.to_string()))?;
-            let files = ModelFiles::open(&path).map_err(|e| Status::failed_precondition(e.to_string()))?;
-            let cfg = files.config().map_err(|e| Status::failed_precondition(e.to_string()))?;
+            let (files, cfg, format) = state.open_model(&r.model, &r.weights)?;
             let (start, end) = (r.layer_start as usize, r.layer_end as usize);
             if start >= end || end > cfg.num_layers {
                 return Err(Status::invalid_argument(format!(
@@ -134,11 +160,6 @@ impl Worker for WorkerService {
                 )));
             }
             let opts = BackendOptions {
-                device: state.device,
-                format,
-                threads: state.threads,
-                kernels: None,
-                check_finite: state.check_weights,
                 kv_blocks: r.kv_blocks as usize,
                 kv_block_size: r.kv_block_size as usize,
                 kv_dtype: if r.kv_dtype.is_empty() {
@@ -148,6 +169,7 @@ impl Worker for WorkerService {
                         .parse()
                         .map_err(|e: UnknownKvDtype| Status::invalid_argument(e.to_string()))?
                 },
+                ..state.backend_options(format)
             };
             let pool_bytes = opts.kv_bytes(&cfg, end - start);
             if pool_bytes > state.kv_cache_bytes as u128 {
@@ -311,8 +333,52 @@ impl Worker for WorkerService {
         Ok(Response::new(health))
     }
 
-    async fn profile(&self, _req: Request<ProfileRequest>) -> Result<Response<ProfileResponse>, Status> {
-        Err(Status::unimplemented("stage profiling is not implemented yet"))
+    async fn profile(&self, req: Request<ProfileRequest>) -> Result<Response<ProfileResponse>, Status> {
+        let metadata = req.metadata().clone();
+        let r = req.into_inner();
+        let state = self.state.clone();
+        let span = tracing::info_span!("stage.profile", model = %r.model, weights = %r.weights,
+            token_counts = ?r.token_counts, context = r.context);
+        baton_shared::trace_context::set_parent_from_metadata(&span, &metadata);
+        let started = std::time::Instant::now();
+        let profile = tokio::task::spawn_blocking(move || {
+            let _g = span.entered();
+            let (files, cfg, format) = state.open_model(&r.model, &r.weights)?;
+            let spec = ProfileSpec {
+                token_counts: r.token_counts.iter().map(|&t| t as usize).collect(),
+                context: r.context as usize,
+                reps: if r.reps == 0 { 3 } else { r.reps as usize },
+            };
+            let opts = state.backend_options(format);
+            profiler::profile(&files, &cfg, &opts, &spec, state.kv_cache_bytes).map_err(|e| match e {
+                ProfileError::TokenCounts(_) | ProfileError::Context(_) => Status::invalid_argument(e.to_string()),
+                ProfileError::KvBudget { .. } => Status::resource_exhausted(e.to_string()),
+                _ => Status::failed_precondition(e.to_string()),
+            })
+        })
+        .await
+        .map_err(|e| Status::internal(format!("profile task failed: {e}")))??;
+        metrics::histogram!("baton_worker_profile_seconds").record(started.elapsed().as_secs_f64());
+        let points = |v: &[profiler::CostPoint]| {
+            v.iter()
+                .map(|p| CostPoint {
+                    tokens: p.tokens as u32,
+                    seconds: p.seconds,
+                })
+                .collect()
+        };
+        tracing::info!(kernels = %profile.kernels, threads = profile.threads,
+            layer = ?profile.layer, head = ?profile.head, "profiled");
+        Ok(Response::new(ProfileResponse {
+            layer: points(&profile.layer),
+            head: points(&profile.head),
+            embed: points(&profile.embed),
+            layer_weight_bytes: profile.bytes.layers as u64,
+            embed_weight_bytes: profile.bytes.embedding as u64,
+            head_weight_bytes: profile.bytes.head as u64,
+            kernels: profile.kernels,
+            threads: profile.threads as u32,
+        }))
     }
 }
 

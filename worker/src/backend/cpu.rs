@@ -1,9 +1,6 @@
 //! The CPU backend: weights in any [`WeightFormat`] on the runtime-dispatched kernels, a thread
 //! pool sized to the socket, and a paged f32 or f16 KV pool allocated once at load.
 
-use std::ops::Range;
-
-use baton_shared::model_config::ModelConfig;
 use baton_shared::model_files::ModelFiles;
 
 use super::{Backend, BackendError, BackendInfo, BackendOptions, Device, KvGeometry, SeqChunk, StageShape};
@@ -20,13 +17,8 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
-    /// Load `layers` (with the embedding on layer 0 and the head after the last layer).
-    pub fn load(
-        files: &ModelFiles,
-        config: &ModelConfig,
-        layers: Range<usize>,
-        opts: &BackendOptions,
-    ) -> Result<Self, BackendError> {
+    /// Load the layers, embedding and head `shape` names.
+    pub fn load(files: &ModelFiles, shape: &StageShape, opts: &BackendOptions) -> Result<Self, BackendError> {
         let Device::Cpu { threads } = opts.device else {
             return Err(BackendError::Unavailable(opts.device));
         };
@@ -41,8 +33,15 @@ impl CpuBackend {
             threads: threads.unwrap_or(opts.threads).max(1),
             kernels: opts.kernels,
         };
-        let (first, last) = (layers.start == 0, layers.end == config.num_layers);
-        let weights = StageWeights::load_with(files, config, layers, first, last, opts.check_finite, &load)?;
+        let weights = StageWeights::load_with(
+            files,
+            &shape.config,
+            shape.layers.clone(),
+            shape.first,
+            shape.last,
+            opts.check_finite,
+            &load,
+        )?;
         let kv = PagedKv::with_dtype(
             weights.layers.len(),
             weights.config.kv_dim(),
@@ -84,6 +83,7 @@ impl Backend for CpuBackend {
             threads: w.pool.threads(),
             weights: w.format,
             weight_bytes: w.weight_bytes(),
+            part_bytes: w.part_bytes(),
             matrix_bytes: w.matrix_bytes(),
         }
     }

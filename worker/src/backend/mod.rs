@@ -19,7 +19,7 @@ use baton_shared::model_files::{LoadError, ModelFiles};
 use crate::kernels::cpu::dispatch::Kernels;
 pub use crate::kv_cache::PagedSeq as SeqChunk;
 use crate::kv_cache::{KvDtype, PagedKv};
-use crate::model::{ForwardError, WeightFormat};
+use crate::model::{ForwardError, PartBytes, WeightFormat};
 
 /// Where a worker computes, as given by `--device`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -95,6 +95,19 @@ pub struct StageShape {
     pub last: bool,
 }
 
+impl StageShape {
+    /// The shape of a pipeline stage serving `layers`: the embedding comes with layer 0 and the
+    /// head with the model's last layer.
+    pub fn stage(config: &ModelConfig, layers: Range<usize>) -> Self {
+        Self {
+            first: layers.start == 0,
+            last: layers.end == config.num_layers,
+            config: config.clone(),
+            layers,
+        }
+    }
+}
+
 /// The geometry of a backend's paged KV store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvGeometry {
@@ -117,6 +130,8 @@ pub struct BackendInfo {
     pub weights: WeightFormat,
     /// Bytes of weights held.
     pub weight_bytes: usize,
+    /// What the layers, the embedding and the head each need on their own.
+    pub part_bytes: PartBytes,
     /// Bytes of matrix weights one decode step reads (the streaming-read floor).
     pub matrix_bytes: usize,
 }
@@ -177,15 +192,25 @@ pub enum BackendError {
     KvGeometry { blocks: usize, block_size: usize },
 }
 
-/// Load `layers` of the model in `files` onto the device `opts` names.
+/// Load `layers` of the model in `files` onto the device `opts` names, as a pipeline stage.
 pub fn load(
     files: &ModelFiles,
     config: &ModelConfig,
     layers: Range<usize>,
     opts: &BackendOptions,
 ) -> Result<Box<dyn Backend>, BackendError> {
+    load_shape(files, &StageShape::stage(config, layers), opts)
+}
+
+/// Load any part of the model in `files` (e.g. one layer with both the embedding and the head,
+/// which the profiler times) onto the device `opts` names.
+pub fn load_shape(
+    files: &ModelFiles,
+    shape: &StageShape,
+    opts: &BackendOptions,
+) -> Result<Box<dyn Backend>, BackendError> {
     opts.device.check_available()?;
-    Ok(Box::new(cpu::CpuBackend::load(files, config, layers, opts)?))
+    Ok(Box::new(cpu::CpuBackend::load(files, shape, opts)?))
 }
 
 #[cfg(test)]

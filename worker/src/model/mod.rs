@@ -7,6 +7,6 @@ mod weights;
 
 pub use forward::{ForwardError, Scratch};
 pub use rope::Rope;
-pub use weights::{LayerWeights, LoadOptions, StageWeights};
+pub use weights::{LayerWeights, LoadOptions, PartBytes, StageWeights};
 
 pub use crate::kernels::cpu::matmul::WeightFormat;

@@ -94,6 +94,17 @@ pub struct StageWeights {
     pub pool: Arc<ThreadPool>,
 }
 
+/// Bytes of weights each part of a stage needs on its own.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PartBytes {
+    /// The decoder layers.
+    pub layers: usize,
+    /// The input embedding (first stage).
+    pub embedding: usize,
+    /// Final norm and head (last stage), a borrowed tied embedding included.
+    pub head: usize,
+}
+
 /// A matrix from a file's block bytes, kept in that format.
 fn native_matrix(
     files: &ModelFiles,
@@ -224,6 +235,8 @@ impl StageWeights {
                 Some(Matrix::from_f32(emb.to_vec(), h, head_fmt))
             }
         };
+        // A last stage that is not first needed the embedding only to build its own head.
+        let embedding = embedding.filter(|_| first || lm_head.is_none());
         Ok(Self {
             config: config.clone(),
             layers,
@@ -259,6 +272,17 @@ impl StageWeights {
 
     /// Bytes of weights held (f32 vectors and matrices in their stored format).
     pub fn weight_bytes(&self) -> usize {
+        let vectors = [&self.embedding, &self.final_norm]
+            .iter()
+            .map(|v| v.as_ref().map_or(0, Vec::len))
+            .sum::<usize>();
+        4 * vectors + self.lm_head.as_ref().map_or(0, Matrix::bytes) + self.part_bytes().layers
+    }
+
+    /// What each part needs on its own: the layers, the input embedding (first stage), and the
+    /// final norm with the head (last stage; a tied f32 head borrows the embedding, so it counts
+    /// the embedding's bytes: a last stage that is not first holds them for the head alone).
+    pub fn part_bytes(&self) -> PartBytes {
         let layer = |l: &LayerWeights| {
             l.matrices().iter().map(|m| m.bytes()).sum::<usize>()
                 + 4 * (l.attn_norm.len()
@@ -268,13 +292,18 @@ impl StageWeights {
                         .map(|v| v.as_ref().map_or(0, Vec::len))
                         .sum::<usize>())
         };
-        let vectors = [&self.embedding, &self.final_norm]
-            .iter()
-            .map(|v| v.as_ref().map_or(0, Vec::len))
-            .sum::<usize>();
-        4 * vectors
-            + self.lm_head.as_ref().map_or(0, Matrix::bytes)
-            + self.layer_weights.iter().map(layer).sum::<usize>()
+        let embedding = 4 * self.embedding.as_ref().map_or(0, Vec::len);
+        let norm = 4 * self.final_norm.as_ref().map_or(0, Vec::len);
+        let head = match (&self.lm_head, self.is_last) {
+            (Some(m), _) => norm + m.bytes(),
+            (None, true) => norm + embedding,
+            (None, false) => 0,
+        };
+        PartBytes {
+            layers: self.layer_weights.iter().map(layer).sum(),
+            embedding: if self.is_first { embedding } else { 0 },
+            head,
+        }
     }
 
     /// Bytes of matrix weights one decode step reads (the layers' linears and the head).

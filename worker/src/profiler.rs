@@ -1,0 +1,218 @@
+//! The stage profiler: what one decoder layer, the head and the embedding cost on this worker's
+//! backend, at a ladder of batch sizes. The coordinator's split planner turns these into layer
+//! ranges, so a slower worker gets fewer layers and the last stage's head is paid for with
+//! layers given to the others.
+//!
+//! The profile loads its own copy of one layer (with the embedding and the head) rather than
+//! timing the stage a worker serves: it runs before any stage is assigned, and every decoder
+//! layer of a model has the same shape and cost.
+
+use std::time::Instant;
+
+use baton_shared::model_config::ModelConfig;
+use baton_shared::model_files::ModelFiles;
+
+use crate::backend::{self, BackendError, BackendOptions, SeqChunk, StageShape};
+use crate::model::{ForwardError, PartBytes};
+
+/// Largest batch a profile times.
+pub const MAX_PROFILE_TOKENS: usize = 4096;
+/// Longest context a profile's tokens attend over.
+pub const MAX_PROFILE_CONTEXT: usize = 32768;
+/// Positions per block of the profile's own KV pool.
+const BLOCK: usize = 16;
+
+/// What to measure.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProfileSpec {
+    /// Batch sizes to time: that many decode tokens, each from its own sequence.
+    pub token_counts: Vec<usize>,
+    /// KV positions every timed token attends over.
+    pub context: usize,
+    /// Timed repetitions per point; the median is kept.
+    pub reps: usize,
+}
+
+impl Default for ProfileSpec {
+    /// Decode batches of 1 to 64 tokens at a 128-position context, 3 repetitions.
+    fn default() -> Self {
+        Self {
+            token_counts: (0..7).map(|i| 1 << i).collect(),
+            context: 128,
+            reps: 3,
+        }
+    }
+}
+
+/// Median seconds for a batch of `tokens` tokens.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CostPoint {
+    pub tokens: usize,
+    pub seconds: f64,
+}
+
+/// A worker's measured costs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Profile {
+    /// One decoder layer, attention over the context included.
+    pub layer: Vec<CostPoint>,
+    /// Final norm, head and a greedy pick per row (what only the last stage does).
+    pub head: Vec<CostPoint>,
+    /// Token embedding (what only the first stage does).
+    pub embed: Vec<CostPoint>,
+    /// Weight bytes of one layer (`layers`), the embedding and the head.
+    pub bytes: PartBytes,
+    /// Kernel path or device the timings come from.
+    pub kernels: String,
+    pub threads: usize,
+}
+
+/// Why a profile could not be taken.
+#[derive(Debug, thiserror::Error)]
+pub enum ProfileError {
+    #[error("profile token counts must each be between 1 and {MAX_PROFILE_TOKENS}, and at least one given; got {0:?}")]
+    TokenCounts(Vec<usize>),
+    #[error("profile context of {0} positions is beyond the limit of {MAX_PROFILE_CONTEXT}")]
+    Context(usize),
+    #[error(
+        "profiling {tokens} sequences at a context of {context} needs a KV pool of {need} bytes, more than this worker's KV budget of {budget} bytes (kv_cache_mib)"
+    )]
+    KvBudget {
+        tokens: usize,
+        context: usize,
+        need: u128,
+        budget: u64,
+    },
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error("a profiling run failed: {0}")]
+    Forward(#[from] ForwardError),
+}
+
+impl ProfileSpec {
+    /// Refuse batch sizes and contexts out of range.
+    pub fn validate(&self) -> Result<(), ProfileError> {
+        if self.token_counts.is_empty() || self.token_counts.iter().any(|&t| t == 0 || t > MAX_PROFILE_TOKENS) {
+            return Err(ProfileError::TokenCounts(self.token_counts.clone()));
+        }
+        if self.context > MAX_PROFILE_CONTEXT {
+            return Err(ProfileError::Context(self.context));
+        }
+        Ok(())
+    }
+}
+
+/// Run `once` (which returns the seconds of its timed part) once to warm up, then `reps` times;
+/// the median.
+fn median_seconds(reps: usize, mut once: impl FnMut() -> Result<f64, ForwardError>) -> Result<f64, ForwardError> {
+    once()?;
+    let mut s = (0..reps.max(1)).map(|_| once()).collect::<Result<Vec<_>, _>>()?;
+    s.sort_by(f64::total_cmp);
+    Ok(s[s.len() / 2])
+}
+
+/// Time one layer, the head and the embedding of the model in `files` on the backend `opts`
+/// describes (its KV geometry is the profile's own), within a KV budget of `kv_budget` bytes.
+pub fn profile(
+    files: &ModelFiles,
+    config: &ModelConfig,
+    opts: &BackendOptions,
+    spec: &ProfileSpec,
+    kv_budget: u64,
+) -> Result<Profile, ProfileError> {
+    spec.validate()?;
+    let max_t = spec.token_counts.iter().copied().max().unwrap_or(1);
+    // Every timed token is a sequence of its own with `context` positions stored before it.
+    let per_seq = (spec.context + 1).div_ceil(BLOCK);
+    let opts = BackendOptions {
+        kv_blocks: max_t * per_seq,
+        kv_block_size: BLOCK,
+        ..opts.clone()
+    };
+    let need = opts.kv_bytes(config, 1);
+    if need > kv_budget as u128 {
+        return Err(ProfileError::KvBudget {
+            tokens: max_t,
+            context: spec.context,
+            need,
+            budget: kv_budget,
+        });
+    }
+    let shape = StageShape {
+        config: config.clone(),
+        layers: 0..1,
+        first: true,
+        last: true,
+    };
+    let mut b = backend::load_shape(files, &shape, &opts)?;
+    let tables: Vec<Vec<u32>> = (0..max_t)
+        .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
+        .collect();
+    let (h, vocab) = (config.hidden_size, config.vocab_size);
+    let mut embedded = vec![0f32; max_t * h];
+    let mut hidden = vec![0f32; max_t * h];
+    let mut logits = vec![0f32; max_t * vocab];
+    let mut out = Profile {
+        layer: Vec::new(),
+        head: Vec::new(),
+        embed: Vec::new(),
+        bytes: b.info().part_bytes,
+        kernels: b.info().kernels,
+        threads: b.info().threads,
+    };
+    for &t in &spec.token_counts {
+        let tokens: Vec<u32> = (0..t).map(|i| ((i * 7919 + 1) % vocab) as u32).collect();
+        let seqs: Vec<SeqChunk<'_>> = tables[..t]
+            .iter()
+            .map(|table| SeqChunk {
+                pos0: spec.context,
+                len: 1,
+                stored: spec.context,
+                table,
+            })
+            .collect();
+        let (embedded, hidden, logits) = (&mut embedded[..t * h], &mut hidden[..t * h], &mut logits[..t * vocab]);
+        let embed = median_seconds(spec.reps, || {
+            let start = Instant::now();
+            b.embed(&tokens, embedded)?;
+            Ok(start.elapsed().as_secs_f64())
+        })?;
+        let layer = median_seconds(spec.reps, || {
+            hidden.copy_from_slice(embedded);
+            let start = Instant::now();
+            b.forward(hidden, &seqs)?;
+            Ok(start.elapsed().as_secs_f64())
+        })?;
+        let head = median_seconds(spec.reps, || {
+            let start = Instant::now();
+            b.logits(hidden, logits)?;
+            let picked: usize = logits.chunks_exact(vocab).map(argmax).sum();
+            std::hint::black_box(picked);
+            Ok(start.elapsed().as_secs_f64())
+        })?;
+        out.embed.push(CostPoint {
+            tokens: t,
+            seconds: embed,
+        });
+        out.layer.push(CostPoint {
+            tokens: t,
+            seconds: layer,
+        });
+        out.head.push(CostPoint {
+            tokens: t,
+            seconds: head,
+        });
+    }
+    out.bytes.layers /= shape.layers.len();
+    Ok(out)
+}
+
+fn argmax(row: &[f32]) -> usize {
+    row.iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |best, (i, &v)| if v > best.1 { (i, v) } else { best },
+        )
+        .0
+}
