@@ -1,7 +1,250 @@
-//! Layer assignment. Today an even split by layer count; the measured split planner replaces
-//! `even_split` behind the same signature.
+//! Layer assignment. The measured split planner gives each worker a contiguous layer range so
+//! that the slowest stage is as fast as it can be, from each worker's measured cost of one layer
+//! (and of the embedding on the first stage and the head on the last) at the batch size the
+//! pipeline will run; `even_split` and `ranges_from_cuts` are the unmeasured alternatives.
 
 use std::ops::Range;
+
+/// How the coordinator splits layers when no explicit cuts are given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SplitPolicy {
+    /// From the workers' measured costs (`Worker.Profile`).
+    #[default]
+    Measured,
+    /// By layer count alone.
+    Even,
+}
+
+/// A `split` setting that is not one.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("unknown split '{0}': expected measured or even")]
+pub struct UnknownSplit(String);
+
+impl std::str::FromStr for SplitPolicy {
+    type Err = UnknownSplit;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "measured" | "" => Ok(Self::Measured),
+            "even" => Ok(Self::Even),
+            _ => Err(UnknownSplit(s.to_string())),
+        }
+    }
+}
+
+impl std::fmt::Display for SplitPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Measured => "measured",
+            Self::Even => "even",
+        })
+    }
+}
+
+/// Seconds a part takes for a batch of tokens, from measured points.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CostCurve {
+    /// `(tokens, seconds)`, tokens strictly increasing.
+    points: Vec<(usize, f64)>,
+}
+
+/// Measured points that cannot describe a cost.
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("bad cost curve {0:?}: need at least one point, token counts increasing from 1, finite non-negative seconds")]
+pub struct BadCurve(Vec<(usize, f64)>);
+
+impl CostCurve {
+    /// A curve through `points` (sorted here by token count).
+    pub fn new(mut points: Vec<(usize, f64)>) -> Result<Self, BadCurve> {
+        points.sort_by_key(|p| p.0);
+        let ok = !points.is_empty()
+            && points[0].0 >= 1
+            && points.windows(2).all(|w| w[0].0 < w[1].0)
+            && points.iter().all(|p| p.1.is_finite() && p.1 >= 0.0);
+        if ok { Ok(Self { points }) } else { Err(BadCurve(points)) }
+    }
+
+    /// Seconds for `tokens`: linear between measured points, proportional below the first and
+    /// along the last segment's slope beyond the last (never below the last point).
+    pub fn at(&self, tokens: usize) -> f64 {
+        let p = &self.points;
+        let t = tokens as f64;
+        let (t0, s0) = (p[0].0 as f64, p[0].1);
+        if t <= t0 {
+            return s0 * t / t0;
+        }
+        for w in p.windows(2) {
+            let ((a, sa), (b, sb)) = ((w[0].0 as f64, w[0].1), (w[1].0 as f64, w[1].1));
+            if t <= b {
+                return sa + (sb - sa) * (t - a) / (b - a);
+            }
+        }
+        let (tl, sl) = (p[p.len() - 1].0 as f64, p[p.len() - 1].1);
+        let slope = match p.len() {
+            1 => sl / tl,
+            n => ((sl - p[n - 2].1) / (tl - p[n - 2].0 as f64)).max(0.0),
+        };
+        sl + slope * (t - tl)
+    }
+}
+
+/// What the planner knows about one worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerCosts {
+    /// One decoder layer.
+    pub layer: CostCurve,
+    /// The embedding, paid by the first stage.
+    pub embed: CostCurve,
+    /// Final norm, head and sampling, paid by the last stage.
+    pub head: CostCurve,
+    /// Weight bytes of one layer, of the embedding and of the head in the pipeline's format.
+    pub layer_bytes: u64,
+    pub embed_bytes: u64,
+    pub head_bytes: u64,
+    /// Bytes the worker can give weights; `None`: no limit known.
+    pub weight_budget: Option<u64>,
+}
+
+/// The micro-batch a plan is made for: `tokens` rows through every layer, of which `sampled`
+/// (the decode tokens and last prompt chunks) also go through the head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Workload {
+    pub tokens: usize,
+    pub sampled: usize,
+}
+
+/// The planner's answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub ranges: Vec<Range<usize>>,
+    /// Predicted seconds of each stage for one micro-batch of `workload`.
+    pub stage_seconds: Vec<f64>,
+    pub workload: Workload,
+}
+
+impl Plan {
+    /// The slowest stage's predicted seconds (what bounds throughput).
+    pub fn bottleneck(&self) -> f64 {
+        self.stage_seconds.iter().copied().fold(0.0, f64::max)
+    }
+}
+
+/// Why no plan exists.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum PlanError {
+    #[error("cannot split {layers} layers into {stages} stages")]
+    Shape { layers: usize, stages: usize },
+    #[error("no split of {layers} layers fits the workers' memory: {detail}")]
+    DoesNotFit { layers: usize, detail: String },
+}
+
+/// Seconds and weight bytes of stage `i` of `n` holding `layers` layers on worker `w`.
+fn stage_cost(w: &WorkerCosts, i: usize, n: usize, layers: usize, load: Workload) -> (f64, u64) {
+    let mut secs = layers as f64 * w.layer.at(load.tokens);
+    let mut bytes = layers as u64 * w.layer_bytes;
+    if i == 0 {
+        secs += w.embed.at(load.tokens);
+        bytes += w.embed_bytes;
+    }
+    if i + 1 == n {
+        secs += w.head.at(load.sampled);
+        bytes += w.head_bytes;
+    }
+    (secs, bytes)
+}
+
+/// Contiguous layer ranges for `workers`, in order, that minimize the slowest stage's time for
+/// micro-batches of `workload`, each stage's weights within its worker's budget; among equally
+/// slow splits, the one with the least total time (latency). Exact: two dynamic programs over
+/// (stage, layers so far), O(stages × layers²).
+pub fn plan(num_layers: usize, workers: &[WorkerCosts], workload: Workload) -> Result<Plan, PlanError> {
+    let n = workers.len();
+    if n == 0 || n > num_layers {
+        return Err(PlanError::Shape {
+            layers: num_layers,
+            stages: n,
+        });
+    }
+    let batch = Workload {
+        tokens: workload.tokens.max(1),
+        sampled: workload.sampled.max(1).min(workload.tokens.max(1)),
+    };
+    // cost(i, a, b): stage i holding layers a..b, or None when its weights do not fit.
+    let cost = |i: usize, a: usize, b: usize| {
+        let (secs, bytes) = stage_cost(&workers[i], i, n, b - a, batch);
+        let fits = workers[i].weight_budget.is_none_or(|budget| bytes <= budget);
+        fits.then_some(secs)
+    };
+    // Pass 1: the least achievable bottleneck. best[i][b]: stages 0..=i over layers 0..b.
+    let mut best = vec![vec![f64::INFINITY; num_layers + 1]; n];
+    for (b, slot) in best[0].iter_mut().enumerate().skip(1) {
+        *slot = cost(0, 0, b).unwrap_or(f64::INFINITY);
+    }
+    for i in 1..n {
+        for b in i + 1..=num_layers {
+            best[i][b] = (i..b)
+                .filter_map(|a| cost(i, a, b).map(|c| best[i - 1][a].max(c)))
+                .fold(f64::INFINITY, f64::min);
+        }
+    }
+    let bottleneck = best[n - 1][num_layers];
+    if !bottleneck.is_finite() {
+        let detail = workers
+            .iter()
+            .enumerate()
+            .map(|(i, w)| {
+                let budget = w
+                    .weight_budget
+                    .map_or("unlimited".to_string(), |b| format!("{b} bytes"));
+                format!("worker {i}: {} bytes per layer, budget {budget}", w.layer_bytes)
+            })
+            .collect::<Vec<_>>()
+            .join("; ");
+        return Err(PlanError::DoesNotFit {
+            layers: num_layers,
+            detail,
+        });
+    }
+    // Pass 2: the least total time among splits whose every stage is within the bottleneck
+    // (with room for rounding). sum[i][b] and the cut that achieves it.
+    let limit = bottleneck * (1.0 + 1e-9) + 1e-15;
+    let within = |i, a, b| cost(i, a, b).filter(|&c| c <= limit);
+    let mut sum = vec![vec![f64::INFINITY; num_layers + 1]; n];
+    let mut cut = vec![vec![0usize; num_layers + 1]; n];
+    for (b, slot) in sum[0].iter_mut().enumerate().skip(1) {
+        *slot = within(0, 0, b).unwrap_or(f64::INFINITY);
+    }
+    for i in 1..n {
+        for b in i + 1..=num_layers {
+            for a in i..b {
+                if let Some(c) = within(i, a, b) {
+                    let total = sum[i - 1][a] + c;
+                    if total < sum[i][b] {
+                        sum[i][b] = total;
+                        cut[i][b] = a;
+                    }
+                }
+            }
+        }
+    }
+    let mut ranges = vec![0..0; n];
+    let mut end = num_layers;
+    for i in (0..n).rev() {
+        let start = if i == 0 { 0 } else { cut[i][end] };
+        ranges[i] = start..end;
+        end = start;
+    }
+    let stage_seconds = ranges
+        .iter()
+        .enumerate()
+        .map(|(i, r)| stage_cost(&workers[i], i, n, r.len(), batch).0)
+        .collect();
+    Ok(Plan {
+        ranges,
+        stage_seconds,
+        workload: batch,
+    })
+}
 
 /// Split `num_layers` into `stages` contiguous ranges whose sizes differ by at most one
 /// (earlier stages take the extra layers). Panics if there are more stages than layers.
@@ -39,6 +282,186 @@ pub fn ranges_from_cuts(num_layers: usize, cuts: &[usize]) -> Result<Vec<Range<u
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A worker whose layer costs `layer` seconds per token, embedding `embed` and head `head`
+    /// per token, with no memory limit.
+    fn linear(layer: f64, embed: f64, head: f64) -> WorkerCosts {
+        let curve = |s: f64| CostCurve::new(vec![(1, s), (64, 64.0 * s)]).unwrap();
+        WorkerCosts {
+            layer: curve(layer),
+            embed: curve(embed),
+            head: curve(head),
+            layer_bytes: 100,
+            embed_bytes: 1000,
+            head_bytes: 1000,
+            weight_budget: None,
+        }
+    }
+
+    /// Every split of `layers` into `workers.len()` non-empty contiguous ranges: the least
+    /// bottleneck, and the least total time among splits within it.
+    fn exhaustive(layers: usize, workers: &[WorkerCosts], batch: Workload) -> Option<(f64, f64)> {
+        fn go(
+            layers: usize,
+            workers: &[WorkerCosts],
+            batch: Workload,
+            i: usize,
+            start: usize,
+            acc: &mut Vec<(f64, f64)>,
+            cur: (f64, f64),
+        ) {
+            let n = workers.len();
+            if i == n {
+                if start == layers {
+                    acc.push(cur);
+                }
+                return;
+            }
+            let max_end = if i + 1 == n { layers } else { layers - (n - i - 1) };
+            for end in start + 1..=max_end {
+                if i + 1 == n && end != layers {
+                    continue;
+                }
+                let (secs, bytes) = stage_cost(&workers[i], i, n, end - start, batch);
+                if workers[i].weight_budget.is_some_and(|b| bytes > b) {
+                    continue;
+                }
+                go(layers, workers, batch, i + 1, end, acc, (cur.0.max(secs), cur.1 + secs));
+            }
+        }
+        let mut all = Vec::new();
+        go(layers, workers, batch, 0, 0, &mut all, (0.0, 0.0));
+        let m = all.iter().map(|c| c.0).fold(f64::INFINITY, f64::min);
+        let s = all
+            .iter()
+            .filter(|c| c.0 <= m * (1.0 + 1e-9) + 1e-15)
+            .map(|c| c.1)
+            .fold(f64::INFINITY, f64::min);
+        m.is_finite().then_some((m, s))
+    }
+
+    #[test]
+    fn the_dynamic_program_matches_exhaustive_search() {
+        // A small deterministic generator: the test needs variety, not a crate.
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % 1000) as f64 / 1000.0
+        };
+        for case in 0..400 {
+            let layers = 1 + case % 9;
+            let stages = 1 + (case / 9) % layers.min(4);
+            let workers: Vec<WorkerCosts> = (0..stages)
+                .map(|_| {
+                    let mut w = linear(0.1 + next(), next() * 0.5, next() * 4.0);
+                    w.layer_bytes = 50 + (next() * 100.0) as u64;
+                    if next() < 0.3 {
+                        w.weight_budget = Some(1000 + (next() * 800.0) as u64);
+                    }
+                    w
+                })
+                .collect();
+            let tokens = 1 + (next() * 16.0) as usize;
+            let batch = Workload {
+                tokens,
+                sampled: 1 + (next() * tokens as f64) as usize % tokens,
+            };
+            let expected = exhaustive(layers, &workers, batch);
+            match plan(layers, &workers, batch) {
+                Ok(p) => {
+                    let (m, s) =
+                        expected.unwrap_or_else(|| panic!("case {case}: planned {p:?}, exhaustive found none"));
+                    assert!(
+                        (p.bottleneck() - m).abs() <= 1e-9 * m,
+                        "case {case}: {p:?} vs bottleneck {m}"
+                    );
+                    let total: f64 = p.stage_seconds.iter().sum();
+                    assert!(
+                        (total - s).abs() <= 1e-9 * s.max(1e-12),
+                        "case {case}: total {total} vs {s}"
+                    );
+                    assert_eq!(p.ranges.len(), stages);
+                    assert_eq!(p.ranges[0].start, 0);
+                    assert_eq!(p.ranges[stages - 1].end, layers);
+                    assert!(p.ranges.windows(2).all(|w| w[0].end == w[1].start));
+                    assert!(p.ranges.iter().all(|r| !r.is_empty()));
+                }
+                Err(e) => assert!(expected.is_none(), "case {case}: {e}, exhaustive found {expected:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn the_head_moves_layers_off_the_last_stage_and_slow_workers_get_fewer() {
+        // SmolLM2-like: the head costs about 7 layers per sampled token.
+        let same = [linear(1.0, 0.01, 7.0), linear(1.0, 0.01, 7.0)];
+        let decode = |n| Workload { tokens: n, sampled: n };
+        let p = plan(30, &same, decode(8)).unwrap();
+        assert_eq!(p.ranges, vec![0..18, 18..30], "{p:?}");
+        // Half of the rows are prompt tokens that skip the head: it weighs half as much.
+        let p = plan(30, &same, Workload { tokens: 16, sampled: 8 }).unwrap();
+        assert_eq!(p.ranges, vec![0..17, 17..30], "{p:?}");
+        // Without a head cost the split is even.
+        let p = plan(30, &[linear(1.0, 0.0, 0.0), linear(1.0, 0.0, 0.0)], decode(8)).unwrap();
+        assert_eq!(p.ranges, vec![0..15, 15..30]);
+        // A worker twice as slow per layer gets about half the layers of the other.
+        let p = plan(30, &[linear(2.0, 0.0, 0.0), linear(1.0, 0.0, 0.0)], decode(8)).unwrap();
+        assert_eq!(p.ranges, vec![0..10, 10..30]);
+        assert!((p.bottleneck() - 8.0 * 20.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn memory_budgets_bind_and_are_named_when_nothing_fits() {
+        let mut small = linear(1.0, 0.0, 0.0);
+        small.weight_budget = Some(1000 + 5 * 100);
+        let one = Workload { tokens: 1, sampled: 1 };
+        let p = plan(30, &[small.clone(), linear(1.0, 0.0, 0.0)], one).unwrap();
+        assert_eq!(
+            p.ranges,
+            vec![0..5, 5..30],
+            "stage 0 holds the embedding and 5 layers at most"
+        );
+        small.weight_budget = Some(999);
+        let e = plan(30, &[small, linear(1.0, 0.0, 0.0)], one).unwrap_err();
+        assert!(
+            e.to_string().contains("worker 0") && e.to_string().contains("budget 999 bytes"),
+            "{e}"
+        );
+        assert!(matches!(
+            plan(2, &vec![linear(1.0, 0.0, 0.0); 3], one),
+            Err(PlanError::Shape { .. })
+        ));
+    }
+
+    #[test]
+    fn cost_curves_interpolate_and_extrapolate() {
+        let c = CostCurve::new(vec![(4, 4.0), (1, 2.0), (16, 10.0)]).unwrap();
+        assert_eq!(c.at(1), 2.0);
+        assert_eq!(c.at(2), 2.0 + 2.0 / 3.0);
+        assert_eq!(c.at(10), 7.0);
+        assert_eq!(c.at(32), 10.0 + 16.0 * 0.5, "the last slope continues");
+        let one = CostCurve::new(vec![(8, 4.0)]).unwrap();
+        assert_eq!((one.at(4), one.at(16)), (2.0, 8.0));
+        for bad in [
+            vec![],
+            vec![(0, 1.0)],
+            vec![(1, f64::NAN)],
+            vec![(2, 1.0), (2, 3.0)],
+            vec![(1, -1.0)],
+        ] {
+            assert!(CostCurve::new(bad).is_err());
+        }
+        assert_eq!("Even".parse::<SplitPolicy>(), Ok(SplitPolicy::Even));
+        assert!(
+            "fastest"
+                .parse::<SplitPolicy>()
+                .unwrap_err()
+                .to_string()
+                .contains("'fastest'")
+        );
+    }
 
     #[test]
     fn explicit_cuts() {

@@ -75,6 +75,9 @@ pub struct ServeSettings {
     /// How workers store keys and values: `f32` (exact) or `f16` (half the memory per position,
     /// so twice the tokens fit in kv_cache_mib; logits within about 0.1%).
     pub kv_dtype: String,
+    /// How layers are split among workers: `measured` (each worker times one layer and the
+    /// head, and the planner balances the stages) or `even` (by layer count).
+    pub split: String,
     /// Largest request body in bytes (HTTP 413 beyond).
     pub max_body_bytes: usize,
     /// Most tokens (prompt + completion) per request; default: the model's context.
@@ -100,6 +103,7 @@ impl Default for ServeSettings {
             kv_block_size: 16,
             kv_max_blocks: None,
             kv_dtype: "f32".into(),
+            split: "measured".into(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_model_len: None,
             activation_dtype: "f32".into(),
@@ -141,6 +145,9 @@ pub struct CoordinatorSettings {
     /// How workers store keys and values: `f32` (exact) or `f16` (half the memory per position,
     /// so twice the tokens fit in kv_cache_mib; logits within about 0.1%).
     pub kv_dtype: String,
+    /// How layers are split among workers: `measured` (each worker times one layer and the
+    /// head, and the planner balances the stages) or `even` (by layer count).
+    pub split: String,
     /// Largest request body in bytes (HTTP 413 beyond).
     pub max_body_bytes: usize,
 }
@@ -162,6 +169,7 @@ impl Default for CoordinatorSettings {
             kv_block_size: 16,
             kv_max_blocks: None,
             kv_dtype: "f32".into(),
+            split: "measured".into(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
         }
     }

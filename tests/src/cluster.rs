@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use baton_coordinator::generation::{FinishReason, GenerationRequest, Generator, TokenEvent};
 use baton_coordinator::pipeline::{PipelineConfig, PipelineGenerator};
+use baton_coordinator::planner::SplitPolicy;
 use baton_coordinator::registry::{self, Cluster};
 use baton_shared::model_config::ModelConfig;
 use baton_shared::proto::Dtype;
@@ -33,6 +34,8 @@ pub struct Limits {
     pub kv_max_blocks: Option<usize>,
     /// How the workers store keys and values.
     pub kv_dtype: KvDtype,
+    /// Let the measured planner choose the ranges; the cuts then only set the stage count.
+    pub measured_split: bool,
 }
 
 impl Default for Limits {
@@ -44,6 +47,7 @@ impl Default for Limits {
             heartbeat: Duration::from_millis(200),
             kv_max_blocks: None,
             kv_dtype: KvDtype::F32,
+            measured_split: false,
         }
     }
 }
@@ -131,7 +135,8 @@ impl TestCluster {
             max_context: cfg.max_position_embeddings,
             eos_ids,
             stages,
-            cuts: (!cuts.is_empty()).then(|| cuts.to_vec()),
+            cuts: (!cuts.is_empty() && !limits.measured_split).then(|| cuts.to_vec()),
+            split: SplitPolicy::Measured,
             cluster_token: token.clone(),
             activation_dtype: Dtype::F32,
             max_queue: limits.max_queue,

@@ -26,7 +26,14 @@ fn killing_a_worker_fails_streams_and_flips_ready() {
         .iter()
         .map(|s| (s["layer_start"].clone(), s["layer_end"].clone()))
         .collect();
-    assert_eq!(ranges, vec![(0.into(), 15.into()), (15.into(), 30.into())], "{view}");
+    // The split is planned from the two workers' measured costs: contiguous, covering all 30
+    // layers, each stage with a predicted time.
+    assert_eq!(view["split"]["policy"], "measured", "{view}");
+    assert_eq!((&ranges[0].0, &ranges[1].1), (&0.into(), &30.into()), "{view}");
+    assert_eq!(ranges[0].1, ranges[1].0, "{view}");
+    for s in view["stages"].as_array().unwrap() {
+        assert!(s["predicted_ms"].as_f64().is_some_and(|ms| ms > 0.0), "{s}");
+    }
 
     let body =
         r#"{"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": true, "stream": true, "temperature": 0}"#;

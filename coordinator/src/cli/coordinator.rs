@@ -28,7 +28,7 @@ pub struct CoordinatorArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub http: Option<SocketAddr>,
-    /// Pipeline stages (one worker each); the model's layers are split evenly [default: 2].
+    /// Pipeline stages (one worker each) [default: 2].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub workers: Option<usize>,
@@ -81,6 +81,11 @@ pub struct CoordinatorArgs {
     #[arg(long, value_parser = ["f32", "f16"])]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_dtype: Option<String>,
+    /// How layers are split among workers: measured (from each worker's timed layer and head)
+    /// or even [default: measured].
+    #[arg(long, value_parser = ["measured", "even"])]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub split: Option<String>,
     /// Largest accepted request body in bytes (HTTP 413 beyond) [default: 4194304].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -100,7 +105,7 @@ pub fn run(ctx: &Ctx, args: CoordinatorArgs) -> Result<()> {
     let dtype = parse_dtype(&a.activation_dtype)
         .with_context(|| format!("--activation-dtype '{}': expected f32, bf16 or f16", a.activation_dtype))?;
     super::serve::weight_format(&a.weights)?;
-    use super::serve::kv_dtype;
+    use super::serve::{kv_dtype, split_policy};
     let stages = if a.layer_cuts.is_empty() {
         a.workers
     } else {
@@ -131,6 +136,7 @@ pub fn run(ctx: &Ctx, args: CoordinatorArgs) -> Result<()> {
         kv_block_size: a.kv_block_size,
         kv_max_blocks: a.kv_max_blocks,
         kv_dtype: kv_dtype(&a.kv_dtype)?,
+        split: split_policy(&a.split)?,
     };
     let name = a
         .served_model_name

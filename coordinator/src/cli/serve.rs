@@ -13,6 +13,7 @@ use baton_coordinator::cluster;
 use baton_coordinator::generation::Generator;
 use baton_coordinator::local::{LocalConfig, LocalGenerator};
 use baton_coordinator::pipeline::PipelineConfig;
+use baton_coordinator::planner::SplitPolicy;
 use baton_shared::fetch::{DEFAULT_MODEL, HF_REPO};
 use baton_shared::model_source::LoadedModel;
 use baton_shared::proto::Dtype;
@@ -72,6 +73,11 @@ pub struct ServeArgs {
     #[arg(long, value_parser = ["f32", "f16"])]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_dtype: Option<String>,
+    /// How layers are split among workers: measured (from each worker's timed layer and head)
+    /// or even [default: measured].
+    #[arg(long, value_parser = ["measured", "even"])]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub split: Option<String>,
     /// Largest accepted request body in bytes (HTTP 413 beyond) [default: 4194304].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -102,6 +108,7 @@ pub fn run(ctx: &Ctx, args: ServeArgs) -> Result<()> {
         .clone()
         .unwrap_or_else(|| default_served_name(args.model.model.as_deref()));
     let kv = kv_dtype(&a.kv_dtype)?;
+    split_policy(&a.split)?;
     anyhow::ensure!(
         a.workers > 0 || kv == KvDtype::F32,
         "kv_dtype {kv} applies to worker processes' paged KV; the in-process engine (workers = 0) keeps f32"
@@ -217,6 +224,11 @@ pub(crate) fn kv_dtype(s: &str) -> Result<KvDtype> {
     s.parse().with_context(|| format!("kv_dtype '{s}'"))
 }
 
+/// A `split` setting, with an error naming the setting.
+pub(crate) fn split_policy(s: &str) -> Result<SplitPolicy> {
+    s.parse().with_context(|| format!("split '{s}'"))
+}
+
 /// The token generator for the chosen mode, and the worker processes it drives.
 async fn build_generator(
     ctx: &Ctx,
@@ -269,6 +281,7 @@ async fn build_generator(
         kv_block_size: a.kv_block_size,
         kv_max_blocks: a.kv_max_blocks,
         kv_dtype: kv_dtype(&a.kv_dtype)?,
+        split: split_policy(&a.split)?,
     };
     weight_format(&a.weights)?;
     let server = cluster::start(registry, config)?;

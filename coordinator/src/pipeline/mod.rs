@@ -3,6 +3,7 @@
 //! workers; `steps` runs the step loop while it stands.
 
 mod kv_blocks;
+pub mod split;
 mod stage_stats;
 mod steps;
 mod supervisor;
@@ -15,6 +16,7 @@ use baton_worker::kv_cache::KvDtype;
 use tokio::sync::mpsc;
 
 use crate::generation::{GenerationRequest, Generator, SubmitError, TokenEvent};
+use crate::planner::SplitPolicy;
 use crate::registry::Cluster;
 
 pub use stage_stats::StageLive;
@@ -32,8 +34,10 @@ pub struct PipelineConfig {
     /// Stages to build (workers used, in registration order).
     pub stages: usize,
     /// Explicit layer boundaries between stages (`stages - 1` increasing cut points); None
-    /// splits evenly.
+    /// splits by `split`.
     pub cuts: Option<Vec<usize>>,
+    /// How layers are split without explicit cuts: from measured worker costs, or evenly.
+    pub split: SplitPolicy,
     pub cluster_token: String,
     /// Wire type of hidden states between stages.
     pub activation_dtype: Dtype,
@@ -80,6 +84,8 @@ pub struct PipelineStatus {
     pub max_in_flight: AtomicU64,
     /// The current assignment, for `/admin` views and tests.
     pub assignment: std::sync::Mutex<Vec<StageAssignment>>,
+    /// How the current assignment's ranges were chosen.
+    pub split: std::sync::Mutex<Option<split::SplitInfo>>,
     /// Tokens sampled for requests since start.
     pub generated_tokens: AtomicU64,
     /// Prompt tokens sent down the pipeline (prefill) since start.
@@ -184,16 +190,19 @@ impl Generator for PipelineGenerator {
         let assignment = self.status.assignment.lock().unwrap_or_else(|e| e.into_inner()).clone();
         *self.status.viewed.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::time::Instant::now());
         let live = self.status.stage_live.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let split = self.status.split.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let alive = self.cluster.alive();
         let stages: Vec<_> = assignment
             .iter()
             .enumerate()
             .map(|(i, a)| {
+                let predicted = split.as_ref().and_then(|s| s.predicted_seconds.get(i)).map(|s| s * 1e3);
                 let mut stage = serde_json::json!({
                     "stage": i, "worker_id": a.worker_id, "address": a.address,
                     "layer_start": a.layers.start, "layer_end": a.layers.end,
                     "alive": self.cluster.is_alive(&a.worker_id),
                     "live": live.get(i).map(StageLive::to_json),
+                    "predicted_ms": predicted,
                 });
                 // Repeated from `workers` so a stage reads on its own (the dashboard's boxes).
                 if let Some(w) = alive.iter().find(|w| w.id == a.worker_id) {
@@ -221,6 +230,7 @@ impl Generator for PipelineGenerator {
             "num_layers": self.config.num_layers,
             "stages_wanted": self.config.stages,
             "stages": stages,
+            "split": split.as_ref().map(split::SplitInfo::to_json),
             "workers": workers,
             "running_sequences": self.status.active_sequences.load(Ordering::Relaxed),
             "max_micro_batches_in_flight": self.status.max_in_flight.load(Ordering::Relaxed),

@@ -1,5 +1,6 @@
-//! Builds the pipeline from registered workers (even layer split, LoadStage on each, a Forward
-//! stream into stage 0), runs the step loop, and starts over when a stage fails or leaves.
+//! Builds the pipeline from registered workers (layer ranges from `split`, LoadStage on each, a
+//! Forward stream into stage 0), runs the step loop, and starts over when a stage fails or
+//! leaves.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -11,11 +12,11 @@ use baton_worker::kv_cache::PagedKv;
 use baton_worker::service::{AuthedWorkerClient, MAX_MESSAGE, connect_worker};
 use tokio::sync::mpsc;
 
+use super::split::{self, ProfileCache, SplitInfo};
 use super::stage_stats;
 use super::steps::{self, StepLoopEnd};
 use super::{NewSequence, PipelineConfig, PipelineStatus};
 use crate::generation::TokenEvent;
-use crate::planner::{even_split, ranges_from_cuts};
 use crate::registry::{Cluster, WorkerEntry};
 
 /// Which worker serves which layers.
@@ -49,24 +50,34 @@ fn kv_blocks(config: &PipelineConfig, workers: &[WorkerEntry], ranges: &[Range<u
     Ok(blocks)
 }
 
-async fn build(config: &PipelineConfig, workers: &[WorkerEntry]) -> Result<Pipeline, String> {
-    let ranges = match &config.cuts {
-        Some(cuts) => ranges_from_cuts(config.num_layers, cuts)?,
-        None => even_split(config.num_layers, config.stages),
-    };
-    let kv_blocks = kv_blocks(config, workers, &ranges)?;
-    let mut stages = Vec::with_capacity(ranges.len());
-    for (i, (w, layers)) in workers.iter().zip(ranges).enumerate() {
-        let a = StageAssignment {
-            worker_id: w.id.clone(),
-            address: w.address.clone(),
-            layers,
-        };
+async fn build(
+    config: &PipelineConfig,
+    workers: &[WorkerEntry],
+    profiles: &mut ProfileCache,
+    status: &PipelineStatus,
+) -> Result<(Pipeline, SplitInfo), String> {
+    let mut clients = Vec::with_capacity(workers.len());
+    for (i, w) in workers.iter().enumerate() {
         let client = connect_worker(&w.address, &config.cluster_token)
             .await
             .map_err(|e| format!("stage {i} ({}): {}", w.address, e.message()))?;
-        stages.push((a, client.max_encoding_message_size(MAX_MESSAGE)));
+        clients.push(client.max_encoding_message_size(MAX_MESSAGE));
     }
+    let (ranges, split) = split::choose(config, workers, &clients, profiles, status).await?;
+    let kv_blocks = kv_blocks(config, workers, &ranges)?;
+    let stages: Vec<_> = workers
+        .iter()
+        .zip(ranges)
+        .zip(clients)
+        .map(|((w, layers), client)| {
+            let a = StageAssignment {
+                worker_id: w.id.clone(),
+                address: w.address.clone(),
+                layers,
+            };
+            (a, client)
+        })
+        .collect();
     // Load every stage (they load in parallel: SmolLM2 takes seconds per stage).
     let loads = stages.iter().enumerate().map(|(i, (a, client))| {
         let mut client = client.clone();
@@ -94,7 +105,7 @@ async fn build(config: &PipelineConfig, workers: &[WorkerEntry]) -> Result<Pipel
     for r in futures::future::join_all(loads).await {
         r?;
     }
-    Ok(Pipeline { stages, kv_blocks })
+    Ok((Pipeline { stages, kv_blocks }, split))
 }
 
 /// Fail every waiting submission while the pipeline is down.
@@ -118,6 +129,7 @@ pub(crate) async fn run(
     metrics::counter!("baton_pipeline_failures_total").increment(0);
     metrics::counter!("baton_preemptions_total").increment(0);
     metrics::gauge!("baton_pipeline_ready").set(0.0);
+    let mut profiles = ProfileCache::default();
     loop {
         status.ready.store(false, Ordering::Release);
         let workers = cluster.alive();
@@ -129,18 +141,23 @@ pub(crate) async fn run(
         }
         let workers = &workers[..config.stages];
         let span = tracing::info_span!("pipeline.build", stages = config.stages);
-        let pipeline = match tracing::Instrument::instrument(build(&config, workers), span).await {
-            Ok(p) => p,
-            Err(e) => {
-                tracing::warn!("building the pipeline failed: {e}; retrying");
-                reject_waiting(&mut submit_rx, &format!("the pipeline is not ready: {e}"));
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                continue;
-            }
-        };
+        let (pipeline, split) =
+            match tracing::Instrument::instrument(build(&config, workers, &mut profiles, &status), span).await {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!("building the pipeline failed: {e}; retrying");
+                    reject_waiting(&mut submit_rx, &format!("the pipeline is not ready: {e}"));
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
+                }
+            };
         let assignment: Vec<_> = pipeline.stages.iter().map(|(a, _)| a.clone()).collect();
         tracing::info!(?assignment, "pipeline ready");
         *status.assignment.lock().unwrap_or_else(|e| e.into_inner()) = assignment;
+        for (i, secs) in split.predicted_seconds.iter().enumerate() {
+            metrics::gauge!("baton_stage_predicted_seconds", "stage" => i.to_string()).set(*secs);
+        }
+        *status.split.lock().unwrap_or_else(|e| e.into_inner()) = Some(split);
         status.ready.store(true, Ordering::Release);
         metrics::gauge!("baton_pipeline_ready").set(1.0);
         metrics::gauge!("baton_pipeline_stages").set(pipeline.stages.len() as f64);

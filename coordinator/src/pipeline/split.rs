@@ -1,0 +1,243 @@
+//! Choosing the pipeline's layer ranges: explicit cuts, an even split, or a plan from the
+//! workers' measured costs (`Worker.Profile`, asked once per worker and kept across rebuilds).
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::atomic::Ordering;
+
+use baton_shared::proto::{CostPoint, ProfileRequest, ProfileResponse};
+use baton_worker::service::AuthedWorkerClient;
+
+use super::{PipelineConfig, PipelineStatus};
+use crate::planner::{self, CostCurve, Plan, SplitPolicy, WorkerCosts, Workload};
+use crate::registry::WorkerEntry;
+
+/// Decode batch sizes each worker is profiled at.
+pub const PROFILE_TOKENS: [u32; 7] = [1, 2, 4, 8, 16, 32, 64];
+/// KV positions each profiled token attends over.
+pub const PROFILE_CONTEXT: u32 = 128;
+
+/// How the current ranges were chosen, for `/admin/cluster` and logs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SplitInfo {
+    /// `measured`, `even`, `cuts`, or `even` after a failed measurement (`note` says why).
+    pub policy: &'static str,
+    /// The micro-batch the plan was made for, and the prompt rows' share it assumed.
+    pub workload: Option<(Workload, f64)>,
+    /// Predicted seconds per stage at that size (measured plans only).
+    pub predicted_seconds: Vec<f64>,
+    /// Why a measured plan was not used, when it was asked for.
+    pub note: Option<String>,
+}
+
+/// Profiles kept across rebuilds, by worker id and address (a restarted worker with a new
+/// address is measured again).
+#[derive(Debug, Default)]
+pub struct ProfileCache {
+    by_worker: HashMap<(String, String), ProfileResponse>,
+}
+
+/// Prompt tokens' share of the rows when nothing has been served yet: chunked prompts as many
+/// rows as decode tokens, as with equal prompt and output lengths.
+pub const DEFAULT_PROMPT_SHARE: f64 = 0.5;
+/// Rows served before the observed prompt share replaces the default.
+const OBSERVED_ROWS: u64 = 4096;
+
+/// The micro-batch the planner optimizes for: the running sequences' decode tokens shared among
+/// the stages' micro-batches in flight, plus prompt rows in the share served so far (or
+/// [`DEFAULT_PROMPT_SHARE`] before there is enough history), within the step's token budget.
+pub fn planning_workload(config: &PipelineConfig, prompt_rows: u64, decode_rows: u64) -> (Workload, f64) {
+    let budget = config.max_batch_tokens.max(1);
+    let sampled = config.max_running.div_ceil(config.stages.max(1)).clamp(1, budget);
+    let total = prompt_rows + decode_rows;
+    let share = if total >= OBSERVED_ROWS {
+        prompt_rows as f64 / total as f64
+    } else {
+        DEFAULT_PROMPT_SHARE
+    };
+    // Prompt rows per decode row is share / (1 - share); past 0.95 the prompts fill the budget.
+    let share = share.min(0.95);
+    let tokens = (sampled as f64 / (1.0 - share)).round() as usize;
+    (
+        Workload {
+            tokens: tokens.clamp(sampled, budget.max(sampled)),
+            sampled,
+        },
+        share,
+    )
+}
+
+fn curve(points: &[CostPoint], what: &str) -> Result<CostCurve, String> {
+    CostCurve::new(points.iter().map(|p| (p.tokens as usize, p.seconds)).collect()).map_err(|e| format!("{what}: {e}"))
+}
+
+/// The planner's view of a worker from its profile.
+fn worker_costs(w: &WorkerEntry, p: &ProfileResponse) -> Result<WorkerCosts, String> {
+    Ok(WorkerCosts {
+        layer: curve(&p.layer, "layer")?,
+        embed: curve(&p.embed, "embed")?,
+        head: curve(&p.head, "head")?,
+        layer_bytes: p.layer_weight_bytes,
+        embed_bytes: p.embed_weight_bytes,
+        head_bytes: p.head_weight_bytes,
+        // Unknown memory (0) sets no limit; the KV budget comes out of the rest.
+        weight_budget: (w.memory_bytes > 0).then(|| w.memory_bytes.saturating_sub(w.kv_cache_bytes)),
+    })
+}
+
+/// Ask every worker without a cached profile for one, all at once.
+async fn profiles(
+    config: &PipelineConfig,
+    workers: &[WorkerEntry],
+    clients: &[AuthedWorkerClient],
+    cache: &mut ProfileCache,
+) -> Result<Vec<ProfileResponse>, String> {
+    let key = |w: &WorkerEntry| (w.id.clone(), w.address.clone());
+    let asks = workers
+        .iter()
+        .zip(clients)
+        .filter(|(w, _)| !cache.by_worker.contains_key(&key(w)))
+        .map(|(w, c)| {
+            let mut client = c.clone();
+            let req = ProfileRequest {
+                model: config.model.clone(),
+                weights: config.weights.clone(),
+                token_counts: PROFILE_TOKENS.to_vec(),
+                context: PROFILE_CONTEXT,
+                reps: 3,
+            };
+            async move {
+                let started = std::time::Instant::now();
+                let r = client
+                    .profile(req)
+                    .await
+                    .map_err(|e| format!("worker {} ({}) could not be profiled: {}", w.id, w.address, e.message()))?;
+                tracing::info!(worker_id = %w.id, seconds = started.elapsed().as_secs_f64(), "worker profiled");
+                Ok::<_, String>((key(w), r.into_inner()))
+            }
+        });
+    for r in futures::future::join_all(asks).await {
+        let (k, p) = r?;
+        cache.by_worker.insert(k, p);
+    }
+    Ok(workers.iter().map(|w| cache.by_worker[&key(w)].clone()).collect())
+}
+
+/// A plan from the workers' profiles.
+async fn measured(
+    config: &PipelineConfig,
+    workers: &[WorkerEntry],
+    clients: &[AuthedWorkerClient],
+    cache: &mut ProfileCache,
+    workload: Workload,
+) -> Result<Plan, String> {
+    let profiles = profiles(config, workers, clients, cache).await?;
+    let costs = workers
+        .iter()
+        .zip(&profiles)
+        .map(|(w, p)| worker_costs(w, p).map_err(|e| format!("worker {} sent a bad profile: {e}", w.id)))
+        .collect::<Result<Vec<_>, _>>()?;
+    planner::plan(config.num_layers, &costs, workload).map_err(|e| e.to_string())
+}
+
+/// The layer ranges for `workers` (one stage each, in order) and how they were chosen; the
+/// traffic `status` counted so far sets the planned micro-batch's mix.
+pub async fn choose(
+    config: &PipelineConfig,
+    workers: &[WorkerEntry],
+    clients: &[AuthedWorkerClient],
+    cache: &mut ProfileCache,
+    status: &PipelineStatus,
+) -> Result<(Vec<Range<usize>>, SplitInfo), String> {
+    let info = |policy, note| SplitInfo {
+        policy,
+        workload: None,
+        predicted_seconds: Vec::new(),
+        note,
+    };
+    if let Some(cuts) = &config.cuts {
+        return Ok((planner::ranges_from_cuts(config.num_layers, cuts)?, info("cuts", None)));
+    }
+    let even = || planner::even_split(config.num_layers, config.stages);
+    if config.split == SplitPolicy::Even || config.stages == 1 {
+        return Ok((even(), info("even", None)));
+    }
+    let (workload, share) = planning_workload(
+        config,
+        status.prompt_tokens.load(Ordering::Relaxed),
+        status.generated_tokens.load(Ordering::Relaxed),
+    );
+    match measured(config, workers, clients, cache, workload).await {
+        Ok(plan) => {
+            tracing::info!(ranges = ?plan.ranges, predicted_seconds = ?plan.stage_seconds,
+                tokens = workload.tokens, sampled = workload.sampled, prompt_share = share, "measured split planned");
+            let info = SplitInfo {
+                policy: "measured",
+                workload: Some((plan.workload, share)),
+                predicted_seconds: plan.stage_seconds.clone(),
+                note: None,
+            };
+            Ok((plan.ranges, info))
+        }
+        Err(e) => {
+            tracing::warn!("measured split unavailable, splitting evenly: {e}");
+            Ok((even(), info("even", Some(e))))
+        }
+    }
+}
+
+impl SplitInfo {
+    /// The JSON `/admin/cluster` shows.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "policy": self.policy,
+            "batch_tokens": self.workload.map(|w| w.0.tokens),
+            "sampled_rows": self.workload.map(|w| w.0.sampled),
+            "prompt_share": self.workload.map(|w| w.1),
+            "predicted_stage_ms": self.predicted_seconds.iter().map(|s| s * 1e3).collect::<Vec<_>>(),
+            "note": self.note,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(stages: usize, max_running: usize, budget: usize) -> PipelineConfig {
+        PipelineConfig {
+            model: String::new(),
+            num_layers: 30,
+            vocab_size: 10,
+            max_context: 100,
+            eos_ids: vec![],
+            stages,
+            cuts: None,
+            split: SplitPolicy::Measured,
+            cluster_token: String::new(),
+            activation_dtype: baton_shared::proto::Dtype::F32,
+            weights: "f32".into(),
+            max_queue: 1,
+            max_running,
+            max_batch_tokens: budget,
+            kv_dim: 1,
+            kv_block_size: 16,
+            kv_max_blocks: None,
+            kv_dtype: baton_worker::kv_cache::KvDtype::F32,
+        }
+    }
+
+    #[test]
+    fn the_planned_micro_batch_follows_the_traffic_served() {
+        let c = config(2, 16, 128);
+        let w = |tokens, sampled| Workload { tokens, sampled };
+        // Nothing served yet: 8 decode rows per micro-batch and as many prompt rows.
+        assert_eq!(planning_workload(&c, 0, 0), (w(16, 8), 0.5));
+        // Mostly decode, observed.
+        assert_eq!(planning_workload(&c, 1000, 9000), (w(9, 8), 0.1));
+        // Prompt-heavy traffic fills the step's budget at most.
+        assert_eq!(planning_workload(&c, 99_000, 1000).0, w(128, 8));
+        // Small budgets and one running sequence still plan at least one row.
+        assert_eq!(planning_workload(&config(3, 1, 1), 0, 0).0, w(1, 1));
+    }
+}

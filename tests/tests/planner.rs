@@ -1,0 +1,200 @@
+//! The measured split planner end to end: the worker's profiler (in process and over gRPC), and
+//! pipelines whose layer ranges the coordinator planned from real workers' profiles.
+
+use baton_coordinator::generation::Generator;
+use baton_shared::model_files::ModelFiles;
+use baton_shared::model_source::LoadedModel;
+use baton_shared::proto::ProfileRequest;
+use baton_shared::sampling::SamplingParams;
+use baton_tests::cluster::{Limits, TestCluster};
+use baton_tests::{default_model, fixtures};
+use baton_worker::backend::{self, BackendOptions, Device};
+use baton_worker::engine::Engine;
+use baton_worker::kv_cache::KvDtype;
+use baton_worker::model::{StageWeights, WeightFormat};
+use baton_worker::profiler::{self, ProfileError, ProfileSpec};
+use baton_worker::service::connect_worker;
+
+fn opts(format: WeightFormat) -> BackendOptions {
+    BackendOptions {
+        device: Device::Cpu { threads: Some(1) },
+        format,
+        threads: 1,
+        kernels: None,
+        check_finite: true,
+        kv_blocks: 4,
+        kv_block_size: 16,
+        kv_dtype: KvDtype::F32,
+    }
+}
+
+#[test]
+fn the_profile_times_every_part_and_its_bytes_match_real_stages() {
+    let spec = ProfileSpec {
+        token_counts: vec![1, 4, 16],
+        context: 40,
+        reps: 1,
+    };
+    let smollm2 = default_model();
+    let cases = [
+        (fixtures().join("tiny/llama_untied"), WeightFormat::F32),
+        (fixtures().join("tiny/llama_tied"), WeightFormat::F32),
+        (fixtures().join("tiny/qwen3"), WeightFormat::Q8_0),
+        (smollm2, WeightFormat::Q8_0),
+    ];
+    for (model, format) in cases {
+        let files = ModelFiles::open(&model).unwrap();
+        let cfg = files.config().unwrap();
+        let label = format!("{} as {format}", model.display());
+        let p = profiler::profile(&files, &cfg, &opts(format), &spec, 1 << 30).unwrap();
+        for (part, points) in [("layer", &p.layer), ("head", &p.head), ("embed", &p.embed)] {
+            let tokens: Vec<usize> = points.iter().map(|c| c.tokens).collect();
+            assert_eq!(tokens, spec.token_counts, "{label}: {part}");
+            assert!(
+                points.iter().all(|c| c.seconds.is_finite() && c.seconds > 0.0),
+                "{label}: {part} {points:?}"
+            );
+        }
+        assert_eq!(p.threads, 1);
+        assert!(!p.kernels.is_empty());
+        // A first stage holds one layer's bytes per layer plus the embedding; a last stage the
+        // layers plus the head (a tied f32 head borrows the embedding and counts it).
+        let l = cfg.num_layers;
+        let first = backend::load(&files, &cfg, 0..1, &opts(format)).unwrap().info();
+        let last = backend::load(&files, &cfg, 1..l, &opts(format)).unwrap().info();
+        assert_eq!(
+            first.weight_bytes,
+            p.bytes.layers + p.bytes.embedding,
+            "{label}: first stage"
+        );
+        assert_eq!(
+            last.weight_bytes,
+            (l - 1) * p.bytes.layers + p.bytes.head,
+            "{label}: last stage"
+        );
+    }
+}
+
+#[test]
+fn bad_profile_requests_are_refused_by_name() {
+    let files = ModelFiles::open(&fixtures().join("tiny/llama_untied")).unwrap();
+    let cfg = files.config().unwrap();
+    let spec = |counts: Vec<usize>, context| ProfileSpec {
+        token_counts: counts,
+        context,
+        reps: 1,
+    };
+    let run = |s: &ProfileSpec, budget| profiler::profile(&files, &cfg, &opts(WeightFormat::F32), s, budget);
+    for counts in [vec![], vec![0, 4], vec![5000]] {
+        let e = run(&spec(counts.clone(), 8), 1 << 30).unwrap_err();
+        assert!(matches!(e, ProfileError::TokenCounts(_)), "{counts:?}: {e}");
+        assert!(e.to_string().contains("token counts"), "{e}");
+    }
+    let e = run(&spec(vec![1], 40_000), 1 << 30).unwrap_err();
+    assert!(e.to_string().contains("context of 40000"), "{e}");
+    let e = run(&spec(vec![64], 128), 1000).unwrap_err();
+    assert!(
+        e.to_string().contains("KV budget of 1000 bytes"),
+        "a profile too large for the worker's KV budget: {e}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn measured_splits_serve_what_one_process_computes() {
+    // SmolLM2 over three workers, and a tiny model over two: the coordinator profiles each
+    // worker, plans, and the pipeline's greedy output is the engine's whatever ranges it chose.
+    let model = default_model();
+    let loaded = LoadedModel::open(&model).unwrap();
+    let tiny = fixtures().join("tiny/qwen3");
+    let tiny_cfg = ModelFiles::open(&tiny).unwrap().config().unwrap();
+    let cases = [
+        (
+            &model,
+            &loaded.config,
+            3,
+            loaded.tokenizer.encode("The capital of France is", true).unwrap(),
+        ),
+        (&tiny, &tiny_cfg, 2, vec![5, 17, 200, 3, 99]),
+    ];
+    for (path, cfg, stages, prompt) in cases {
+        let files = ModelFiles::open(path).unwrap();
+        let params = SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(10)
+        };
+        let want = Engine::new(StageWeights::load_full(&files, cfg, true).unwrap())
+            .generate(&prompt, &params, None, |_| {})
+            .unwrap()
+            .tokens;
+        let limits = Limits {
+            measured_split: true,
+            ..Limits::default()
+        };
+        let cuts: Vec<usize> = (1..stages).collect();
+        let tc = TestCluster::start_full(path, cfg, vec![], &cuts, &[], limits).await;
+        let (got, _) = tc.generate(&prompt, params).await.unwrap();
+        assert_eq!(got, want, "{} over {stages} planned stages", path.display());
+
+        let view = tc.generator.describe();
+        let split = &view["split"];
+        assert_eq!(split["policy"], "measured", "{view}");
+        // Nothing served before the plan: 8 running sequences' decode tokens shared among the
+        // stages' micro-batches, and as many prompt rows.
+        assert_eq!(split["sampled_rows"], 8usize.div_ceil(stages), "{view}");
+        assert_eq!(split["batch_tokens"], 2 * 8usize.div_ceil(stages), "{view}");
+        let ranges: Vec<(u64, u64)> = view["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| (s["layer_start"].as_u64().unwrap(), s["layer_end"].as_u64().unwrap()))
+            .collect();
+        assert_eq!(ranges.len(), stages);
+        assert_eq!(ranges[0].0, 0);
+        assert_eq!(ranges[stages - 1].1, cfg.num_layers as u64);
+        assert!(
+            ranges.windows(2).all(|w| w[0].1 == w[1].0) && ranges.iter().all(|r| r.0 < r.1),
+            "{ranges:?}"
+        );
+        for s in view["stages"].as_array().unwrap() {
+            let ms = s["predicted_ms"].as_f64().unwrap_or(0.0);
+            assert!(ms > 0.0 && ms.is_finite(), "every stage has a predicted time: {s}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_profile_rpc_answers_and_refuses_bad_requests() {
+    let dir = fixtures().join("tiny/llama_untied");
+    let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
+    let tc = TestCluster::start(&dir, &cfg, vec![], &[]).await;
+    let address = tc.generator.status.assignment.lock().unwrap()[0].address.clone();
+    let mut client = connect_worker(&address, &tc.token).await.unwrap();
+    let req = |weights: &str, counts: Vec<u32>| ProfileRequest {
+        model: dir.display().to_string(),
+        weights: weights.into(),
+        token_counts: counts,
+        context: 32,
+        reps: 1,
+    };
+    let p = client.profile(req("q8_0", vec![1, 8])).await.unwrap().into_inner();
+    assert_eq!(p.layer.iter().map(|c| c.tokens).collect::<Vec<_>>(), [1, 8]);
+    assert!(p.head.iter().chain(&p.embed).all(|c| c.seconds > 0.0));
+    assert!(p.layer_weight_bytes > 0 && p.head_weight_bytes > 0 && p.embed_weight_bytes > 0);
+    let e = client.profile(req("int2", vec![1])).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(e.message().contains("int2"), "{}", e.message());
+    let e = client.profile(req("f32", vec![])).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(e.message().contains("token counts"), "{}", e.message());
+    let e = client
+        .profile(ProfileRequest {
+            model: "/nonexistent/model.gguf".into(),
+            ..req("f32", vec![1])
+        })
+        .await
+        .unwrap_err();
+    assert!(e.message().contains("/nonexistent/model.gguf"), "{}", e.message());
+    // The worker still serves after the refusals.
+    let (got, _) = tc.generate(&[3, 4, 5], SamplingParams::greedy(3)).await.unwrap();
+    assert_eq!(got.len(), 3);
+}
