@@ -34,6 +34,7 @@ fn the_profile_times_every_part_and_its_bytes_match_real_stages() {
         token_counts: vec![1, 4, 16],
         context: 40,
         reps: 1,
+        min_seconds: 0.0,
     };
     let smollm2 = default_model();
     let cases = [
@@ -83,6 +84,7 @@ fn bad_profile_requests_are_refused_by_name() {
         token_counts: counts,
         context,
         reps: 1,
+        min_seconds: 0.0,
     };
     let run = |s: &ProfileSpec, budget| profiler::profile(&files, &cfg, &opts(WeightFormat::F32), s, budget);
     for counts in [vec![], vec![0, 4], vec![5000]] {
@@ -92,6 +94,25 @@ fn bad_profile_requests_are_refused_by_name() {
     }
     let e = run(&spec(vec![1], 40_000), 1 << 30).unwrap_err();
     assert!(e.to_string().contains("context of 40000"), "{e}");
+    let e = run(
+        &ProfileSpec {
+            min_seconds: 5.0,
+            ..spec(vec![1], 8)
+        },
+        1 << 30,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("time per point of 5 s"), "{e}");
+    // Timing each point for a while repeats it until the time is up.
+    let p = run(
+        &ProfileSpec {
+            min_seconds: 0.02,
+            ..spec(vec![1], 8)
+        },
+        1 << 30,
+    )
+    .unwrap();
+    assert!(p.layer[0].seconds > 0.0);
     let e = run(&spec(vec![64], 128), 1000).unwrap_err();
     assert!(
         e.to_string().contains("KV budget of 1000 bytes"),
@@ -175,6 +196,7 @@ async fn the_profile_rpc_answers_and_refuses_bad_requests() {
         token_counts: counts,
         context: 32,
         reps: 1,
+        min_millis: 0,
     };
     let p = client.profile(req("q8_0", vec![1, 8])).await.unwrap().into_inner();
     assert_eq!(p.layer.iter().map(|c| c.tokens).collect::<Vec<_>>(), [1, 8]);

@@ -19,6 +19,8 @@ use crate::model::{ForwardError, PartBytes};
 pub const MAX_PROFILE_TOKENS: usize = 4096;
 /// Longest context a profile's tokens attend over.
 pub const MAX_PROFILE_CONTEXT: usize = 32768;
+/// Longest a profile keeps timing one point.
+pub const MAX_PROFILE_POINT_SECONDS: f64 = 1.0;
 /// Positions per block of the profile's own KV pool.
 const BLOCK: usize = 16;
 
@@ -29,22 +31,28 @@ pub struct ProfileSpec {
     pub token_counts: Vec<usize>,
     /// KV positions every timed token attends over.
     pub context: usize,
-    /// Timed repetitions per point; the median is kept.
+    /// Timed repetitions per point (at least); their mean is kept.
     pub reps: usize,
+    /// Keep repeating each point for at least this long: a burst of a few milliseconds runs at
+    /// full speed even on a core another process shares (the scheduler credits a thread that
+    /// slept), so only sustained timings show what serving will get.
+    pub min_seconds: f64,
 }
 
 impl Default for ProfileSpec {
-    /// Decode batches of 1 to 64 tokens at a 128-position context, 3 repetitions.
+    /// Decode batches of 1 to 64 tokens at a 128-position context, at least 3 repetitions
+    /// and 40 ms per point.
     fn default() -> Self {
         Self {
             token_counts: (0..7).map(|i| 1 << i).collect(),
             context: 128,
             reps: 3,
+            min_seconds: 0.04,
         }
     }
 }
 
-/// Median seconds for a batch of `tokens` tokens.
+/// Mean seconds for a batch of `tokens` tokens.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CostPoint {
     pub tokens: usize,
@@ -74,6 +82,8 @@ pub enum ProfileError {
     TokenCounts(Vec<usize>),
     #[error("profile context of {0} positions is beyond the limit of {MAX_PROFILE_CONTEXT}")]
     Context(usize),
+    #[error("profile time per point of {0} s is outside 0..={MAX_PROFILE_POINT_SECONDS} s")]
+    MinSeconds(f64),
     #[error(
         "profiling {tokens} sequences at a context of {context} needs a KV pool of {need} bytes, more than this worker's KV budget of {budget} bytes (kv_cache_mib)"
     )]
@@ -98,17 +108,30 @@ impl ProfileSpec {
         if self.context > MAX_PROFILE_CONTEXT {
             return Err(ProfileError::Context(self.context));
         }
+        if !(0.0..=MAX_PROFILE_POINT_SECONDS).contains(&self.min_seconds) {
+            return Err(ProfileError::MinSeconds(self.min_seconds));
+        }
         Ok(())
     }
 }
 
-/// Run `once` (which returns the seconds of its timed part) once to warm up, then `reps` times;
-/// the median.
-fn median_seconds(reps: usize, mut once: impl FnMut() -> Result<f64, ForwardError>) -> Result<f64, ForwardError> {
+/// Run `once` (which returns the seconds of its timed part) once to warm up, then at least
+/// `reps` times and for at least `min_seconds` back to back; the mean. Not the median: on a
+/// core shared with another process most short repetitions fit in one time slice and run at
+/// full speed, and the few that wait for the other process are exactly what serving will see.
+fn mean_seconds(
+    reps: usize,
+    min_seconds: f64,
+    mut once: impl FnMut() -> Result<f64, ForwardError>,
+) -> Result<f64, ForwardError> {
     once()?;
-    let mut s = (0..reps.max(1)).map(|_| once()).collect::<Result<Vec<_>, _>>()?;
-    s.sort_by(f64::total_cmp);
-    Ok(s[s.len() / 2])
+    let start = Instant::now();
+    let (mut n, mut total) = (0usize, 0f64);
+    while n < reps.max(1) || start.elapsed().as_secs_f64() < min_seconds {
+        total += once()?;
+        n += 1;
+    }
+    Ok(total / n as f64)
 }
 
 /// Time one layer, the head and the embedding of the model in `files` on the backend `opts`
@@ -172,18 +195,18 @@ pub fn profile(
             })
             .collect();
         let (embedded, hidden, logits) = (&mut embedded[..t * h], &mut hidden[..t * h], &mut logits[..t * vocab]);
-        let embed = median_seconds(spec.reps, || {
+        let embed = mean_seconds(spec.reps, spec.min_seconds, || {
             let start = Instant::now();
             b.embed(&tokens, embedded)?;
             Ok(start.elapsed().as_secs_f64())
         })?;
-        let layer = median_seconds(spec.reps, || {
+        let layer = mean_seconds(spec.reps, spec.min_seconds, || {
             hidden.copy_from_slice(embedded);
             let start = Instant::now();
             b.forward(hidden, &seqs)?;
             Ok(start.elapsed().as_secs_f64())
         })?;
-        let head = median_seconds(spec.reps, || {
+        let head = mean_seconds(spec.reps, spec.min_seconds, || {
             let start = Instant::now();
             b.logits(hidden, logits)?;
             let picked: usize = logits.chunks_exact(vocab).map(argmax).sum();

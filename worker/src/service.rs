@@ -348,10 +348,13 @@ impl Worker for WorkerService {
                 token_counts: r.token_counts.iter().map(|&t| t as usize).collect(),
                 context: r.context as usize,
                 reps: if r.reps == 0 { 3 } else { r.reps as usize },
+                min_seconds: f64::from(r.min_millis) / 1e3,
             };
             let opts = state.backend_options(format);
             profiler::profile(&files, &cfg, &opts, &spec, state.kv_cache_bytes).map_err(|e| match e {
-                ProfileError::TokenCounts(_) | ProfileError::Context(_) => Status::invalid_argument(e.to_string()),
+                ProfileError::TokenCounts(_) | ProfileError::Context(_) | ProfileError::MinSeconds(_) => {
+                    Status::invalid_argument(e.to_string())
+                }
                 ProfileError::KvBudget { .. } => Status::resource_exhausted(e.to_string()),
                 _ => Status::failed_precondition(e.to_string()),
             })

@@ -16,6 +16,9 @@ use crate::registry::WorkerEntry;
 pub const PROFILE_TOKENS: [u32; 7] = [1, 2, 4, 8, 16, 32, 64];
 /// KV positions each profiled token attends over.
 pub const PROFILE_CONTEXT: u32 = 128;
+/// Milliseconds each point is timed for, back to back: long enough that a worker sharing its
+/// core shows its sustained share rather than a burst (about 1 s per worker in all).
+pub const PROFILE_MILLIS_PER_POINT: u32 = 40;
 
 /// How the current ranges were chosen, for `/admin/cluster` and logs.
 #[derive(Debug, Clone, PartialEq)]
@@ -105,6 +108,7 @@ async fn profiles(
                 token_counts: PROFILE_TOKENS.to_vec(),
                 context: PROFILE_CONTEXT,
                 reps: 3,
+                min_millis: PROFILE_MILLIS_PER_POINT,
             };
             async move {
                 let started = std::time::Instant::now();
