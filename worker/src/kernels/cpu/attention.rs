@@ -185,7 +185,15 @@ fn one_head(
         let keys = (row0..row0 + len).map(|r| r * kv_dim + off);
         match s.k {
             KvData::F32(k) => {
-                for (score, at) in sc[p..p + len].iter_mut().zip(keys) {
+                // Eight keys per call share the query's loads and one reduction tree.
+                let mut eights = sc[p..p + len].chunks_exact_mut(8);
+                for (g, s8) in (&mut eights).enumerate() {
+                    let at = |j: usize| (row0 + 8 * g + j) * kv_dim + off;
+                    let d = kf32::dot8(kern, qh, std::array::from_fn(|j| &k[at(j)..at(j) + hd]));
+                    s8.iter_mut().zip(d).for_each(|(s, d)| *s = d * scale);
+                }
+                let done = len / 8 * 8;
+                for (score, at) in eights.into_remainder().iter_mut().zip(keys.skip(done)) {
                     *score = kf32::dot(kern, qh, &k[at..at + hd]) * scale;
                 }
             }

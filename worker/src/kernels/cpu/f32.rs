@@ -28,6 +28,70 @@ pub fn dot(k: Kernels, a: &[f32], b: &[f32]) -> f32 {
     }
 }
 
+/// [`dot`] of `a` with each of 8 rows (attention scores: one query against 8 keys), bit for
+/// bit: on AVX-512 the 8 dot products run side by side and their lane reductions are done as
+/// one transposed tree, which pairs the same lanes in the same order as each dot alone.
+pub fn dot8(k: Kernels, a: &[f32], rows: [&[f32]; 8]) -> [f32; 8] {
+    assert!(rows.iter().all(|r| r.len() == a.len()), "dot8: length mismatch");
+    match k.path() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Kernels` is only made for paths the CPU supports.
+        KernelPath::Avx512 | KernelPath::Avx512Vnni => unsafe { dot8_avx512(a, rows) },
+        _ => rows.map(|r| dot(k, a, r)),
+    }
+}
+
+/// AVX-512 twin of [`dot8`].
+///
+/// # Safety
+/// The CPU must support AVX-512F and AVX2; every row at least as long as `a`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2")]
+unsafe fn dot8_avx512(a: &[f32], rows: [&[f32]; 8]) -> [f32; 8] {
+    let n = a.len() / 16 * 16;
+    let pa = a.as_ptr();
+    let pr = rows.map(<[f32]>::as_ptr);
+    let mut acc = [_mm512_setzero_ps(); 8];
+    let mut i = 0;
+    while i < n {
+        // SAFETY: i + 16 <= n <= every length.
+        unsafe {
+            let x = _mm512_loadu_ps(pa.add(i));
+            for (acc, p) in acc.iter_mut().zip(pr) {
+                *acc = _mm512_add_ps(*acc, _mm512_mul_ps(x, _mm512_loadu_ps(p.add(i))));
+            }
+        }
+        i += 16;
+    }
+    // Lane l + lane l+8, as dot_avx512 folds before reduce8.
+    let v = acc.map(|z| {
+        let lo = _mm512_castps512_ps256(z);
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(z)));
+        _mm256_add_ps(lo, hi)
+    });
+    // reduce8 for all 8 at once. l + l+4, two rows per register: [row j | row j+1].
+    let s4 = |j: usize| {
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(v[j], v[j + 1]),
+            _mm256_permute2f128_ps::<0x31>(v[j], v[j + 1]),
+        )
+    };
+    let (a01, a23, a45, a67) = (s4(0), s4(2), s4(4), s4(6));
+    // l + l+2: [0₀ 0₁ 2₀ 2₁ | 1₀ 1₁ 3₀ 3₁] and likewise for rows 4..8.
+    let s2 = |x: __m256, y: __m256| _mm256_add_ps(_mm256_shuffle_ps::<0x44>(x, y), _mm256_shuffle_ps::<0xEE>(x, y));
+    let (b0, b1) = (s2(a01, a23), s2(a45, a67));
+    // Lane 0 + lane 1: rows [0 2 4 6 | 1 3 5 7], then into order.
+    let c = _mm256_add_ps(_mm256_shuffle_ps::<0x88>(b0, b1), _mm256_shuffle_ps::<0xDD>(b0, b1));
+    let c = _mm256_permutevar8x32_ps(c, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    let mut out = [0f32; 8];
+    // SAFETY: `out` holds 8 floats.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), c) };
+    for (o, r) in out.iter_mut().zip(rows) {
+        *o += tail(&a[n..], &r[n..a.len()]);
+    }
+    out
+}
+
 /// The sequential tail past the last full 16-lane chunk, as the reference sums it.
 #[inline(always)]
 fn tail(a: &[f32], b: &[f32]) -> f32 {
@@ -123,6 +187,30 @@ pub(crate) mod tests {
                 }
             }
             assert_eq!(dot(k, &[0.0; 33], &[5.0; 33]), 0.0);
+        }
+    }
+
+    #[test]
+    fn dot8_is_eight_dots_bit_for_bit() {
+        for k in Kernels::all_supported() {
+            for n in [0, 1, 15, 16, 17, 48, 64, 100, 128] {
+                for (seed, scale) in [(1, 1.0), (2, 1e4), (3, 1e-6)] {
+                    let a = noise(n, seed, scale);
+                    let rows: Vec<Vec<f32>> = (0..8).map(|j| noise(n, seed + 10 + j, 1.0)).collect();
+                    let got = dot8(k, &a, std::array::from_fn(|j| rows[j].as_slice()));
+                    for (j, r) in rows.iter().enumerate() {
+                        let want = reference::dot(&a, r);
+                        assert_eq!(got[j].to_bits(), want.to_bits(), "{} n={n} row {j}", k.path());
+                    }
+                }
+            }
+            // Signed zeros come out as a lone dot gives them.
+            let z = [-0.0f32; 16];
+            let got = dot8(k, &[1.0; 16], [&z; 8]);
+            assert!(
+                got.iter()
+                    .all(|v| v.to_bits() == reference::dot(&[1.0; 16], &z).to_bits())
+            );
         }
     }
 }
