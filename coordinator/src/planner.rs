@@ -41,6 +41,10 @@ impl std::fmt::Display for SplitPolicy {
     }
 }
 
+/// Longest a measured point may take: a layer slower than this is not a measurement, and the
+/// bound keeps every sum of stage times finite.
+pub const MAX_SECONDS: f64 = 1e6;
+
 /// Seconds a part takes for a batch of tokens, from measured points.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CostCurve {
@@ -50,7 +54,7 @@ pub struct CostCurve {
 
 /// Measured points that cannot describe a cost.
 #[derive(Debug, thiserror::Error, PartialEq)]
-#[error("bad cost curve {0:?}: need at least one point, token counts increasing from 1, finite non-negative seconds")]
+#[error("bad cost curve {0:?}: need at least one point, token counts increasing from 1, seconds in 0..={MAX_SECONDS}")]
 pub struct BadCurve(Vec<(usize, f64)>);
 
 impl CostCurve {
@@ -60,7 +64,7 @@ impl CostCurve {
         let ok = !points.is_empty()
             && points[0].0 >= 1
             && points.windows(2).all(|w| w[0].0 < w[1].0)
-            && points.iter().all(|p| p.1.is_finite() && p.1 >= 0.0);
+            && points.iter().all(|p| (0.0..=MAX_SECONDS).contains(&p.1));
         if ok { Ok(Self { points }) } else { Err(BadCurve(points)) }
     }
 
@@ -136,19 +140,22 @@ pub enum PlanError {
     Shape { layers: usize, stages: usize },
     #[error("no split of {layers} layers fits the workers' memory: {detail}")]
     DoesNotFit { layers: usize, detail: String },
+    #[error("the workers' costs admit no plan: {0}")]
+    Costs(String),
 }
 
 /// Seconds and weight bytes of stage `i` of `n` holding `layers` layers on worker `w`.
 fn stage_cost(w: &WorkerCosts, i: usize, n: usize, layers: usize, load: Workload) -> (f64, u64) {
+    // Bytes come from the network: saturate rather than wrap past a budget.
     let mut secs = layers as f64 * w.layer.at(load.tokens);
-    let mut bytes = layers as u64 * w.layer_bytes;
+    let mut bytes = (layers as u64).saturating_mul(w.layer_bytes);
     if i == 0 {
         secs += w.embed.at(load.tokens);
-        bytes += w.embed_bytes;
+        bytes = bytes.saturating_add(w.embed_bytes);
     }
     if i + 1 == n {
         secs += w.head.at(load.sampled);
-        bytes += w.head_bytes;
+        bytes = bytes.saturating_add(w.head_bytes);
     }
     (secs, bytes)
 }
@@ -226,6 +233,11 @@ pub fn plan(num_layers: usize, workers: &[WorkerCosts], workload: Workload) -> R
                 }
             }
         }
+    }
+    if !sum[n - 1][num_layers].is_finite() {
+        return Err(PlanError::Costs(format!(
+            "stage times do not add up to a finite total at bottleneck {bottleneck} s"
+        )));
     }
     let mut ranges = vec![0..0; n];
     let mut end = num_layers;
@@ -433,6 +445,13 @@ mod tests {
             plan(2, &vec![linear(1.0, 0.0, 0.0); 3], one),
             Err(PlanError::Shape { .. })
         ));
+        // Byte counts from a worker near u64::MAX saturate instead of wrapping under a budget.
+        let mut huge = linear(1.0, 0.0, 0.0);
+        huge.layer_bytes = u64::MAX / 2;
+        huge.weight_budget = Some(u64::MAX - 1);
+        // Any stage of 2 or more layers is over budget (3 layers would wrap to below it).
+        let e = plan(30, &[huge.clone(), huge], one).unwrap_err();
+        assert!(matches!(e, PlanError::DoesNotFit { .. }), "{e}");
     }
 
     #[test]
@@ -450,6 +469,7 @@ mod tests {
             vec![(1, f64::NAN)],
             vec![(2, 1.0), (2, 3.0)],
             vec![(1, -1.0)],
+            vec![(1, 1e300)],
         ] {
             assert!(CostCurve::new(bad).is_err());
         }

@@ -87,11 +87,20 @@ fn bad_profile_requests_are_refused_by_name() {
         min_seconds: 0.0,
     };
     let run = |s: &ProfileSpec, budget| profiler::profile(&files, &cfg, &opts(WeightFormat::F32), s, budget);
-    for counts in [vec![], vec![0, 4], vec![5000]] {
+    for counts in [vec![], vec![0, 4], vec![5000], vec![4, 4], (1..=33).collect()] {
         let e = run(&spec(counts.clone(), 8), 1 << 30).unwrap_err();
         assert!(matches!(e, ProfileError::TokenCounts(_)), "{counts:?}: {e}");
         assert!(e.to_string().contains("token counts"), "{e}");
     }
+    let e = run(
+        &ProfileSpec {
+            reps: 1000,
+            ..spec(vec![1], 8)
+        },
+        1 << 30,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("repetitions must be at most 100"), "{e}");
     let e = run(&spec(vec![1], 40_000), 1 << 30).unwrap_err();
     assert!(e.to_string().contains("context of 40000"), "{e}");
     let e = run(
@@ -197,11 +206,26 @@ async fn the_profile_rpc_answers_and_refuses_bad_requests() {
         context: 32,
         reps: 1,
         min_millis: 0,
+        kv_dtype: String::new(),
     };
     let p = client.profile(req("q8_0", vec![1, 8])).await.unwrap().into_inner();
     assert_eq!(p.layer.iter().map(|c| c.tokens).collect::<Vec<_>>(), [1, 8]);
     assert!(p.head.iter().chain(&p.embed).all(|c| c.seconds > 0.0));
     assert!(p.layer_weight_bytes > 0 && p.head_weight_bytes > 0 && p.embed_weight_bytes > 0);
+    // Attention timed over an f16 KV pool, as a pipeline with kv_dtype = "f16" runs it.
+    let f16 = ProfileRequest {
+        kv_dtype: "f16".into(),
+        ..req("f32", vec![4])
+    };
+    assert!(client.profile(f16).await.unwrap().into_inner().layer[0].seconds > 0.0);
+    let e = client
+        .profile(ProfileRequest {
+            kv_dtype: "int3".into(),
+            ..req("f32", vec![4])
+        })
+        .await
+        .unwrap_err();
+    assert!(e.message().contains("'int3'"), "{}", e.message());
     let e = client.profile(req("int2", vec![1])).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
     assert!(e.message().contains("int2"), "{}", e.message());

@@ -19,6 +19,12 @@ use crate::model::{ForwardError, PartBytes};
 pub const MAX_PROFILE_TOKENS: usize = 4096;
 /// Longest context a profile's tokens attend over.
 pub const MAX_PROFILE_CONTEXT: usize = 32768;
+/// Most batch sizes one profile times.
+pub const MAX_PROFILE_POINTS: usize = 32;
+/// Most timed repetitions per point.
+pub const MAX_PROFILE_REPS: usize = 100;
+/// Most logits a profile's head may produce at once (1 GiB of f32).
+const MAX_PROFILE_LOGITS: usize = 1 << 28;
 /// Longest a profile keeps timing one point.
 pub const MAX_PROFILE_POINT_SECONDS: f64 = 1.0;
 /// Positions per block of the profile's own KV pool.
@@ -78,8 +84,14 @@ pub struct Profile {
 /// Why a profile could not be taken.
 #[derive(Debug, thiserror::Error)]
 pub enum ProfileError {
-    #[error("profile token counts must each be between 1 and {MAX_PROFILE_TOKENS}, and at least one given; got {0:?}")]
+    #[error(
+        "profile token counts must be 1 to {MAX_PROFILE_POINTS} distinct values, each between 1 and {MAX_PROFILE_TOKENS}; got {0:?}"
+    )]
     TokenCounts(Vec<usize>),
+    #[error("profile repetitions must be at most {MAX_PROFILE_REPS}; got {0}")]
+    Reps(usize),
+    #[error("profiling {tokens} rows of a {vocab}-token vocabulary needs more than {MAX_PROFILE_LOGITS} logits")]
+    Logits { tokens: usize, vocab: usize },
     #[error("profile context of {0} positions is beyond the limit of {MAX_PROFILE_CONTEXT}")]
     Context(usize),
     #[error("profile time per point of {0} s is outside 0..={MAX_PROFILE_POINT_SECONDS} s")]
@@ -102,8 +114,17 @@ pub enum ProfileError {
 impl ProfileSpec {
     /// Refuse batch sizes and contexts out of range.
     pub fn validate(&self) -> Result<(), ProfileError> {
-        if self.token_counts.is_empty() || self.token_counts.iter().any(|&t| t == 0 || t > MAX_PROFILE_TOKENS) {
+        let mut distinct = self.token_counts.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let bad = distinct.len() != self.token_counts.len()
+            || !(1..=MAX_PROFILE_POINTS).contains(&distinct.len())
+            || self.token_counts.iter().any(|&t| t == 0 || t > MAX_PROFILE_TOKENS);
+        if bad {
             return Err(ProfileError::TokenCounts(self.token_counts.clone()));
+        }
+        if self.reps > MAX_PROFILE_REPS {
+            return Err(ProfileError::Reps(self.reps));
         }
         if self.context > MAX_PROFILE_CONTEXT {
             return Err(ProfileError::Context(self.context));
@@ -145,6 +166,12 @@ pub fn profile(
 ) -> Result<Profile, ProfileError> {
     spec.validate()?;
     let max_t = spec.token_counts.iter().copied().max().unwrap_or(1);
+    if max_t.saturating_mul(config.vocab_size) > MAX_PROFILE_LOGITS {
+        return Err(ProfileError::Logits {
+            tokens: max_t,
+            vocab: config.vocab_size,
+        });
+    }
     // Every timed token is a sequence of its own with `context` positions stored before it.
     let per_seq = (spec.context + 1).div_ceil(BLOCK);
     let opts = BackendOptions {

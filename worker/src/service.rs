@@ -87,6 +87,15 @@ impl WorkerState {
     }
 }
 
+/// A request's KV dtype ("" is f32), refused by name when unknown.
+fn parse_kv_dtype(s: &str) -> Result<KvDtype, Status> {
+    if s.is_empty() {
+        return Ok(KvDtype::F32);
+    }
+    s.parse()
+        .map_err(|e: UnknownKvDtype| Status::invalid_argument(e.to_string()))
+}
+
 impl WorkerState {
     /// Resolve and open `model` (empty: the default) and parse the weight format `weights`
     /// (empty: f32), as LoadStage and Profile name them.
@@ -162,13 +171,7 @@ impl Worker for WorkerService {
             let opts = BackendOptions {
                 kv_blocks: r.kv_blocks as usize,
                 kv_block_size: r.kv_block_size as usize,
-                kv_dtype: if r.kv_dtype.is_empty() {
-                    KvDtype::F32
-                } else {
-                    r.kv_dtype
-                        .parse()
-                        .map_err(|e: UnknownKvDtype| Status::invalid_argument(e.to_string()))?
-                },
+                kv_dtype: parse_kv_dtype(&r.kv_dtype)?,
                 ..state.backend_options(format)
             };
             let pool_bytes = opts.kv_bytes(&cfg, end - start);
@@ -350,11 +353,16 @@ impl Worker for WorkerService {
                 reps: if r.reps == 0 { 3 } else { r.reps as usize },
                 min_seconds: f64::from(r.min_millis) / 1e3,
             };
-            let opts = state.backend_options(format);
+            let opts = BackendOptions {
+                kv_dtype: parse_kv_dtype(&r.kv_dtype)?,
+                ..state.backend_options(format)
+            };
             profiler::profile(&files, &cfg, &opts, &spec, state.kv_cache_bytes).map_err(|e| match e {
-                ProfileError::TokenCounts(_) | ProfileError::Context(_) | ProfileError::MinSeconds(_) => {
-                    Status::invalid_argument(e.to_string())
-                }
+                ProfileError::TokenCounts(_)
+                | ProfileError::Context(_)
+                | ProfileError::MinSeconds(_)
+                | ProfileError::Reps(_)
+                | ProfileError::Logits { .. } => Status::invalid_argument(e.to_string()),
                 ProfileError::KvBudget { .. } => Status::resource_exhausted(e.to_string()),
                 _ => Status::failed_precondition(e.to_string()),
             })

@@ -33,11 +33,11 @@ pub struct SplitInfo {
     pub note: Option<String>,
 }
 
-/// Profiles kept across rebuilds, by worker id and address (a restarted worker with a new
-/// address is measured again).
+/// Profiles kept across rebuilds, by worker id, address and registration: a worker that
+/// registers again (restarted, maybe on other hardware under the same name) is measured again.
 #[derive(Debug, Default)]
 pub struct ProfileCache {
-    by_worker: HashMap<(String, String), ProfileResponse>,
+    by_worker: HashMap<(String, String, u64), WorkerCosts>,
 }
 
 /// Prompt tokens' share of the rows when nothing has been served yet: chunked prompts as many
@@ -88,14 +88,18 @@ fn worker_costs(w: &WorkerEntry, p: &ProfileResponse) -> Result<WorkerCosts, Str
     })
 }
 
-/// Ask every worker without a cached profile for one, all at once.
+/// How long a worker may take to answer Profile (loading a layer and the head, then timing).
+const PROFILE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// The planner's view of every worker, from cached profiles or asked for now, all at once.
+/// Only valid answers are cached; an error names the first worker that failed.
 async fn profiles(
     config: &PipelineConfig,
     workers: &[WorkerEntry],
     clients: &[AuthedWorkerClient],
     cache: &mut ProfileCache,
-) -> Result<Vec<ProfileResponse>, String> {
-    let key = |w: &WorkerEntry| (w.id.clone(), w.address.clone());
+) -> Result<Vec<WorkerCosts>, String> {
+    let key = |w: &WorkerEntry| (w.id.clone(), w.address.clone(), w.seq);
     let asks = workers
         .iter()
         .zip(clients)
@@ -109,20 +113,35 @@ async fn profiles(
                 context: PROFILE_CONTEXT,
                 reps: 3,
                 min_millis: PROFILE_MILLIS_PER_POINT,
+                kv_dtype: config.kv_dtype.to_string(),
             };
             async move {
                 let started = std::time::Instant::now();
-                let r = client
-                    .profile(req)
+                let failed = |why: String| format!("worker {} ({}) could not be profiled: {why}", w.id, w.address);
+                let r = tokio::time::timeout(PROFILE_DEADLINE, client.profile(req))
                     .await
-                    .map_err(|e| format!("worker {} ({}) could not be profiled: {}", w.id, w.address, e.message()))?;
+                    .map_err(|_| failed(format!("no answer within {} s", PROFILE_DEADLINE.as_secs())))?
+                    .map_err(|e| failed(e.message().to_string()))?;
+                let costs = worker_costs(w, &r.into_inner()).map_err(|e| failed(format!("bad profile: {e}")))?;
                 tracing::info!(worker_id = %w.id, seconds = started.elapsed().as_secs_f64(), "worker profiled");
-                Ok::<_, String>((key(w), r.into_inner()))
+                Ok::<_, String>((key(w), costs))
             }
         });
+    let mut first_error = None;
     for r in futures::future::join_all(asks).await {
-        let (k, p) = r?;
-        cache.by_worker.insert(k, p);
+        match r {
+            Ok((k, costs)) => {
+                cache.by_worker.insert(k, costs);
+            }
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    // Only this build's workers stay: the others are gone or registered again.
+    cache.by_worker.retain(|k, _| workers.iter().any(|w| key(w) == *k));
+    if let Some(e) = first_error {
+        return Err(e);
     }
     Ok(workers.iter().map(|w| cache.by_worker[&key(w)].clone()).collect())
 }
@@ -135,12 +154,7 @@ async fn measured(
     cache: &mut ProfileCache,
     workload: Workload,
 ) -> Result<Plan, String> {
-    let profiles = profiles(config, workers, clients, cache).await?;
-    let costs = workers
-        .iter()
-        .zip(&profiles)
-        .map(|(w, p)| worker_costs(w, p).map_err(|e| format!("worker {} sent a bad profile: {e}", w.id)))
-        .collect::<Result<Vec<_>, _>>()?;
+    let costs = profiles(config, workers, clients, cache).await?;
     planner::plan(config.num_layers, &costs, workload).map_err(|e| e.to_string())
 }
 
@@ -191,6 +205,16 @@ pub async fn choose(
 }
 
 impl SplitInfo {
+    /// An even split chosen because a measured one could not be used.
+    pub fn even_because(note: String) -> Self {
+        Self {
+            policy: "even",
+            workload: None,
+            predicted_seconds: Vec::new(),
+            note: Some(note),
+        }
+    }
+
     /// The JSON `/admin/cluster` shows.
     pub fn to_json(&self) -> serde_json::Value {
         serde_json::json!({

@@ -17,6 +17,7 @@ use super::stage_stats;
 use super::steps::{self, StepLoopEnd};
 use super::{NewSequence, PipelineConfig, PipelineStatus};
 use crate::generation::TokenEvent;
+use crate::planner::even_split;
 use crate::registry::{Cluster, WorkerEntry};
 
 /// Which worker serves which layers.
@@ -63,8 +64,18 @@ async fn build(
             .map_err(|e| format!("stage {i} ({}): {}", w.address, e.message()))?;
         clients.push(client.max_encoding_message_size(MAX_MESSAGE));
     }
-    let (ranges, split) = split::choose(config, workers, &clients, profiles, status).await?;
-    let kv_blocks = kv_blocks(config, workers, &ranges)?;
+    let (mut ranges, mut split) = split::choose(config, workers, &clients, profiles, status).await?;
+    let kv_blocks = match kv_blocks(config, workers, &ranges) {
+        Ok(b) => b,
+        // The plan weighs weights, not KV: a stage it loads up may leave no room for a block.
+        Err(e) if split.policy == "measured" => {
+            tracing::warn!("the measured split leaves no KV room ({e}); splitting evenly");
+            ranges = even_split(config.num_layers, config.stages);
+            split = SplitInfo::even_because(e);
+            kv_blocks(config, workers, &ranges)?
+        }
+        Err(e) => return Err(e),
+    };
     let stages: Vec<_> = workers
         .iter()
         .zip(ranges)
