@@ -237,13 +237,20 @@ pub fn tile_scalar<const R: usize, const T: usize>(w: [Q4Row<'_>; R], a: [ActRow
     std::array::from_fn(|r| std::array::from_fn(|t| dot_scalar(w[r], a[t])))
 }
 
+/// How many tiles ahead (of `R` rows) the VNNI tile prefetches a matrix's codes, scales and
+/// offsets: rows are contiguous, and the hardware streamers miss `R` rows read side by side.
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_TILES: usize = 2;
+
 /// AVX-512 VNNI tile: two blocks per `vpdpbusd`, `R` weight rows × `T` activation rows.
 ///
-/// The 32 code bytes of a block pair unpack to `[b lo | b' lo | b hi | b' hi]` (16 values per
-/// 128-bit lane); the activations' 64 bytes are shuffled to the same lane order once per token,
-/// so the unpacked codes need no shuffle per row. The `m·(s·Σa)` terms ride in lanes 0 and 1 of
-/// the same accumulator. Every product follows the same instruction sequence whatever `R` and
-/// `T` are, so results do not depend on the tile.
+/// The 32 code bytes of a block pair are loaded once into both halves of a register; shifting
+/// the upper half by 4 and masking unpacks them to `[b lo | b' lo | b hi | b' hi]` (16 values per
+/// 128-bit lane) in three instructions. The activations' 64 bytes are shuffled to the same lane
+/// order once per token, so the unpacked codes need no shuffle per row. The `m·(s·Σa)` terms are
+/// accumulated first, 16 blocks per FMA, rather than riding along every block pair: at one token
+/// the tile is bound by instructions, not bytes. Every product follows the same instruction
+/// sequence whatever `R` and `T` are, so results do not depend on the tile.
 ///
 /// # Safety
 /// The CPU must support AVX-512F/BW/VL/VNNI.
@@ -251,46 +258,70 @@ pub fn tile_scalar<const R: usize, const T: usize>(w: [Q4Row<'_>; R], a: [ActRow
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 pub unsafe fn tile_vnni512<const R: usize, const T: usize>(w: [Q4Row<'_>; R], a: [ActRow<'_>; T]) -> [[f32; T]; R] {
     let nb = blocks(&w, &a);
-    let low4 = _mm256_set1_epi8(0x0f);
+    let low4 = _mm512_set1_epi8(0x0f);
+    // Per 64-bit lane: the lower half keeps the low nibbles, the upper half shifts the high ones down.
+    let nibble_shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
     // Scale lanes: 128-bit lanes 0 and 2 hold block b, lanes 1 and 3 block b + 1.
     let spread = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
     let mut acc = [[_mm512_setzero_ps(); T]; R];
-    let ahead = w[0].0.as_ptr().wrapping_add(2 * R * nb * QK / 2);
+    // Scales and offsets are streams of their own beside the codes: fetch a later tile's now, or
+    // decode (one token) waits on memory at the first use of each.
+    for part in [w[0].1.as_ptr(), w[0].2.as_ptr()] {
+        let later = part.wrapping_add(PREFETCH_TILES * R * nb);
+        for line in (0..R * nb).step_by(16) {
+            _mm_prefetch::<_MM_HINT_T0>(later.wrapping_add(line).cast());
+        }
+    }
+    // The offsets Σ_b m_b·(s·Σa)_b, 16 blocks at a time.
+    let mut b = 0;
+    while b < nb {
+        let k: u16 = if nb - b >= 16 { u16::MAX } else { (1u16 << (nb - b)) - 1 };
+        // SAFETY: the mask selects blocks b..min(b + 16, nb), inside every slice (checked above).
+        unsafe {
+            let sums: [__m512; T] = std::array::from_fn(|t| _mm512_maskz_loadu_ps(k, a[t].2.as_ptr().add(b)));
+            for r in 0..R {
+                let m = _mm512_maskz_loadu_ps(k, w[r].2.as_ptr().add(b));
+                for t in 0..T {
+                    acc[r][t] = _mm512_fmadd_ps(m, sums[t], acc[r][t]);
+                }
+            }
+        }
+        b += 16;
+    }
+    let ahead = w[0].0.as_ptr().wrapping_add(PREFETCH_TILES * R * nb * QK / 2);
     let mut b = 0;
     while b < nb {
         let pair = b + 1 < nb;
         let act_mask: u64 = if pair { u64::MAX } else { u32::MAX as u64 };
-        let code_mask: u32 = if pair { u32::MAX } else { u16::MAX as u32 };
         let two: u16 = if pair { 0b11 } else { 0b01 };
         let pf = ahead.wrapping_add(b * R * QK / 2);
         for r in 0..R.div_ceil(2) {
             _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * r).cast());
         }
         // SAFETY: blocks b and (if `pair`) b + 1 are inside every slice (checked above); masked
-        // loads touch only the selected elements.
+        // loads touch only the selected elements, and a pair's 32 code bytes are its own.
         unsafe {
             let mut av = [_mm512_setzero_si512(); T];
             let mut sa = [_mm512_setzero_ps(); T];
-            let mut sums = [_mm512_setzero_ps(); T];
             for t in 0..T {
-                let (q, d, s) = a[t];
+                let (q, d, _) = a[t];
                 let x = _mm512_maskz_loadu_epi8(act_mask, q.as_ptr().add(b * QK).cast());
                 av[t] = _mm512_shuffle_i64x2::<0b11_01_10_00>(x, x);
                 sa[t] = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(two, d.as_ptr().add(b)));
-                sums[t] = _mm512_maskz_loadu_ps(two, s.as_ptr().add(b));
             }
             for r in 0..R {
-                let (c, d, m) = w[r];
-                let y = _mm256_maskz_loadu_epi8(code_mask, c.as_ptr().add(b * QK / 2).cast());
-                let lo = _mm256_and_si256(y, low4);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(y), low4);
-                let codes = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                let (c, d, _) = w[r];
+                let at = c.as_ptr().add(b * QK / 2);
+                let y = if pair {
+                    _mm256_loadu_si256(at.cast())
+                } else {
+                    _mm256_maskz_loadu_epi8(u16::MAX as u32, at.cast())
+                };
+                let codes = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(y), nibble_shift), low4);
                 let sw = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(two, d.as_ptr().add(b)));
-                let mw = _mm512_maskz_loadu_ps(two, m.as_ptr().add(b));
                 for t in 0..T {
                     let p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, av[t]);
-                    let v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(sw, sa[t]), acc[r][t]);
-                    acc[r][t] = _mm512_fmadd_ps(mw, sums[t], v);
+                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(sw, sa[t]), acc[r][t]);
                 }
             }
         }

@@ -46,6 +46,10 @@ fn blocks<const R: usize, const T: usize>(
     nb
 }
 
+/// How many tiles ahead (of `R` rows) the VNNI tile prefetches a matrix's quants and scales.
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_TILES: usize = 2;
+
 /// AVX-512 VNNI tile (see the module docs). Every slice holds the same number of blocks.
 ///
 /// # Safety
@@ -64,9 +68,14 @@ pub unsafe fn tile_vnni512<const R: usize, const T: usize>(
     // Lanes 0..8 take the first block's scale, lanes 8..16 the second's.
     let spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     let mut acc = [[_mm512_setzero_ps(); T]; R];
-    // Rows of a matrix are contiguous: prefetch the tile of rows after next, which the
-    // hardware streamers miss when R rows are read side by side (matters for decode, T = 1).
-    let ahead = wq[0].as_ptr().wrapping_add(2 * R * nb * QK);
+    // Rows of a matrix are contiguous: prefetch a later tile of rows, which the hardware
+    // streamers miss when R rows are read side by side (matters for decode, T = 1). The block
+    // scales are a stream of their own: fetch a later tile's now, or every first use waits.
+    let later = wd[0].as_ptr().wrapping_add(PREFETCH_TILES * R * nb);
+    for line in (0..R * nb).step_by(16) {
+        _mm_prefetch::<_MM_HINT_T0>(later.wrapping_add(line).cast());
+    }
+    let ahead = wq[0].as_ptr().wrapping_add(PREFETCH_TILES * R * nb * QK);
     let mut b = 0;
     while b < nb {
         // Two blocks, or the last one alone (upper half zero: zero weights add exact zeros).
