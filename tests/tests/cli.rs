@@ -398,4 +398,27 @@ fn bench_prints_one_json_object_per_configuration_with_the_roofline() {
     }
     let err = stderr_of_failure(&["bench", "decode", "--model", model, "--threads", "0"]);
     assert!(err.contains("--threads"), "{err}");
+    // A slower kernel path on request (what CPUs without the faster instructions run), and an
+    // unknown one refused by name.
+    let out = baton(&[
+        "bench",
+        "decode",
+        "--model",
+        model,
+        "--kernels",
+        "scalar",
+        "--threads",
+        "1",
+        "--tokens",
+        "2",
+        "--reps",
+        "1",
+        "--format",
+        "json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
+    assert_eq!(v["kernel_path"], "scalar", "{v}");
+    let err = stderr_of_failure(&["bench", "decode", "--model", model, "--kernels", "avx9"]);
+    assert!(err.contains("unknown kernel path \"avx9\""), "{err}");
 }

@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{Result, bail};
 use baton_shared::sampling::SamplingParams;
 use baton_worker::engine::Engine;
-use baton_worker::kernels::cpu::dispatch::Kernels;
+use baton_worker::kernels::cpu::dispatch::{KernelPath, Kernels};
 use baton_worker::model::{LoadOptions, StageWeights, WeightFormat};
 use baton_worker::roofline::stream_read_gb_per_s;
 use baton_worker::threads::ThreadPool;
@@ -50,6 +50,10 @@ pub struct BenchOpts {
     /// Repetitions per configuration; the median is reported.
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
+    /// Kernel path (scalar, avx2, avx512, avx512-vnni); default: the fastest this CPU runs.
+    /// A slower path measures what CPUs without the faster instructions get.
+    #[arg(long)]
+    pub kernels: Option<KernelPath>,
     /// Output: text (a table) or json (one object per configuration and line).
     #[arg(long, default_value_t = OutputFormat::Text, value_enum)]
     pub format: OutputFormat,
@@ -96,7 +100,10 @@ pub fn run(ctx: &Ctx, args: BenchArgs) -> Result<()> {
             model.config.max_position_embeddings
         );
     }
-    let kernels = Kernels::detect();
+    let kernels = match m.kernels {
+        None => Kernels::detect(),
+        Some(path) => Kernels::with_path(path)?,
+    };
     let mut engines = Vec::new();
     for &format in &m.weights {
         let opts = LoadOptions {

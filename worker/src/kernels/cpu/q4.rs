@@ -13,6 +13,9 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+#[cfg(target_arch = "x86_64")]
+use super::{PREFETCH_TILES, prefetch};
+
 use baton_shared::dtype::{DType, QK};
 
 use super::aligned::AlignedI8;
@@ -195,7 +198,12 @@ pub unsafe fn tile_avx2<const R: usize, const T: usize>(w: [Q4Row<'_>; R], a: [A
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     let mut offsets = [[0f32; T]; R];
+    // As in the VNNI tile: a later tile's scales and offsets now, its codes block by block.
+    prefetch(w[0].1.as_ptr().wrapping_add(PREFETCH_TILES * R * nb), R * nb);
+    prefetch(w[0].2.as_ptr().wrapping_add(PREFETCH_TILES * R * nb), R * nb);
+    let ahead = w[0].0.as_ptr().wrapping_add(PREFETCH_TILES * R * nb * QK / 2);
     for b in 0..nb {
+        prefetch(ahead.wrapping_add(b * R * QK / 2), R * QK / 2);
         // SAFETY: block b is inside every row (checked above).
         unsafe {
             let x: [__m256i; T] = std::array::from_fn(|t| _mm256_loadu_si256(a[t].0.as_ptr().add(b * QK).cast()));
@@ -237,11 +245,6 @@ pub fn tile_scalar<const R: usize, const T: usize>(w: [Q4Row<'_>; R], a: [ActRow
     std::array::from_fn(|r| std::array::from_fn(|t| dot_scalar(w[r], a[t])))
 }
 
-/// How many tiles ahead (of `R` rows) the VNNI tile prefetches a matrix's codes, scales and
-/// offsets: rows are contiguous, and the hardware streamers miss `R` rows read side by side.
-#[cfg(target_arch = "x86_64")]
-const PREFETCH_TILES: usize = 2;
-
 /// AVX-512 VNNI tile: two blocks per `vpdpbusd`, `R` weight rows × `T` activation rows.
 ///
 /// The 32 code bytes of a block pair are loaded once into both halves of a register; shifting
@@ -264,14 +267,9 @@ pub unsafe fn tile_vnni512<const R: usize, const T: usize>(w: [Q4Row<'_>; R], a:
     // Scale lanes: 128-bit lanes 0 and 2 hold block b, lanes 1 and 3 block b + 1.
     let spread = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
     let mut acc = [[_mm512_setzero_ps(); T]; R];
-    // Scales and offsets are streams of their own beside the codes: fetch a later tile's now, or
-    // decode (one token) waits on memory at the first use of each.
-    for part in [w[0].1.as_ptr(), w[0].2.as_ptr()] {
-        let later = part.wrapping_add(PREFETCH_TILES * R * nb);
-        for line in (0..R * nb).step_by(16) {
-            _mm_prefetch::<_MM_HINT_T0>(later.wrapping_add(line).cast());
-        }
-    }
+    // Scales and offsets are streams of their own beside the codes: a later tile's, now.
+    prefetch(w[0].1.as_ptr().wrapping_add(PREFETCH_TILES * R * nb), R * nb);
+    prefetch(w[0].2.as_ptr().wrapping_add(PREFETCH_TILES * R * nb), R * nb);
     // The offsets Σ_b m_b·(s·Σa)_b, 16 blocks at a time.
     let mut b = 0;
     while b < nb {

@@ -19,6 +19,9 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+#[cfg(target_arch = "x86_64")]
+use super::{PREFETCH_TILES, prefetch};
+
 use baton_shared::dtype::QK;
 
 /// Scalar reference twin of [`tile_vnni512`]: each product as in [`super::q8::dot_scalar`].
@@ -46,10 +49,6 @@ fn blocks<const R: usize, const T: usize>(
     nb
 }
 
-/// How many tiles ahead (of `R` rows) the VNNI tile prefetches a matrix's quants and scales.
-#[cfg(target_arch = "x86_64")]
-const PREFETCH_TILES: usize = 2;
-
 /// AVX-512 VNNI tile (see the module docs). Every slice holds the same number of blocks.
 ///
 /// # Safety
@@ -68,13 +67,8 @@ pub unsafe fn tile_vnni512<const R: usize, const T: usize>(
     // Lanes 0..8 take the first block's scale, lanes 8..16 the second's.
     let spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     let mut acc = [[_mm512_setzero_ps(); T]; R];
-    // Rows of a matrix are contiguous: prefetch a later tile of rows, which the hardware
-    // streamers miss when R rows are read side by side (matters for decode, T = 1). The block
-    // scales are a stream of their own: fetch a later tile's now, or every first use waits.
-    let later = wd[0].as_ptr().wrapping_add(PREFETCH_TILES * R * nb);
-    for line in (0..R * nb).step_by(16) {
-        _mm_prefetch::<_MM_HINT_T0>(later.wrapping_add(line).cast());
-    }
+    // Rows of a matrix are contiguous: a later tile's scales now, its quants block by block.
+    prefetch(wd[0].as_ptr().wrapping_add(PREFETCH_TILES * R * nb), R * nb);
     let ahead = wq[0].as_ptr().wrapping_add(PREFETCH_TILES * R * nb * QK);
     let mut b = 0;
     while b < nb {
@@ -136,7 +130,8 @@ pub unsafe fn tile_avx2<const R: usize, const T: usize>(
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     // As in the VNNI tile: R rows read side by side defeat the hardware streamers in decode.
-    let ahead = wq[0].as_ptr().wrapping_add(2 * R * nb * QK);
+    prefetch(wd[0].as_ptr().wrapping_add(PREFETCH_TILES * R * nb), R * nb);
+    let ahead = wq[0].as_ptr().wrapping_add(PREFETCH_TILES * R * nb * QK);
     for b in 0..nb {
         let pf = ahead.wrapping_add(b * R * QK);
         for r in 0..R.div_ceil(2) {
