@@ -202,13 +202,14 @@ pub fn profile(
     let mut embedded = vec![0f32; max_t * h];
     let mut hidden = vec![0f32; max_t * h];
     let mut logits = vec![0f32; max_t * vocab];
+    let info = b.info();
     let mut out = Profile {
         layer: Vec::new(),
         head: Vec::new(),
         embed: Vec::new(),
-        bytes: b.info().part_bytes,
-        kernels: b.info().kernels,
-        threads: b.info().threads,
+        bytes: info.part_bytes,
+        kernels: info.kernels,
+        threads: info.threads,
     };
     for &t in &spec.token_counts {
         let tokens: Vec<u32> = (0..t).map(|i| ((i * 7919 + 1) % vocab) as u32).collect();

@@ -85,18 +85,7 @@ impl WorkerState {
             kv_cache_bytes,
         }
     }
-}
 
-/// A request's KV dtype ("" is f32), refused by name when unknown.
-fn parse_kv_dtype(s: &str) -> Result<KvDtype, Status> {
-    if s.is_empty() {
-        return Ok(KvDtype::F32);
-    }
-    s.parse()
-        .map_err(|e: UnknownKvDtype| Status::invalid_argument(e.to_string()))
-}
-
-impl WorkerState {
     /// Resolve and open `model` (empty: the default) and parse the weight format `weights`
     /// (empty: f32), as LoadStage and Profile name them.
     fn open_model(&self, model: &str, weights: &str) -> Result<(ModelFiles, ModelConfig, WeightFormat), Status> {
@@ -128,6 +117,15 @@ impl WorkerState {
             kv_dtype: KvDtype::F32,
         }
     }
+}
+
+/// A request's KV dtype ("" is f32), refused by name when unknown.
+fn parse_kv_dtype(s: &str) -> Result<KvDtype, Status> {
+    if s.is_empty() {
+        return Ok(KvDtype::F32);
+    }
+    s.parse()
+        .map_err(|e: UnknownKvDtype| Status::invalid_argument(e.to_string()))
 }
 
 /// The gRPC service.

@@ -167,18 +167,15 @@ pub async fn choose(
     cache: &mut ProfileCache,
     status: &PipelineStatus,
 ) -> Result<(Vec<Range<usize>>, SplitInfo), String> {
-    let info = |policy, note| SplitInfo {
-        policy,
-        workload: None,
-        predicted_seconds: Vec::new(),
-        note,
-    };
     if let Some(cuts) = &config.cuts {
-        return Ok((planner::ranges_from_cuts(config.num_layers, cuts)?, info("cuts", None)));
+        return Ok((
+            planner::ranges_from_cuts(config.num_layers, cuts)?,
+            SplitInfo::unmeasured("cuts", None),
+        ));
     }
     let even = || planner::even_split(config.num_layers, config.stages);
     if config.split == SplitPolicy::Even || config.stages == 1 {
-        return Ok((even(), info("even", None)));
+        return Ok((even(), SplitInfo::unmeasured("even", None)));
     }
     let (workload, share) = planning_workload(
         config,
@@ -199,19 +196,20 @@ pub async fn choose(
         }
         Err(e) => {
             tracing::warn!("measured split unavailable, splitting evenly: {e}");
-            Ok((even(), info("even", Some(e))))
+            Ok((even(), SplitInfo::unmeasured("even", Some(e))))
         }
     }
 }
 
 impl SplitInfo {
-    /// An even split chosen because a measured one could not be used.
-    pub fn even_because(note: String) -> Self {
+    /// Ranges chosen without a plan (`cuts` or `even`); `note` says why a measured plan was
+    /// not used when one was asked for.
+    pub fn unmeasured(policy: &'static str, note: Option<String>) -> Self {
         Self {
-            policy: "even",
+            policy,
             workload: None,
             predicted_seconds: Vec::new(),
-            note: Some(note),
+            note,
         }
     }
 

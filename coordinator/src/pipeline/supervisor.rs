@@ -71,7 +71,7 @@ async fn build(
         Err(e) if split.policy == "measured" => {
             tracing::warn!("the measured split leaves no KV room ({e}); splitting evenly");
             ranges = even_split(config.num_layers, config.stages);
-            split = SplitInfo::even_because(e);
+            split = SplitInfo::unmeasured("even", Some(e));
             kv_blocks(config, workers, &ranges)?
         }
         Err(e) => return Err(e),

@@ -292,10 +292,7 @@ pub unsafe fn tile_vnni512<const R: usize, const T: usize>(w: [Q4Row<'_>; R], a:
         let pair = b + 1 < nb;
         let act_mask: u64 = if pair { u64::MAX } else { u32::MAX as u64 };
         let two: u16 = if pair { 0b11 } else { 0b01 };
-        let pf = ahead.wrapping_add(b * R * QK / 2);
-        for r in 0..R.div_ceil(2) {
-            _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * r).cast());
-        }
+        prefetch(ahead.wrapping_add(b * R * QK / 2), R * QK);
         // SAFETY: blocks b and (if `pair`) b + 1 are inside every slice (checked above); masked
         // loads touch only the selected elements, and a pair's 32 code bytes are its own.
         unsafe {

@@ -304,13 +304,9 @@ pub unsafe fn dot_vnni_rows<const R: usize>(wq: [&[i8]; R], wd: [&[f32]; R], aq:
     // Rows of a matrix are contiguous: prefetch the group of rows after next. Reading R rows
     // side by side defeats the hardware streamers (measured: 12 vs 20 GB/s on the 49152-row head
     // without this); a prefetch never faults, so running past the matrix is harmless.
-    let ahead = wq[0].as_ptr().wrapping_add(2 * R * nb * QK);
+    let ahead = wq[0].as_ptr().wrapping_add(super::PREFETCH_TILES * R * nb * QK);
     for b in 0..nb {
-        let pf = ahead.wrapping_add(b * R * QK);
-        _mm_prefetch::<_MM_HINT_T0>(pf.cast());
-        if R * QK > 64 {
-            _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64).cast());
-        }
+        super::prefetch(ahead.wrapping_add(b * R * QK), R * QK);
         // SAFETY: block b is inside every slice (checked above).
         unsafe {
             let a = _mm256_loadu_si256(aq.as_ptr().add(b * QK).cast());

@@ -76,10 +76,7 @@ pub unsafe fn tile_vnni512<const R: usize, const T: usize>(
         let pair = b + 1 < nb;
         let bytes_mask: u64 = if pair { u64::MAX } else { u32::MAX as u64 };
         let scale_mask: u16 = if pair { 0b11 } else { 0b01 };
-        let pf = ahead.wrapping_add(b * R * QK);
-        for r in 0..R {
-            _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * r).cast());
-        }
+        prefetch(ahead.wrapping_add(b * R * QK), R * 2 * QK);
         // SAFETY: blocks b and (if `pair`) b + 1 are inside every slice (checked above); masked
         // loads touch only the selected bytes.
         unsafe {
@@ -133,10 +130,7 @@ pub unsafe fn tile_avx2<const R: usize, const T: usize>(
     prefetch(wd[0].as_ptr().wrapping_add(PREFETCH_TILES * R * nb), R * nb);
     let ahead = wq[0].as_ptr().wrapping_add(PREFETCH_TILES * R * nb * QK);
     for b in 0..nb {
-        let pf = ahead.wrapping_add(b * R * QK);
-        for r in 0..R.div_ceil(2) {
-            _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * r).cast());
-        }
+        prefetch(ahead.wrapping_add(b * R * QK), R * QK);
         // SAFETY: block b is inside every slice (checked above).
         unsafe {
             let a: [__m256i; T] = std::array::from_fn(|t| _mm256_loadu_si256(aq[t].as_ptr().add(b * QK).cast()));
