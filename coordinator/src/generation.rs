@@ -57,9 +57,15 @@ pub struct TokenLogprobs {
 
 pub use baton_shared::sampling::FinishReason;
 
-/// What a generator sends back, in order: tokens, then exactly one `Done` or `Failed`.
+/// What a generator sends back, in order: at most one `PromptCached`, tokens, then exactly one
+/// `Done` or `Failed`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum TokenEvent {
+    /// Leading prompt tokens whose K/V came from the prefix cache (not prefilled again); sent
+    /// before the first token when there are any.
+    PromptCached {
+        tokens: usize,
+    },
     Token {
         id: u32,
         logprobs: Option<TokenLogprobs>,

@@ -78,6 +78,9 @@ pub struct ServeSettings {
     /// How layers are split among workers: `measured` (each worker times one layer and the
     /// head, and the planner balances the stages) or `even` (by layer count).
     pub split: String,
+    /// Reuse the K/V of cached full blocks a new prompt starts with (a shared system prompt,
+    /// an earlier turn of a chat), so only the rest is prefilled.
+    pub prefix_caching: bool,
     /// Largest request body in bytes (HTTP 413 beyond).
     pub max_body_bytes: usize,
     /// Most tokens (prompt + completion) per request; default: the model's context.
@@ -104,6 +107,7 @@ impl Default for ServeSettings {
             kv_max_blocks: None,
             kv_dtype: "f32".into(),
             split: "measured".into(),
+            prefix_caching: true,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_model_len: None,
             activation_dtype: "f32".into(),
@@ -148,6 +152,9 @@ pub struct CoordinatorSettings {
     /// How layers are split among workers: `measured` (each worker times one layer and the
     /// head, and the planner balances the stages) or `even` (by layer count).
     pub split: String,
+    /// Reuse the K/V of cached full blocks a new prompt starts with (a shared system prompt,
+    /// an earlier turn of a chat), so only the rest is prefilled.
+    pub prefix_caching: bool,
     /// Largest request body in bytes (HTTP 413 beyond).
     pub max_body_bytes: usize,
 }
@@ -170,6 +177,7 @@ impl Default for CoordinatorSettings {
             kv_max_blocks: None,
             kv_dtype: "f32".into(),
             split: "measured".into(),
+            prefix_caching: true,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
         }
     }

@@ -35,7 +35,7 @@ PROMPT = "The capital of France is"
 QUESTION = "What is the capital of France?"
 
 
-ARGS = argparse.Namespace(baton="baton", model=None)  # replaced in main()
+ARGS = argparse.Namespace(baton="baton", model=None, prefix_cache=False)  # replaced in main()
 
 
 def tokenize(text, chat=False):
@@ -65,6 +65,16 @@ def expect_error(kind, fn, needle=None):
             assert needle in str(e), f"{needle!r} not in {e}"
         return e
     raise AssertionError(f"expected {kind.__name__}")
+
+
+def counts(usage):
+    """A usage's token counts (a repeated prompt may differ only in cached_tokens)."""
+    return (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
+
+
+def cached_tokens(usage):
+    details = usage.prompt_tokens_details
+    return 0 if details is None else details.cached_tokens
 
 
 def test_models():
@@ -99,7 +109,7 @@ def test_completion_stream_matches():
             finish = c.finish_reason or finish
     assert text == whole.choices[0].text, (text, whole.choices[0].text)
     assert finish == whole.choices[0].finish_reason
-    assert usage == whole.usage, (usage, whole.usage)
+    assert counts(usage) == counts(whole.usage), (usage, whole.usage)
 
 
 def test_chat():
@@ -122,7 +132,7 @@ def test_chat_stream_matches():
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert text == whole.choices[0].message.content, (text, whole.choices[0].message.content)
     assert finish == [whole.choices[0].finish_reason]
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert chunks[-1].choices == [] and counts(chunks[-1].usage) == counts(whole.usage)
 
 
 def test_stop_strings():
@@ -219,11 +229,40 @@ def test_errors():
     )
 
 
+def test_prefix_cache_reports_cached_prompt_tokens():
+    system = (
+        "You answer questions about a small library. It opens at nine, closes at five, "
+        "lends at most six books per card, and keeps audio books on the second floor."
+    )
+    ask = lambda q: client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": q}],
+        max_tokens=6,
+        temperature=0,
+    )
+    first = ask("When does the library open?")
+    again = ask("When does the library open?")
+    other = ask("How many books can I borrow?")
+    assert again.choices[0].message.content == first.choices[0].message.content
+    if not ARGS.prefix_cache:
+        for r in (first, again, other):
+            assert cached_tokens(r.usage) == 0, r.usage
+        return
+    n = again.usage.prompt_tokens
+    # Whole 16-token blocks, never the prompt's last position.
+    assert cached_tokens(again.usage) == (n - 1) // 16 * 16, again.usage
+    shared = cached_tokens(other.usage)
+    assert 32 <= shared < other.usage.prompt_tokens and shared % 16 == 0, other.usage
+
+
 def main():
     global ARGS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baton", default="baton", help="the baton binary (for `baton tokenize`)")
     parser.add_argument("--model", help="--model to pass to `baton tokenize` (default: the default model)")
+    parser.add_argument(
+        "--prefix-cache", action="store_true", help="the server caches prefixes (expect cached_tokens > 0)"
+    )
     ARGS = parser.parse_args()
     tests = [(name, fn) for name, fn in globals().items() if name.startswith("test_") and callable(fn)]
     passed = failed = 0

@@ -36,6 +36,8 @@ pub struct Limits {
     pub kv_dtype: KvDtype,
     /// Let the measured planner choose the ranges; the cuts then only set the stage count.
     pub measured_split: bool,
+    /// Reuse cached prefix blocks.
+    pub prefix_caching: bool,
 }
 
 impl Default for Limits {
@@ -48,6 +50,7 @@ impl Default for Limits {
             kv_max_blocks: None,
             kv_dtype: KvDtype::F32,
             measured_split: false,
+            prefix_caching: true,
         }
     }
 }
@@ -147,6 +150,7 @@ impl TestCluster {
             kv_block_size: 16,
             kv_max_blocks: limits.kv_max_blocks,
             kv_dtype: limits.kv_dtype,
+            prefix_caching: limits.prefix_caching,
         };
         let generator = Arc::new(PipelineGenerator::start(config, cluster.clone()));
         let workers = (0..stages)
@@ -190,6 +194,7 @@ impl TestCluster {
         let mut tokens = Vec::new();
         while let Some(ev) = rx.recv().await {
             match ev {
+                TokenEvent::PromptCached { .. } => {}
                 TokenEvent::Token { id, .. } => tokens.push(id),
                 TokenEvent::Done { reason } => return Ok((tokens, reason)),
                 TokenEvent::Failed { message, .. } => return Err(message),

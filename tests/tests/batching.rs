@@ -314,6 +314,7 @@ async fn sixteen_concurrent_requests_match_their_solo_outputs_with_some_cancelle
             let mut got = Vec::new();
             while let Some(ev) = rx.recv().await {
                 match ev {
+                    TokenEvent::PromptCached { .. } => {}
                     TokenEvent::Token { id, .. } => got.push(id),
                     TokenEvent::Done { .. } => return (got, true),
                     TokenEvent::Failed { message, .. } => panic!("request {i} failed: {message}"),

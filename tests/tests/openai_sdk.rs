@@ -15,15 +15,15 @@ fn script() -> PathBuf {
 
 #[test]
 fn openai_python_sdk_against_baton_serve_with_two_workers() {
-    run_sdk_script(&[]);
+    run_sdk_script(&[], &["--prefix-cache"]);
 }
 
 #[test]
 fn openai_python_sdk_against_baton_serve_in_process() {
-    run_sdk_script(&["--workers", "0"]);
+    run_sdk_script(&["--workers", "0"], &[]);
 }
 
-fn run_sdk_script(serve_args: &[&str]) {
+fn run_sdk_script(serve_args: &[&str], script_args: &[&str]) {
     let python = std::env::var("BATON_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
     let probe = Command::new(&python)
         .args(["-c", "import openai; print(openai.__version__)"])
@@ -45,6 +45,7 @@ fn run_sdk_script(serve_args: &[&str]) {
         .arg(baton_bin())
         .arg("--model")
         .arg(&model)
+        .args(script_args)
         .env("BATON_BASE_URL", &url)
         .output()
         .expect("running the Python SDK test");

@@ -410,7 +410,7 @@ async fn workers_export_stage_metrics() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn trim_keeps_a_prefix_of_a_sequence() {
+async fn trim_keeps_a_prefix_and_a_cached_prefix_starts_a_sequence() {
     use baton_shared::proto::{MicroBatch, Sampling, SequenceChunk, TrimRequest};
     let dir = fixtures().join("tiny/llama_tied");
     let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
@@ -431,6 +431,7 @@ async fn trim_keeps_a_prefix_of_a_sequence() {
         sample: true,
         sampling: (pos0 == 0).then(Sampling::default),
         blocks: vec![1000 + seq_id as u32 % 100],
+        cached: 0,
     };
     let mut step = async |c: SequenceChunk| {
         tx.send(MicroBatch {
@@ -475,6 +476,48 @@ async fn trim_keeps_a_prefix_of_a_sequence() {
     })
     .await;
     assert!(foreign.error.contains("outside the pool"), "{}", foreign.error);
+
+    // A sequence that starts on another's cached full block (positions 0..16 of block 1050)
+    // and computes only the rest samples what the full prompt alone samples.
+    let prompt: Vec<u32> = (1..=20).collect();
+    let whole = step(SequenceChunk {
+        blocks: vec![1050, 1051],
+        ..chunk(910, prompt.clone(), 0)
+    })
+    .await;
+    let reused = step(SequenceChunk {
+        blocks: vec![1050, 1052],
+        cached: 16,
+        sampling: Some(Sampling::default()),
+        ..chunk(911, prompt[16..].to_vec(), 16)
+    })
+    .await;
+    assert!(
+        whole.error.is_empty() && reused.error.is_empty(),
+        "{} {}",
+        whole.error,
+        reused.error
+    );
+    assert_eq!(whole.results[0].token, reused.results[0].token);
+    let next = step(SequenceChunk {
+        blocks: vec![1050, 1052],
+        ..chunk(911, vec![whole.results[0].token], 20)
+    })
+    .await;
+    assert!(next.error.is_empty(), "the reused sequence continues: {}", next.error);
+    let misplaced = step(SequenceChunk {
+        blocks: vec![1050, 1053],
+        cached: 16,
+        ..chunk(912, prompt[..4].to_vec(), 0)
+    })
+    .await;
+    assert!(
+        misplaced
+            .error
+            .contains("reusing 16 cached positions must start at position 16"),
+        "{}",
+        misplaced.error
+    );
     let e = client
         .trim(TrimRequest {
             seq_id: 12345,
@@ -560,6 +603,7 @@ async fn admission_is_bounded_by_running_and_queue_limits() {
     let mut tokens = 0;
     while let Some(ev) = queued.recv().await {
         match ev {
+            TokenEvent::PromptCached { .. } => {}
             TokenEvent::Token { .. } => tokens += 1,
             TokenEvent::Done { .. } => break,
             TokenEvent::Failed { message, .. } => panic!("{message}"),

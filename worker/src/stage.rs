@@ -191,8 +191,16 @@ impl Stage {
                 };
                 return Err(self.err(format!("sequence {}: {e}", chunk.seq_id)));
             }
-            if pos0 == 0 {
-                // A (re)started sequence: fresh KV, and on the last stage a fresh sampler.
+            let cached = chunk.cached as usize;
+            if cached != 0 && cached != pos0 {
+                return Err(self.err(format!(
+                    "sequence {}: a chunk reusing {cached} cached positions must start at position {cached}, not {pos0}",
+                    chunk.seq_id
+                )));
+            }
+            if pos0 == 0 || cached != 0 {
+                // A (re)started sequence: fresh KV after any reused prefix (its positions are
+                // already in the table's blocks), and on the last stage a fresh sampler.
                 let sampling = chunk.sampling.unwrap_or_default();
                 let params = SamplingParams {
                     temperature: sampling.temperature,
@@ -203,7 +211,7 @@ impl Stage {
                     ..SamplingParams::default()
                 };
                 let state = SeqState {
-                    len: 0,
+                    len: cached,
                     sampler: last.then(|| Sampler::new(&params)),
                     logprobs: sampling.logprobs,
                     top_logprobs: (sampling.top_logprobs as usize).min(MAX_TOP_LOGPROBS),

@@ -144,7 +144,7 @@ async fn run(state: Arc<AppState>, req: ChatRequest) -> Result<Response, ApiErro
             logprobs: top_logprobs.map(|_| chat_logprobs(&out.logprobs)),
             finish_reason: Some(out.finish_reason.as_str()),
         }],
-        usage: Usage::new(prompt_tokens, out.completion_tokens),
+        usage: Usage::new(prompt_tokens, out.completion_tokens, out.cached_tokens),
     };
     Ok(Json(body).into_response())
 }

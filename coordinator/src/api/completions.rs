@@ -95,7 +95,11 @@ async fn run(state: Arc<AppState>, req: CompletionRequest) -> Result<Response, A
             logprobs: top_logprobs.map(|_| completion_logprobs(&out.logprobs)),
             finish_reason: Some(out.finish_reason.as_str()),
         }],
-        usage: Some(Some(Usage::new(prompt_tokens, out.completion_tokens))),
+        usage: Some(Some(Usage::new(
+            prompt_tokens,
+            out.completion_tokens,
+            out.cached_tokens,
+        ))),
     };
     Ok(Json(body).into_response())
 }

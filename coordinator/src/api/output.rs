@@ -106,6 +106,8 @@ pub struct Collected {
     pub logprobs: Vec<TokenText>,
     pub finish_reason: FinishReason,
     pub completion_tokens: usize,
+    /// Prompt tokens reused from the prefix cache.
+    pub cached_tokens: usize,
 }
 
 /// The error a client sees for a generator's `Failed` event (or a generator that vanished).
@@ -130,8 +132,10 @@ pub async fn collect(
     let mut det = Detokenizer::new(tok, stops);
     let mut text = String::new();
     let mut logprobs = Vec::new();
+    let mut cached_tokens = 0;
     let finish_reason = loop {
         match rx.recv().await {
+            Some(TokenEvent::PromptCached { tokens }) => cached_tokens = tokens,
             Some(TokenEvent::Token { id, logprobs: lp }) => {
                 let step = det.token(id, lp)?;
                 text.push_str(&step.text);
@@ -155,5 +159,6 @@ pub async fn collect(
         logprobs,
         finish_reason,
         completion_tokens: det.tokens,
+        cached_tokens,
     })
 }

@@ -64,6 +64,7 @@ async fn drive(format: impl ChunkFormat, job: StreamJob, mut rx: mpsc::Receiver<
     {
         return;
     }
+    let mut cached_tokens = 0;
     let reason = loop {
         let event = tokio::select! {
             // A client that left must cancel promptly, even while no token is coming.
@@ -74,6 +75,7 @@ async fn drive(format: impl ChunkFormat, job: StreamJob, mut rx: mpsc::Receiver<
             event = rx.recv() => event,
         };
         match event {
+            Some(TokenEvent::PromptCached { tokens }) => cached_tokens = tokens,
             Some(TokenEvent::Token { id, logprobs }) => {
                 let step = match det.token(id, logprobs) {
                     Ok(step) => step,
@@ -106,7 +108,7 @@ async fn drive(format: impl ChunkFormat, job: StreamJob, mut rx: mpsc::Receiver<
     };
     // Finished (or a stop string matched): stop the generator before the last chunks.
     drop(rx);
-    let usage = Usage::new(job.prompt_tokens, det.tokens);
+    let usage = Usage::new(job.prompt_tokens, det.tokens, cached_tokens);
     tracing::info!(
         completion_tokens = usage.completion_tokens,
         finish_reason = reason.as_str(),

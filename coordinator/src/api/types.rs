@@ -185,15 +185,26 @@ pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
+    /// Present when part of the prompt came from the prefix cache (as OpenAI reports it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+/// Where a request's prompt tokens came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens whose K/V was reused from the prefix cache.
+    pub cached_tokens: usize,
 }
 
 impl Usage {
-    /// Usage from the two counts.
-    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
+    /// Usage from the counts; `cached_tokens` of the prompt were reused from the prefix cache.
+    pub fn new(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Self {
         Self {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: (cached_tokens > 0).then_some(PromptTokensDetails { cached_tokens }),
         }
     }
 }

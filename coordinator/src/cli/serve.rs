@@ -78,6 +78,10 @@ pub struct ServeArgs {
     #[arg(long, value_parser = ["measured", "even"])]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub split: Option<String>,
+    /// Reuse cached K/V of full blocks a new prompt starts with: true or false [default: true].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefix_caching: Option<bool>,
     /// Largest accepted request body in bytes (HTTP 413 beyond) [default: 4194304].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -282,6 +286,7 @@ async fn build_generator(
         kv_max_blocks: a.kv_max_blocks,
         kv_dtype: kv_dtype(&a.kv_dtype)?,
         split: split_policy(&a.split)?,
+        prefix_caching: a.prefix_caching,
     };
     weight_format(&a.weights)?;
     let server = cluster::start(registry, config)?;

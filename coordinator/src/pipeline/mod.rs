@@ -58,6 +58,8 @@ pub struct PipelineConfig {
     pub kv_max_blocks: Option<usize>,
     /// How every stage stores keys and values.
     pub kv_dtype: KvDtype,
+    /// Reuse the K/V of full blocks whose tokens a new prompt starts with.
+    pub prefix_caching: bool,
 }
 
 /// A new sequence handed to the step loop.
@@ -101,6 +103,11 @@ pub struct PipelineStatus {
     /// KV blocks of the pipeline (the same on every stage) and how many sequences hold.
     pub kv_blocks_total: AtomicU64,
     pub kv_blocks_used: AtomicU64,
+    /// Blocks in the prefix index (held by sequences or idle and reusable).
+    pub kv_blocks_cached: AtomicU64,
+    /// Prompt tokens looked up in the prefix cache, and how many of them were reused.
+    pub prefix_queried_tokens: AtomicU64,
+    pub prefix_hit_tokens: AtomicU64,
     /// Sequences preempted (their KV dropped, to be recomputed) because blocks ran out.
     pub preemptions: AtomicU64,
 }
@@ -153,12 +160,14 @@ impl Generator for PipelineGenerator {
             )));
         }
         req.check(self.config.vocab_size, self.config.max_context)?;
-        let (tx, rx) = mpsc::channel(req.params.max_tokens.clamp(1, 4096) + 1);
+        // Room for every token, `Done` and `PromptCached`, so a slow reader never loses one.
+        let (tx, rx) = mpsc::channel(req.params.max_tokens.clamp(1, 4096) + 2);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let span = tracing::info_span!(
             "sequence",
             seq_id = id,
             prompt_tokens = req.prompt.len(),
+            cached_tokens = tracing::field::Empty,
             max_tokens = req.params.max_tokens,
             generated_tokens = tracing::field::Empty,
             finish_reason = tracing::field::Empty,
@@ -246,6 +255,12 @@ impl Generator for PipelineGenerator {
             "kv_blocks_total": self.status.kv_blocks_total.load(Ordering::Relaxed),
             "kv_blocks_used": self.status.kv_blocks_used.load(Ordering::Relaxed),
             "preemptions_total": self.status.preemptions.load(Ordering::Relaxed),
+            "prefix_cache": {
+                "enabled": self.config.prefix_caching,
+                "cached_blocks": self.status.kv_blocks_cached.load(Ordering::Relaxed),
+                "queried_tokens_total": self.status.prefix_queried_tokens.load(Ordering::Relaxed),
+                "hit_tokens_total": self.status.prefix_hit_tokens.load(Ordering::Relaxed),
+            },
         })
     }
 }

@@ -250,6 +250,7 @@ mod tests {
             kv_block_size: 16,
             kv_max_blocks: None,
             kv_dtype: baton_worker::kv_cache::KvDtype::F32,
+            prefix_caching: true,
         }
     }
 

@@ -1,6 +1,8 @@
 //! The step loop: each step sends one micro-batch (new sequences' prompts and running
 //! sequences' last token) down the pipeline and hands the sampled tokens to their requests.
-//! One micro-batch is in flight at a time; pipelining several is the batching work's job.
+//! Up to one micro-batch per stage is in flight, over disjoint sequences. A new (or preempted)
+//! sequence first takes the cached blocks its tokens start with (`kv_blocks`), and blocks its
+//! micro-batches fill are indexed for later prompts when they come back.
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -11,7 +13,7 @@ use futures::StreamExt;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::kv_blocks::BlockAllocator;
+use super::kv_blocks::{BlockAllocator, IndexProgress};
 use super::supervisor::Pipeline;
 use super::{NewSequence, PipelineConfig, PipelineStatus};
 use crate::generation::{FinishReason, GenerationRequest, TokenEvent, TokenLogprobs};
@@ -37,6 +39,13 @@ struct Seq {
     prefilled: usize,
     /// KV block table (ids from the pipeline's allocator, the same on every stage).
     blocks: Vec<u32>,
+    /// Positions taken from the prefix cache when the sequence (re)started: its first chunk
+    /// begins there.
+    reused: usize,
+    /// How far `blocks` has been offered to the prefix index.
+    indexed: IndexProgress,
+    /// The request has been told how many prompt tokens came from the prefix cache.
+    cached_reported: bool,
     /// Part of a micro-batch that has not come back yet.
     in_flight: bool,
     req: GenerationRequest,
@@ -61,7 +70,35 @@ impl Seq {
     fn preempt(&mut self, alloc: &mut BlockAllocator) {
         alloc.release(&mut self.blocks);
         self.prefilled = 0;
+        self.reused = 0;
+        self.indexed = IndexProgress::Start;
         self.prefill_len = self.tokens.len();
+    }
+
+    /// Positions whose K/V every stage has written (call when no micro-batch of it is in
+    /// flight): a decoding sequence's last token is not computed yet.
+    fn computed(&self) -> usize {
+        if self.decoding() {
+            self.tokens.len() - 1
+        } else {
+            self.prefilled
+        }
+    }
+
+    /// Before the first chunk of a (re)start: take the cached blocks the tokens to prefill start
+    /// with, and begin prefilling after them.
+    fn reuse_prefix(&mut self, alloc: &mut BlockAllocator) {
+        debug_assert!(self.prefilled == 0 && self.blocks.is_empty());
+        let reused = alloc.take_prefix(&mut self.blocks, &self.tokens[..self.prefill_len]);
+        self.reused = reused;
+        self.prefilled = reused;
+        self.indexed = IndexProgress::Indexed(reused / alloc.block_size());
+        self.span.record("cached_tokens", reused);
+        // Reported once per request (usage.prompt_tokens_details), not again after a preemption.
+        if reused > 0 && !self.cached_reported {
+            self.cached_reported = true;
+            let _ = self.tx.try_send(TokenEvent::PromptCached { tokens: reused });
+        }
     }
 
     /// The last sampled token, to extend the sequence by one position.
@@ -74,6 +111,7 @@ impl Seq {
             sample: true,
             sampling: None,
             blocks: self.blocks.clone(),
+            cached: 0,
         }
     }
 
@@ -81,6 +119,7 @@ impl Seq {
     fn prefill_chunk(&mut self, n: usize) -> SequenceChunk {
         let p = &self.req.params;
         let pos0 = self.prefilled;
+        let first = pos0 == self.reused;
         self.prefilled += n;
         SequenceChunk {
             seq_id: self.id,
@@ -88,7 +127,8 @@ impl Seq {
             pos0: pos0 as u32,
             sample: self.prefilled == self.prefill_len,
             blocks: self.blocks.clone(),
-            sampling: (pos0 == 0).then_some(Sampling {
+            cached: if first { self.reused as u32 } else { 0 },
+            sampling: first.then_some(Sampling {
                 temperature: p.temperature,
                 top_k: p.top_k as u32,
                 top_p: p.top_p,
@@ -116,17 +156,29 @@ struct Composed {
     decode: usize,
     /// Decoding sequences left out because no KV block was free for their next position.
     starved: Vec<u64>,
+    /// A prefilling sequence that had budget but no free block for any of its positions.
+    stalled: Option<u64>,
+    /// Sequences that (re)started prefill this step: tokens they looked up in the prefix
+    /// cache, and positions reused from it.
+    prefix_lookups: usize,
+    prefix_queried: usize,
+    prefix_reused: usize,
 }
 
 /// One step's chunks: every decoding sequence's next token first (running sequences keep their
 /// pace), then prompt chunks in arrival order while the step's token budget lasts, so a long
 /// prompt is prefilled over several steps instead of stalling everyone's decode. Each chunk's
-/// positions get KV blocks first; a prompt chunk shrinks to the blocks there are.
+/// positions get KV blocks first; a prompt chunk shrinks to the blocks there are. A sequence
+/// starting its prefill first reuses the cached blocks its tokens begin with.
 fn compose_step(active: &mut [&mut Seq], budget: usize, alloc: &mut BlockAllocator) -> Composed {
     let mut out = Composed {
         chunks: Vec::new(),
         decode: 0,
         starved: Vec::new(),
+        stalled: None,
+        prefix_lookups: 0,
+        prefix_queried: 0,
+        prefix_reused: 0,
     };
     for seq in active.iter_mut().filter(|s| s.decoding()) {
         if alloc.cover(&mut seq.blocks, seq.tokens.len()) {
@@ -139,10 +191,28 @@ fn compose_step(active: &mut [&mut Seq], budget: usize, alloc: &mut BlockAllocat
     let mut used = out.decode;
     for seq in active.iter_mut().filter(|s| !s.decoding()) {
         let left = budget.saturating_sub(used);
+        let starting = seq.prefilled == 0 && seq.blocks.is_empty();
+        if left > 0 && starting {
+            // Cached blocks are taken only when a chunk can follow them (a free block beyond
+            // the idle ones taken): a sequence that cannot start holds nothing, so preempting
+            // others always makes room for it instead of it pinning blocks it cannot use.
+            let hit = alloc.peek_prefix(&seq.tokens[..seq.prefill_len]);
+            if alloc.free() > hit.idle {
+                seq.reuse_prefix(alloc);
+            }
+        }
         let room = (seq.blocks.len() + alloc.free()) * alloc.block_size() - seq.prefilled;
         let n = left.min(seq.prefill_len - seq.prefilled).min(room);
         if n == 0 {
+            if left > 0 {
+                out.stalled = Some(seq.id);
+            }
             break;
+        }
+        if starting {
+            out.prefix_lookups += 1;
+            out.prefix_queried += seq.prefill_len;
+            out.prefix_reused += seq.reused;
         }
         let covered = alloc.cover(&mut seq.blocks, seq.prefilled + n);
         debug_assert!(covered, "room was counted from the free blocks");
@@ -230,7 +300,7 @@ pub(crate) async fn run(
         Err(e) => return stage_failed(format!("stage 0 refused the forward stream: {}", e.message()), None),
     };
     let mut active: Vec<Seq> = Vec::new();
-    let mut alloc = BlockAllocator::new(pipeline.kv_blocks, config.kv_block_size);
+    let mut alloc = BlockAllocator::new(pipeline.kv_blocks, config.kv_block_size, config.prefix_caching);
     status.kv_blocks_total.store(alloc.total() as u64, Ordering::Relaxed);
     metrics::gauge!("baton_kv_blocks_total").set(alloc.total() as f64);
     // A request taken from the queue that waits for KV blocks before it is admitted.
@@ -286,6 +356,8 @@ pub(crate) async fn run(
                 });
                 continue;
             }
+            // The whole prompt's blocks are reserved even if some are cached now: cached blocks
+            // no sequence holds may be reused for others before this prompt starts.
             let pending: usize = active
                 .iter()
                 .filter(|q| !q.decoding())
@@ -313,6 +385,7 @@ pub(crate) async fn run(
         // Keep up to one micro-batch per stage in flight, over disjoint sequences, so every
         // stage has work under load. Each takes its share of the idle sequences.
         let mut starved: Vec<u64> = Vec::new();
+        let mut stalled = None;
         while in_flight.len() < depth {
             let idle_count = active.iter().filter(|s| !s.in_flight).count();
             let share = idle_count.div_ceil(depth - in_flight.len()).max(1);
@@ -324,8 +397,23 @@ pub(crate) async fn run(
                 chunks: seqs,
                 decode,
                 starved: short,
+                stalled: stuck,
+                prefix_lookups,
+                prefix_queried,
+                prefix_reused,
             } = compose_step(&mut idle, config.max_batch_tokens, &mut alloc);
             starved.extend(short);
+            stalled = stalled.or(stuck);
+            if prefix_lookups > 0 {
+                status
+                    .prefix_queried_tokens
+                    .fetch_add(prefix_queried as u64, Ordering::Relaxed);
+                status
+                    .prefix_hit_tokens
+                    .fetch_add(prefix_reused as u64, Ordering::Relaxed);
+                metrics::counter!("baton_prefix_cache_queried_tokens_total").increment(prefix_queried as u64);
+                metrics::counter!("baton_prefix_cache_hit_tokens_total").increment(prefix_reused as u64);
+            }
             if seqs.is_empty() {
                 break;
             }
@@ -374,6 +462,12 @@ pub(crate) async fn run(
                 .max_in_flight
                 .fetch_max(in_flight.len() as u64, Ordering::Relaxed);
             metrics::gauge!("baton_micro_batches_in_flight").set(in_flight.len() as f64);
+        }
+        if in_flight.is_empty() {
+            // Nothing was sent and nothing will come back: a prompt with budget but no free
+            // block (admission reserves its blocks, so this is a safety net) makes room like a
+            // starved decode instead of waiting for a return that will not come.
+            starved.extend(stalled);
         }
         if !starved.is_empty() {
             // Nothing in flight and at most one sequence holding blocks: preempting cannot help.
@@ -507,6 +601,12 @@ pub(crate) async fn run(
                 finished.push(seq.id);
             }
         }
+        // The batch's K/V is on every stage now: offer its members' full blocks to the prefix
+        // index (before finished sequences release them, so they stay reusable).
+        for s in active.iter_mut().filter(|s| done_batch.members.contains(&s.id)) {
+            let computed = s.computed();
+            alloc.index(&s.blocks, &s.tokens, computed, &mut s.indexed);
+        }
         for s in active.iter_mut().filter(|s| finished.contains(&s.id)) {
             alloc.release(&mut s.blocks);
         }
@@ -520,7 +620,9 @@ pub(crate) async fn run(
 fn publish_blocks(alloc: &BlockAllocator, status: &PipelineStatus) {
     let used = alloc.total() - alloc.free();
     status.kv_blocks_used.store(used as u64, Ordering::Relaxed);
+    status.kv_blocks_cached.store(alloc.cached() as u64, Ordering::Relaxed);
     metrics::gauge!("baton_kv_blocks_used").set(used as f64);
+    metrics::gauge!("baton_kv_blocks_cached").set(alloc.cached() as f64);
 }
 
 /// A micro-batch on its way through the pipeline.
@@ -565,6 +667,9 @@ fn new_seq(s: NewSequence) -> Seq {
         prompt_len: s.req.prompt.len(),
         prefill_len: s.req.prompt.len(),
         blocks: Vec::new(),
+        reused: 0,
+        indexed: IndexProgress::Start,
+        cached_reported: false,
         tokens: s.req.prompt.clone(),
         req: s.req,
         tx: s.tx,
@@ -588,6 +693,9 @@ mod tests {
         Seq {
             prefill_len: prompt,
             blocks: Vec::new(),
+            reused: 0,
+            indexed: IndexProgress::Start,
+            cached_reported: false,
             id,
             submitted: Instant::now(),
             last_token: None,
@@ -603,7 +711,7 @@ mod tests {
 
     /// Compose over every sequence, as the step loop does when nothing is in flight.
     fn compose_all(active: &mut [Seq], budget: usize) -> (Vec<SequenceChunk>, usize) {
-        let mut alloc = BlockAllocator::new(1 << 20, 16);
+        let mut alloc = BlockAllocator::new(1 << 20, 16, true);
         let mut all: Vec<&mut Seq> = active.iter_mut().collect();
         let c = compose_step(&mut all, budget, &mut alloc);
         assert!(c.starved.is_empty());
@@ -614,7 +722,7 @@ mod tests {
     fn chunks_get_blocks_and_shrink_to_the_blocks_there_are() {
         // 4 blocks of 16: one decoding sequence at 31 tokens (2 blocks held after this step),
         // one 100-token prompt that can take the remaining 2 blocks (32 positions).
-        let mut alloc = BlockAllocator::new(4, 16);
+        let mut alloc = BlockAllocator::new(4, 16, true);
         let mut active = vec![seq(1, 20, 11), seq(2, 100, 0)];
         assert!(alloc.cover(&mut active[0].blocks, 30));
         let mut all: Vec<&mut Seq> = active.iter_mut().collect();
@@ -641,6 +749,77 @@ mod tests {
         // While batches are in flight, a starved sequence is not its own victim.
         let only = vec![seq(3, 5, 40)];
         assert_eq!(preemption_victim(&only, &[3], true), None);
+    }
+
+    #[test]
+    fn prompts_holding_every_block_stall_and_the_newest_makes_room() {
+        let mut alloc = BlockAllocator::new(2, 16, true);
+        let mut active = vec![seq(1, 40, 0), seq(2, 40, 0)];
+        for s in &mut active {
+            assert!(alloc.cover(&mut s.blocks, 16));
+            s.prefilled = 16;
+        }
+        let mut all: Vec<&mut Seq> = active.iter_mut().collect();
+        let c = compose_step(&mut all, 512, &mut alloc);
+        assert!(c.chunks.is_empty());
+        assert_eq!(c.stalled, Some(1), "the oldest prompt has budget and no block");
+        let victim = preemption_victim(&active, &[1], false).unwrap();
+        assert_eq!(active[victim].id, 2);
+    }
+
+    #[test]
+    fn a_cached_prefix_starts_the_first_chunk_after_it() {
+        let mut alloc = BlockAllocator::new(8, 16, true);
+        // An earlier sequence computed 40 tokens; a new one shares its first 36.
+        let mut old = seq(1, 40, 0);
+        old.tokens = (100..140).collect();
+        assert!(alloc.cover(&mut old.blocks, 40));
+        let mut progress = IndexProgress::Start;
+        alloc.index(&old.blocks, &old.tokens, 40, &mut progress);
+        let mut new = seq(2, 50, 0);
+        new.tokens[..36].copy_from_slice(&old.tokens[..36]);
+        new.req.prompt = new.tokens.clone();
+        let mut all = vec![&mut new];
+        let c = compose_step(&mut all, 512, &mut alloc);
+        assert_eq!((c.prefix_queried, c.prefix_reused), (50, 32));
+        let chunk = &c.chunks[0];
+        assert_eq!((chunk.pos0, chunk.cached, chunk.tokens.len()), (32, 32, 18));
+        assert_eq!(chunk.blocks[..2], old.blocks[..2]);
+        assert!(chunk.sampling.is_some() && chunk.sample);
+        // Preempted and restarted, it looks the prefix up again, its own blocks included.
+        new.in_flight = false;
+        new.tokens.push(7);
+        let tokens = new.tokens.clone();
+        alloc.index(&new.blocks, &tokens, 50, &mut new.indexed);
+        new.preempt(&mut alloc);
+        let mut all = vec![&mut new];
+        let c = compose_step(&mut all, 512, &mut alloc);
+        assert_eq!((c.chunks[0].pos0, c.chunks[0].cached), (48, 48));
+        assert_eq!(c.chunks[0].tokens, [tokens[48], tokens[49], 7]);
+    }
+
+    #[test]
+    fn a_prefix_is_not_taken_when_no_block_would_be_left_for_the_rest() {
+        let mut alloc = BlockAllocator::new(3, 16, true);
+        let mut old = seq(1, 32, 0);
+        assert!(alloc.cover(&mut old.blocks, 32));
+        alloc.index(&old.blocks, &old.tokens, 32, &mut old.indexed);
+        alloc.release(&mut old.blocks);
+        // A decoding sequence holds the third block; the two cached ones are idle.
+        let mut busy = seq(2, 4, 1);
+        assert!(alloc.cover(&mut busy.blocks, 5));
+        let mut new = seq(3, 40, 0);
+        new.tokens[..32].copy_from_slice(&old.tokens);
+        let mut all = vec![&mut busy, &mut new];
+        let c = compose_step(&mut all, 512, &mut alloc);
+        let chunk = c.chunks.iter().find(|c| c.seq_id == 3).unwrap();
+        assert_eq!((chunk.pos0, chunk.cached, chunk.tokens.len()), (0, 0, 32));
+        assert_eq!((c.prefix_queried, c.prefix_reused), (40, 0));
+        assert_eq!(
+            alloc.cached(),
+            0,
+            "the idle cached blocks were taken for its own positions"
+        );
     }
 
     #[test]
