@@ -52,9 +52,13 @@ pub struct Args {
     #[arg(long, value_delimiter = ',')]
     requests: Vec<usize>,
     /// Approximate prompt length in tokens of the synthetic prompts (common English words,
-    /// different for every request so that no prefix cache helps).
+    /// different for every request beyond --shared-prefix-tokens).
     #[arg(long, default_value_t = 128, conflicts_with = "prompt_file")]
     prompt_tokens: usize,
+    /// Leading words every synthetic prompt shares (a common system prompt), so a server's
+    /// prefix cache can reuse them; 0: no request shares a prefix with another.
+    #[arg(long, default_value_t = 0, conflicts_with = "prompt_file")]
+    shared_prefix_tokens: usize,
     /// File with one prompt per line, used in turn instead of synthetic prompts.
     #[arg(long)]
     prompt_file: Option<PathBuf>,
@@ -140,6 +144,7 @@ pub fn run(args: Args) -> Result<()> {
                 "model": model,
                 "endpoint": format!("{:?}", args.endpoint).to_lowercase(),
                 "prompt_tokens": args.prompt_file.is_none().then_some(args.prompt_tokens),
+                "shared_prefix_tokens": args.prompt_file.is_none().then_some(args.shared_prefix_tokens),
                 "prompt_file": args.prompt_file.as_ref().map(|p| p.display().to_string()),
                 "max_tokens": args.max_tokens,
                 "ignore_eos": args.ignore_eos,
@@ -234,14 +239,25 @@ fn request_body(args: &Args, model: &str, prompt: &str) -> Value {
 
 /// Prompts by request number: synthetic, or the lines of --prompt-file in turn.
 enum Prompts {
-    Synthetic(usize),
+    /// `words` words per prompt, the first `shared` the same in every prompt.
+    Synthetic { words: usize, shared: usize },
     Lines(Vec<String>),
 }
 
 impl Prompts {
     fn new(args: &Args) -> Result<Self> {
         let Some(path) = &args.prompt_file else {
-            return Ok(Self::Synthetic(args.prompt_tokens.max(1)));
+            if args.shared_prefix_tokens >= args.prompt_tokens.max(1) {
+                bail!(
+                    "--shared-prefix-tokens {} must be less than --prompt-tokens {}",
+                    args.shared_prefix_tokens,
+                    args.prompt_tokens
+                );
+            }
+            return Ok(Self::Synthetic {
+                words: args.prompt_tokens.max(1),
+                shared: args.shared_prefix_tokens,
+            });
         };
         let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         let lines: Vec<String> = text
@@ -257,7 +273,13 @@ impl Prompts {
 
     fn get(&self, i: usize) -> String {
         match self {
-            Self::Synthetic(n) => synthetic_prompt(i as u64, *n),
+            Self::Synthetic { words, shared: 0 } => synthetic_prompt(i as u64, *words),
+            // A seed no request number reaches, so the shared head differs from every tail.
+            Self::Synthetic { words, shared } => format!(
+                "{} {}",
+                synthetic_prompt(u64::MAX, *shared),
+                synthetic_prompt(i as u64, words - shared)
+            ),
             Self::Lines(lines) => lines[i % lines.len()].clone(),
         }
     }
@@ -579,6 +601,16 @@ mod tests {
         assert_ne!(a, synthetic_prompt(4, 50));
         assert_eq!(a.split(' ').count(), 50);
         assert!(a.split(' ').all(|w| WORDS.contains(&w)));
+    }
+
+    #[test]
+    fn shared_prefix_prompts_share_exactly_their_head() {
+        let p = Prompts::Synthetic { words: 40, shared: 30 };
+        let (a, b) = (p.get(0), p.get(1));
+        let (a, b): (Vec<&str>, Vec<&str>) = (a.split(' ').collect(), b.split(' ').collect());
+        assert_eq!((a.len(), b.len()), (40, 40));
+        assert_eq!(a[..30], b[..30]);
+        assert_ne!(a[30..], b[30..]);
     }
 
     #[test]
