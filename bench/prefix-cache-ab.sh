@@ -29,9 +29,8 @@ for b in "$BATON" "$BATON_BENCH"; do
     [[ -x "$b" ]] || { echo "prefix-cache-ab: $b is not an executable (cargo build --release --workspace)" >&2; exit 1; }
 done
 
-PID=
-stop() { [[ -n "$PID" ]] && kill "$PID" 2>/dev/null && wait "$PID" 2>/dev/null; PID=; }
-trap stop EXIT
+# shellcheck source=bench/lib.sh
+source "$REPO/bench/lib.sh"
 
 echo "prefix-cache-ab: $ROUNDS rounds, concurrency $CONCURRENCY, prompts of $PROMPT_TOKENS words sharing $SHARED; raw outputs in $OUT" >&2
 for ((r = 1; r <= ROUNDS; r++)); do
@@ -40,11 +39,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
         "$BATON" serve --weights "$WEIGHTS" --workers "$WORKERS" --host 127.0.0.1 --port "$PORT" \
             --prefix-caching "$caching" >"$OUT/$label.$r.server.log" 2>&1 &
         PID=$!
-        for _ in $(seq 600); do
-            curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null && break
-            kill -0 "$PID" 2>/dev/null || { echo "prefix-cache-ab: server exited; see $OUT/$label.$r.server.log" >&2; exit 1; }
-            sleep 0.2
-        done
+        wait_ready "http://127.0.0.1:$PORT" "$OUT/$label.$r.server.log" prefix-cache-ab
         url="http://127.0.0.1:$PORT"
         # Warm-up on an unrelated prompt: nothing of the measured prompts is cached before.
         "$BATON_BENCH" load --url "$url" --concurrency 1 --requests 1 --max-tokens 8 --format json >/dev/null 2>&1

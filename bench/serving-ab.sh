@@ -32,9 +32,8 @@ for b in "${BINS[@]}" "$BATON_BENCH"; do
     [[ -x "$b" ]] || { echo "serving-ab: $b is not an executable (cargo build --release --workspace)" >&2; exit 1; }
 done
 
-PID=
-stop() { [[ -n "$PID" ]] && kill "$PID" 2>/dev/null && wait "$PID" 2>/dev/null; PID=; }
-trap stop EXIT
+# shellcheck source=bench/lib.sh
+source "$REPO/bench/lib.sh"
 
 echo "serving-ab: $ROUNDS rounds, concurrency $CONCURRENCY, temperature $TEMPERATURE; raw outputs in $OUT" >&2
 for ((r = 1; r <= ROUNDS; r++)); do
@@ -43,11 +42,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
         "${BINS[$i]}" serve --weights "$WEIGHTS" --workers "$WORKERS" --host 127.0.0.1 --port "$PORT" \
             --max-running "$MAX_RUNNING" >"$OUT/$label.$r.server.log" 2>&1 &
         PID=$!
-        for _ in $(seq 600); do
-            curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null && break
-            kill -0 "$PID" 2>/dev/null || { echo "serving-ab: server $label exited; see $OUT/$label.$r.server.log" >&2; exit 1; }
-            sleep 0.2
-        done
+        wait_ready "http://127.0.0.1:$PORT" "$OUT/$label.$r.server.log" serving-ab
         url="http://127.0.0.1:$PORT"
         "$BATON_BENCH" load --url "$url" --concurrency 1 --requests 1 --max-tokens 8 \
             --temperature "$TEMPERATURE" --format json >/dev/null 2>&1
