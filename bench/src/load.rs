@@ -240,7 +240,10 @@ fn request_body(args: &Args, model: &str, prompt: &str) -> Value {
 /// Prompts by request number: synthetic, or the lines of --prompt-file in turn.
 enum Prompts {
     /// `words` words per prompt, the first `shared` the same in every prompt.
-    Synthetic { words: usize, shared: usize },
+    Synthetic {
+        words: usize,
+        shared: usize,
+    },
     Lines(Vec<String>),
 }
 
