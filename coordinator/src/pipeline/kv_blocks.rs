@@ -159,6 +159,11 @@ impl BlockAllocator {
         }
     }
 
+    /// Whether releasing `table` would free a block (one no other sequence holds).
+    pub fn frees_any(&self, table: &[u32]) -> bool {
+        table.iter().any(|&id| self.blocks[id as usize].refs == 1)
+    }
+
     /// The indexed blocks `tokens` starts with, at most `max_blocks` of them.
     fn chain<'a>(&'a self, tokens: &'a [u32], max_blocks: usize) -> impl Iterator<Item = u32> + 'a {
         let mut parent = None;

@@ -223,18 +223,20 @@ fn compose_step(active: &mut [&mut Seq], budget: usize, alloc: &mut BlockAllocat
 }
 
 /// The sequence to preempt when `starved` ones need blocks: the newest idle sequence holding
-/// any (first come, first served). While micro-batches are in flight the starved themselves are
-/// spared: the batches' return may free blocks.
-fn preemption_victim(active: &[Seq], starved: &[u64], in_flight: bool) -> Option<usize> {
-    active
-        .iter()
-        .enumerate()
-        .rev()
-        .find(|(_, s)| {
+/// any (first come, first served), preferring one whose release frees a block (one holding
+/// only blocks other sequences share frees nothing). While micro-batches are in flight the
+/// starved themselves are spared: the batches' return may free blocks.
+fn preemption_victim(active: &[Seq], starved: &[u64], in_flight: bool, alloc: &BlockAllocator) -> Option<usize> {
+    let candidates = || {
+        active.iter().enumerate().rev().filter(|(_, s)| {
             let spared = in_flight && starved.contains(&s.id);
             let unavailable = s.in_flight || s.blocks.is_empty() || spared;
             !unavailable
         })
+    };
+    candidates()
+        .find(|(_, s)| alloc.frees_any(&s.blocks))
+        .or_else(|| candidates().next())
         .map(|(i, _)| i)
 }
 
@@ -472,7 +474,7 @@ pub(crate) async fn run(
         if !starved.is_empty() {
             // Nothing in flight and at most one sequence holding blocks: preempting cannot help.
             let lone = in_flight.is_empty() && active.iter().filter(|s| !s.blocks.is_empty()).count() <= 1;
-            match preemption_victim(&active, &starved, !in_flight.is_empty()) {
+            match preemption_victim(&active, &starved, !in_flight.is_empty(), &alloc) {
                 Some(i) if !lone => {
                     let victim = &mut active[i];
                     tracing::info!(
@@ -741,14 +743,14 @@ mod tests {
         assert_eq!(c.starved, [1]);
         assert!(c.chunks.is_empty(), "the prompt waits too: no block");
         // The newest sequence is the victim; after preemption it prefills all its tokens again.
-        let victim = preemption_victim(&active, &c.starved, false).unwrap();
+        let victim = preemption_victim(&active, &c.starved, false, &alloc).unwrap();
         assert_eq!(active[victim].id, 2);
         active[victim].preempt(&mut alloc);
         assert_eq!(alloc.free(), 2);
         assert_eq!((active[1].prefilled, active[1].prefill_len), (0, 100));
         // While batches are in flight, a starved sequence is not its own victim.
         let only = vec![seq(3, 5, 40)];
-        assert_eq!(preemption_victim(&only, &[3], true), None);
+        assert_eq!(preemption_victim(&only, &[3], true, &alloc), None);
     }
 
     #[test]
@@ -763,8 +765,25 @@ mod tests {
         let c = compose_step(&mut all, 512, &mut alloc);
         assert!(c.chunks.is_empty());
         assert_eq!(c.stalled, Some(1), "the oldest prompt has budget and no block");
-        let victim = preemption_victim(&active, &[1], false).unwrap();
+        let victim = preemption_victim(&active, &[1], false, &alloc).unwrap();
         assert_eq!(active[victim].id, 2);
+    }
+
+    #[test]
+    fn the_victim_is_one_whose_release_frees_a_block() {
+        let mut alloc = BlockAllocator::new(6, 16, true);
+        // Sequence 1 computed two full blocks; sequence 3 (newest) holds only those, shared.
+        let mut active = vec![seq(1, 32, 1), seq(2, 20, 1), seq(3, 40, 0)];
+        assert!(alloc.cover(&mut active[0].blocks, 33));
+        let (t, tokens) = (active[0].blocks.clone(), active[0].tokens.clone());
+        alloc.index(&t, &tokens, 32, &mut active[0].indexed);
+        assert!(alloc.cover(&mut active[1].blocks, 21));
+        active[2].tokens[..32].copy_from_slice(&tokens[..32]);
+        let prompt3 = active[2].tokens.clone();
+        assert_eq!(alloc.take_prefix(&mut active[2].blocks, &prompt3), 32);
+        assert!(!alloc.frees_any(&active[2].blocks));
+        let victim = preemption_victim(&active, &[1], false, &alloc).unwrap();
+        assert_eq!(active[victim].id, 2, "the newest frees nothing; the next one does");
     }
 
     #[test]
