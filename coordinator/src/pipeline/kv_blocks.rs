@@ -126,10 +126,10 @@ impl BlockAllocator {
     /// A block no sequence holds: a never-indexed one first, else the least recently released
     /// indexed one, which leaves the index. The caller checked `free() > 0`.
     fn take_unheld(&mut self) -> u32 {
-        if let Some(id) = self.free.pop() {
-            return id;
-        }
-        let (_, id) = self.idle.pop_first().expect("free() counted an idle block");
+        let id = match self.free.pop() {
+            Some(id) => id,
+            None => self.idle.pop_first().expect("free() counted an idle block").1,
+        };
         let b = &mut self.blocks[id as usize];
         b.lru = None;
         if let Some(key) = b.key.take() {
@@ -153,7 +153,6 @@ impl BlockAllocator {
                 self.idle.insert(self.clock, id);
                 self.clock += 1;
             } else {
-                b.generation = b.generation.wrapping_add(1);
                 self.free.push(id);
             }
         }

@@ -160,7 +160,6 @@ struct Composed {
     stalled: Option<u64>,
     /// Sequences that (re)started prefill this step: tokens they looked up in the prefix
     /// cache, and positions reused from it.
-    prefix_lookups: usize,
     prefix_queried: usize,
     prefix_reused: usize,
 }
@@ -176,7 +175,6 @@ fn compose_step(active: &mut [&mut Seq], budget: usize, alloc: &mut BlockAllocat
         decode: 0,
         starved: Vec::new(),
         stalled: None,
-        prefix_lookups: 0,
         prefix_queried: 0,
         prefix_reused: 0,
     };
@@ -210,7 +208,6 @@ fn compose_step(active: &mut [&mut Seq], budget: usize, alloc: &mut BlockAllocat
             break;
         }
         if starting {
-            out.prefix_lookups += 1;
             out.prefix_queried += seq.prefill_len;
             out.prefix_reused += seq.reused;
         }
@@ -400,13 +397,12 @@ pub(crate) async fn run(
                 decode,
                 starved: short,
                 stalled: stuck,
-                prefix_lookups,
                 prefix_queried,
                 prefix_reused,
             } = compose_step(&mut idle, config.max_batch_tokens, &mut alloc);
             starved.extend(short);
             stalled = stalled.or(stuck);
-            if prefix_lookups > 0 {
+            if prefix_queried > 0 {
                 status
                     .prefix_queried_tokens
                     .fetch_add(prefix_queried as u64, Ordering::Relaxed);
