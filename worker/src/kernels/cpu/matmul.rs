@@ -7,15 +7,15 @@
 use super::dispatch::{KernelPath, Kernels};
 use super::half::{self, HalfKind, HalfMatrix};
 use super::q4::{self, Q4Matrix};
-use super::q8::{self, Q8Error, Q8Matrix, QuantizedRows};
+use super::q8::{PANEL, Q8Error, Q8Matrix, QuantizedRows};
 use super::q8_gemm;
 use super::{f32 as kf32, reference};
 use crate::threads::{SharedMut, ThreadPool};
 use baton_shared::dtype::DType;
 
 /// Output rows per task: small enough to balance 576-row matrices over a few threads, large
-/// enough that claiming a task costs nothing next to it.
-pub const CHUNK_ROWS: usize = 16;
+/// enough that claiming a task costs nothing next to it; one Q8_0 panel.
+pub const CHUNK_ROWS: usize = PANEL;
 
 /// How a stage stores its linear-layer and head weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -251,24 +251,20 @@ pub fn matmul_many<const N: usize>(
         let rows = w.rows();
         let r0 = chunk * CHUNK_ROWS;
         let n = CHUNK_ROWS.min(rows - r0);
+        if let MatRef::Q8_0(m) = w {
+            // SAFETY: this task alone writes rows r0..r0+n (panel `chunk`) of every output row.
+            unsafe { q8_panel_into(k, m, xq, chunk, t, shared) };
+            add_bias(bias, r0, n, t, rows, shared);
+            return;
+        }
         #[cfg(target_arch = "x86_64")]
-        if k.path() != KernelPath::Scalar && matches!(w, MatRef::Q8_0(_) | MatRef::Q4(_)) {
+        if let MatRef::Q4(m) = w
+            && k.path() != KernelPath::Scalar
+        {
             // SAFETY: the path is supported (a `Kernels` exists for it); this task alone writes
             // rows r0..r0+n of every output row of product p.
-            unsafe {
-                match w {
-                    MatRef::Q8_0(m) => chunk_tiles(k, m, xq, r0, n, t, shared),
-                    MatRef::Q4(m) => chunk_tiles(k, m, xq, r0, n, t, shared),
-                    MatRef::F32 { .. } | MatRef::Half(_) => unreachable!("matched above"),
-                }
-            }
-            if let Some(b) = bias {
-                for i in 0..t {
-                    // SAFETY: as above.
-                    let o = unsafe { shared.slice(i * rows + r0, n) };
-                    o.iter_mut().zip(&b[r0..r0 + n]).for_each(|(v, b)| *v += b);
-                }
-            }
+            unsafe { chunk_tiles(k, m, xq, r0, n, t, shared) };
+            add_bias(bias, r0, n, t, rows, shared);
             return;
         }
         for i in 0..t {
@@ -282,20 +278,7 @@ pub fn matmul_many<const N: usize>(
                         *oj = kf32::dot(k, xr, &data[r * cols..(r + 1) * cols]);
                     }
                 }
-                MatRef::Q8_0(m) => {
-                    let (aq, ad) = xq.row(i);
-                    // Four rows per call share the activation's loads; the rest one by one.
-                    let mut quads = o.chunks_exact_mut(4);
-                    for (g, o4) in (&mut quads).enumerate() {
-                        let rows = [0, 1, 2, 3].map(|j| m.row(r0 + 4 * g + j));
-                        o4.copy_from_slice(&q8::dot4(k, rows.map(|r| r.0), rows.map(|r| r.1), aq, ad));
-                    }
-                    let done = n / 4 * 4;
-                    for (j, oj) in quads.into_remainder().iter_mut().enumerate() {
-                        let (wq, wd) = m.row(r0 + done + j);
-                        *oj = q8::dot(k, wq, wd, aq, ad);
-                    }
-                }
+                MatRef::Q8_0(_) => unreachable!("Q8_0 runs panel by panel above"),
                 MatRef::Half(m) => {
                     let xr = &x[i * m.cols..(i + 1) * m.cols];
                     for (j, oj) in o.iter_mut().enumerate() {
@@ -316,7 +299,88 @@ pub fn matmul_many<const N: usize>(
     });
 }
 
-/// Weight rows and activation rows per tile-kernel call.
+/// Add `bias[r0..r0+n]` to rows `r0..r0+n` of each of the `t` output rows.
+fn add_bias(bias: Option<&[f32]>, r0: usize, n: usize, t: usize, rows: usize, out: &SharedMut<f32>) {
+    if let Some(b) = bias {
+        for i in 0..t {
+            // SAFETY: the caller's task alone writes rows r0..r0+n of every output row.
+            let o = unsafe { out.slice(i * rows + r0, n) };
+            o.iter_mut().zip(&b[r0..r0 + n]).for_each(|(v, b)| *v += b);
+        }
+    }
+}
+
+/// Tokens per Q8_0 panel-kernel call: the VNNI kernel's 3 vectors per token fit 8 tokens in
+/// its 32 registers; the AVX2 kernel keeps 4 per token in 16.
+fn q8_tokens(k: Kernels) -> usize {
+    match k.path() {
+        KernelPath::Avx512Vnni => 8,
+        KernelPath::Avx2 | KernelPath::Avx512 => 2,
+        KernelPath::Scalar => 1,
+    }
+}
+
+/// Panel `p` of `m` against all `t` activation rows of `xq`, written into `out` (`t × rows`).
+///
+/// # Safety
+/// No other thread may touch rows `16p..16p+16` of `out`.
+unsafe fn q8_panel_into(k: Kernels, m: &Q8Matrix, xq: &QuantizedRows, p: usize, t: usize, out: &SharedMut<f32>) {
+    let (r0, n) = (p * PANEL, PANEL.min(m.rows - p * PANEL));
+    let group = q8_tokens(k);
+    let mut tok = 0;
+    while tok < t {
+        let tn = group.min(t - tok);
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            match tn {
+                8 => q8_group::<8>(k, m, xq, p, tok, r0, n, out),
+                7 => q8_group::<7>(k, m, xq, p, tok, r0, n, out),
+                6 => q8_group::<6>(k, m, xq, p, tok, r0, n, out),
+                5 => q8_group::<5>(k, m, xq, p, tok, r0, n, out),
+                4 => q8_group::<4>(k, m, xq, p, tok, r0, n, out),
+                3 => q8_group::<3>(k, m, xq, p, tok, r0, n, out),
+                2 => q8_group::<2>(k, m, xq, p, tok, r0, n, out),
+                _ => q8_group::<1>(k, m, xq, p, tok, r0, n, out),
+            }
+        }
+        tok += tn;
+    }
+}
+
+/// Panel `p` against activation rows `tok..tok+T`, on path `k`, into output rows `r0..r0+n`.
+///
+/// # Safety
+/// As [`q8_panel_into`].
+#[allow(clippy::too_many_arguments)]
+#[inline]
+unsafe fn q8_group<const T: usize>(
+    k: Kernels,
+    m: &Q8Matrix,
+    xq: &QuantizedRows,
+    p: usize,
+    tok: usize,
+    r0: usize,
+    n: usize,
+    out: &SharedMut<f32>,
+) {
+    let (w, a) = (m.panel(p), std::array::from_fn(|i| xq.q8_act(tok + i)));
+    let y: [[f32; PANEL]; T] = match k.path() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Kernels` is only made for supported paths.
+        KernelPath::Avx512Vnni => unsafe { q8_gemm::panel_vnni512(w, a) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above; AVX-512 implies AVX2.
+        KernelPath::Avx2 | KernelPath::Avx512 => unsafe { q8_gemm::panel_avx2(w, a) },
+        _ => q8_gemm::panel_scalar(w, a),
+    };
+    for (i, y) in y.iter().enumerate() {
+        // SAFETY: forwarded from the caller.
+        let o = unsafe { out.slice((tok + i) * m.rows + r0, n) };
+        o.copy_from_slice(&y[..n]);
+    }
+}
+
+/// Weight rows and activation rows per Q4 tile-kernel call.
 const TILE_ROWS: usize = 4;
 const TILE_TOKENS: usize = 4;
 
@@ -337,33 +401,6 @@ trait Tiled {
         r: usize,
         tok: usize,
     ) -> [[f32; T]; R];
-}
-
-#[cfg(target_arch = "x86_64")]
-impl Tiled for Q8Matrix {
-    fn rows(&self) -> usize {
-        self.rows
-    }
-
-    #[inline]
-    unsafe fn tile<const R: usize, const T: usize>(
-        &self,
-        k: Kernels,
-        xq: &QuantizedRows,
-        r: usize,
-        tok: usize,
-    ) -> [[f32; T]; R] {
-        let w: [_; R] = std::array::from_fn(|j| self.row(r + j));
-        let a: [_; T] = std::array::from_fn(|i| xq.row(tok + i));
-        let (wq, wd, aq, ad) = (w.map(|w| w.0), w.map(|w| w.1), a.map(|a| a.0), a.map(|a| a.1));
-        // SAFETY: `Kernels` is only made for supported paths; every non-scalar path has AVX2.
-        unsafe {
-            match k.path() {
-                KernelPath::Avx512Vnni => q8_gemm::tile_vnni512(wq, wd, aq, ad),
-                _ => q8_gemm::tile_avx2(wq, wd, aq, ad),
-            }
-        }
-    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -468,10 +505,7 @@ pub fn matmul_reference(x: &[f32], w: MatRef<'_>, bias: Option<&[f32]>, out: &mu
         MatRef::Q8_0(m) => {
             let mut deq = vec![0f32; m.rows * m.cols];
             for (r, row) in deq.chunks_exact_mut(m.cols).enumerate() {
-                let (q, d) = m.row(r);
-                for ((o, &qv), &dv) in row.iter_mut().zip(q).zip(d.iter().flat_map(|d| [d; 32])) {
-                    *o = qv as f32 * dv;
-                }
+                m.dequantize_row(r, row);
             }
             reference::matmul_t(x, &deq, bias, m.cols, out);
         }

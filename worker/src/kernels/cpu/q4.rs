@@ -322,7 +322,15 @@ pub unsafe fn tile_vnni512<const R: usize, const T: usize>(w: [Q4Row<'_>; R], a:
         }
         b += 2;
     }
-    super::q8_gemm::reduce_tile(&acc)
+    reduce_tile(&acc)
+}
+
+/// Each accumulator of a tile summed across its 16 lanes, in one fixed order for every tile
+/// shape.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn reduce_tile<const R: usize, const T: usize>(acc: &[[__m512; T]; R]) -> [[f32; T]; R] {
+    std::array::from_fn(|r| std::array::from_fn(|t| _mm512_reduce_add_ps(acc[r][t])))
 }
 
 impl QuantizedRows {

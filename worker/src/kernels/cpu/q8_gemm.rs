@@ -1,262 +1,294 @@
-//! Q8_0 matrix-matrix tile: `R` weight rows × `T` activation rows per call, so each weight
-//! block loaded from cache feeds `T` products and each activation block feeds `R`.
+//! Q8_0 panel products: one panel of 16 weight rows against `T` quantized activation rows, for
+//! decode (`T = 1`), batched decode and prefill alike.
 //!
-//! Why a separate kernel from [`super::q8::dot_vnni_rows`]: prefill and batched decode are
-//! compute-bound, and there the row-at-a-time kernel spends ~7 instructions per 32-value block
-//! product. This one uses 512-bit `vpdpbusd` over two blocks at once and needs ~2.5:
+//! The layout ([`super::q8`]) puts four columns of sixteen rows in one 64-byte vector, so a
+//! block of a panel is eight such vectors, and for each token:
 //!
-//! * activations are made unsigned by flipping their top bit (`a + 128`), so no per-product sign
-//!   fix-up is needed; the extra `128·Σw` per 4-byte lane is computed once per weight row and
-//!   block pair (`vpdpbusd` of 128s with `w`) and pre-loaded as the negative accumulator, so each
-//!   lane is still the exact integer `Σ a·w`;
-//! * the two blocks' scale products are spread over the low and high 8 lanes with one
-//!   `vpermps` per row and per token, then one multiply and one FMA per product.
+//! * eight `vpdpbusd`, each against four of the token's activation bytes broadcast to every lane,
+//!   add a block's products into sixteen row sums at once. The sums start at the activation
+//!   block's `-128·Σa`, which cancels the weights' `+128` bias, so each lane ends as the exact
+//!   integer `Σ w·a`;
+//! * one convert, one multiply (weight scales × the token's scale) and one FMA fold the block
+//!   into the token's f32 row accumulators, in block order.
 //!
-//! Every (row, token) product follows the same instruction sequence whatever `R` and `T` are,
-//! so a row's result does not depend on how many other rows or tokens share its tile: a
-//! sequence decoded alone and inside a batch gets bit-identical logits.
+//! That is 11 vector instructions per 512 multiply-adds, against ~60 for the row-at-a-time
+//! tiles it replaced, which reduced a sum per row and multiplied scales per row and block.
+//! Weight vectors are loaded once per block and reused by the `T` tokens.
+//!
+//! Each (row, token) result is the same sequence of exact integer block sums and f32
+//! `fma(sum, w_scale · a_scale, acc)` steps on every path and for every `T`, so all paths, tile
+//! sizes and thread counts give bit-identical results, equal to [`panel_scalar`]: a sequence
+//! decoded alone and inside a batch gets the same logits.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-#[cfg(target_arch = "x86_64")]
-use super::{PREFETCH_TILES, prefetch};
-
 use baton_shared::dtype::QK;
 
-/// Scalar reference twin of [`tile_vnni512`]: each product as in [`super::q8::dot_scalar`].
-pub fn tile_scalar<const R: usize, const T: usize>(
-    wq: [&[i8]; R],
-    wd: [&[f32]; R],
-    aq: [&[i8]; T],
-    ad: [&[f32]; T],
-) -> [[f32; T]; R] {
-    std::array::from_fn(|r| std::array::from_fn(|t| super::q8::dot_scalar(wq[r], wd[r], aq[t], ad[t])))
-}
+use super::q8::{PANEL, PANEL_BLOCK, Panel, Q8Act};
 
-/// Blocks per row of a tile's operands; panics unless every row has that many (the tiles then
-/// read them unchecked).
-fn blocks<const R: usize, const T: usize>(
-    wq: &[&[i8]; R],
-    wd: &[&[f32]; R],
-    aq: &[&[i8]; T],
-    ad: &[&[f32]; T],
-) -> usize {
-    let nb = ad[0].len();
-    let weights_ok = (0..R).all(|r| wq[r].len() == nb * QK && wd[r].len() == nb);
-    let acts_ok = (0..T).all(|t| aq[t].len() == nb * QK && ad[t].len() == nb);
-    assert!(weights_ok && acts_ok, "Q8_0 tile: rows of different lengths");
+/// Blocks of quants each panel kernel prefetches ahead of the one it multiplies. A panel's
+/// blocks are contiguous and panels follow each other, so this runs on into the next panel;
+/// 4 blocks (2 KiB) covers the latency of the first lines of a thread's next panel.
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_BLOCKS: usize = 4;
+
+/// Blocks per row, after checking that the panel and every activation row agree on it (the
+/// SIMD kernels then read unchecked).
+fn blocks<const T: usize>(w: &Panel<'_>, a: &[Q8Act<'_>; T]) -> usize {
+    let nb = w.scales.len() / PANEL;
+    let weights_ok = w.quants.len() == nb * PANEL_BLOCK && w.scales.len() == nb * PANEL;
+    let acts_ok = a
+        .iter()
+        .all(|a| a.quants.len() == nb * QK && a.scales.len() == nb && a.bias.len() == nb);
+    assert!(weights_ok && acts_ok, "Q8_0 panel: operands of different lengths");
     nb
 }
 
-/// AVX-512 VNNI tile (see the module docs). Every slice holds the same number of blocks.
+/// Scalar reference twin: `out[t][i]` = row `i` of the panel · activation row `t`.
+pub fn panel_scalar<const T: usize>(w: Panel<'_>, a: [Q8Act<'_>; T]) -> [[f32; PANEL]; T] {
+    let nb = blocks(&w, &a);
+    std::array::from_fn(|t| {
+        std::array::from_fn(|i| {
+            let mut acc = 0f32;
+            for b in 0..nb {
+                let mut p = a[t].bias[b];
+                for j in 0..QK {
+                    let wq = w.quants[b * PANEL_BLOCK + (j / 4) * (4 * PANEL) + i * 4 + j % 4];
+                    p += wq as i32 * a[t].quants[b * QK + j] as i32;
+                }
+                acc = (p as f32).mul_add(w.scales[b * PANEL + i] * a[t].scales[b], acc);
+            }
+            acc
+        })
+    })
+}
+
+/// AVX-512 VNNI panel kernel (see the module docs). Two integer chains per token (even and odd
+/// column groups) halve the `vpdpbusd` latency chain; integer sums are exact, so the split does
+/// not change a bit.
 ///
 /// # Safety
 /// The CPU must support AVX-512F/BW/VL/VNNI.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-pub unsafe fn tile_vnni512<const R: usize, const T: usize>(
-    wq: [&[i8]; R],
-    wd: [&[f32]; R],
-    aq: [&[i8]; T],
-    ad: [&[f32]; T],
-) -> [[f32; T]; R] {
-    let nb = blocks(&wq, &wd, &aq, &ad);
-    let flip = _mm512_set1_epi8(-128);
-    let zero = _mm512_setzero_si512();
-    // Lanes 0..8 take the first block's scale, lanes 8..16 the second's.
-    let spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    let mut acc = [[_mm512_setzero_ps(); T]; R];
-    // Rows of a matrix are contiguous: a later tile's scales now, its quants block by block.
-    prefetch(wd[0].as_ptr().wrapping_add(PREFETCH_TILES * R * nb), R * nb);
-    let ahead = wq[0].as_ptr().wrapping_add(PREFETCH_TILES * R * nb * QK);
-    let mut b = 0;
-    while b < nb {
-        // Two blocks, or the last one alone (upper half zero: zero weights add exact zeros).
-        let pair = b + 1 < nb;
-        let bytes_mask: u64 = if pair { u64::MAX } else { u32::MAX as u64 };
-        let scale_mask: u16 = if pair { 0b11 } else { 0b01 };
-        prefetch(ahead.wrapping_add(b * R * QK), R * 2 * QK);
-        // SAFETY: blocks b and (if `pair`) b + 1 are inside every slice (checked above); masked
-        // loads touch only the selected bytes.
+pub unsafe fn panel_vnni512<const T: usize>(w: Panel<'_>, a: [Q8Act<'_>; T]) -> [[f32; PANEL]; T] {
+    let nb = blocks(&w, &a);
+    let (wq, wd) = (w.quants.as_ptr(), w.scales.as_ptr());
+    let mut acc = [_mm512_setzero_ps(); T];
+    for b in 0..nb {
+        super::prefetch(wq.wrapping_add((b + PREFETCH_BLOCKS) * PANEL_BLOCK), PANEL_BLOCK);
+        super::prefetch(wd.wrapping_add((b + PREFETCH_BLOCKS) * PANEL), PANEL);
+        // SAFETY: block b is inside the panel and every activation row (checked above).
         unsafe {
-            let mut ua = [zero; T];
-            let mut sa = [_mm512_setzero_ps(); T];
-            for t in 0..T {
-                let a = _mm512_maskz_loadu_epi8(bytes_mask, aq[t].as_ptr().add(b * QK).cast());
-                // a + 128 as unsigned; a zero-padded upper half becomes 128, times zero weights.
-                ua[t] = _mm512_xor_si512(a, flip);
-                let s = _mm512_maskz_loadu_ps(scale_mask, ad[t].as_ptr().add(b));
-                sa[t] = _mm512_permutexvar_ps(spread, s);
-            }
-            for r in 0..R {
-                let w = _mm512_maskz_loadu_epi8(bytes_mask, wq[r].as_ptr().add(b * QK).cast());
-                let bias = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, flip, w));
-                let sw = _mm512_maskz_loadu_ps(scale_mask, wd[r].as_ptr().add(b));
-                let sw = _mm512_permutexvar_ps(spread, sw);
+            let mut even: [__m512i; T] = std::array::from_fn(|t| _mm512_set1_epi32(*a[t].bias.get_unchecked(b)));
+            let mut odd = [_mm512_setzero_si512(); T];
+            for g in (0..QK / 4).step_by(2) {
+                let base = wq.add(b * PANEL_BLOCK + g * 4 * PANEL);
+                let w0 = _mm512_loadu_si512(base.cast());
+                let w1 = _mm512_loadu_si512(base.add(4 * PANEL).cast());
                 for t in 0..T {
-                    let p = _mm512_dpbusd_epi32(bias, ua[t], w);
-                    let d = _mm512_mul_ps(sw, sa[t]);
-                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), d, acc[r][t]);
+                    let x = a[t].quants.as_ptr().add(b * QK + 4 * g).cast::<i32>();
+                    even[t] = _mm512_dpbusd_epi32(even[t], w0, _mm512_set1_epi32(x.read_unaligned()));
+                    odd[t] = _mm512_dpbusd_epi32(odd[t], w1, _mm512_set1_epi32(x.add(1).read_unaligned()));
                 }
             }
+            let s = _mm512_loadu_ps(wd.add(b * PANEL));
+            for t in 0..T {
+                let p = _mm512_cvtepi32_ps(_mm512_add_epi32(even[t], odd[t]));
+                let d = _mm512_mul_ps(s, _mm512_set1_ps(*a[t].scales.get_unchecked(b)));
+                acc[t] = _mm512_fmadd_ps(p, d, acc[t]);
+            }
         }
-        b += 2;
     }
-    reduce_tile(&acc)
+    acc.map(|v| {
+        let mut out = [0f32; PANEL];
+        // SAFETY: `out` holds 16 f32.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), v) };
+        out
+    })
 }
 
-/// AVX2 tile: per product, per block, `vpsignb` + `vpmaddubsw` + `vpmaddwd` (the exact integer
-/// block sum, as [`super::q8::dot_avx2`] computes it), then the two scales' product and one FMA
-/// into that product's accumulator. Each weight block is loaded once for the `T` tokens and each
-/// activation block (and its `|a|`) once for the `R` rows, which is what makes it faster than
-/// the row kernel; the per-product sequence does not depend on `R` or `T`, and
-/// [`super::q8::dot_avx2`] is this tile at `1 × 1`.
+/// AVX2 panel kernel: the same integer block sums without VNNI, eight rows per 256-bit half.
+/// Weights are un-biased (`xor 0x80`) and given the activation's sign (`vpsignb`) so that
+/// `vpmaddubsw` multiplies |a| by ±w with pairs of at most 2·127·127 (no saturation; this is why
+/// -128 quants are clamped at load), then `vpmaddwd` adds pairs into the row's lane. No bias
+/// correction is needed: the sums are `Σ w·a` directly.
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn tile_avx2<const R: usize, const T: usize>(
-    wq: [&[i8]; R],
-    wd: [&[f32]; R],
-    aq: [&[i8]; T],
-    ad: [&[f32]; T],
-) -> [[f32; T]; R] {
-    let nb = blocks(&wq, &wd, &aq, &ad);
+pub unsafe fn panel_avx2<const T: usize>(w: Panel<'_>, a: [Q8Act<'_>; T]) -> [[f32; PANEL]; T] {
+    let nb = blocks(&w, &a);
+    let (wq, wd) = (w.quants.as_ptr(), w.scales.as_ptr());
+    let flip = _mm256_set1_epi8(i8::MIN);
     let ones = _mm256_set1_epi16(1);
-    let mut acc = [[_mm256_setzero_ps(); T]; R];
-    // As in the VNNI tile: R rows read side by side defeat the hardware streamers in decode.
-    prefetch(wd[0].as_ptr().wrapping_add(PREFETCH_TILES * R * nb), R * nb);
-    let ahead = wq[0].as_ptr().wrapping_add(PREFETCH_TILES * R * nb * QK);
+    let mut acc = [[_mm256_setzero_ps(); 2]; T];
     for b in 0..nb {
-        prefetch(ahead.wrapping_add(b * R * QK), R * QK);
-        // SAFETY: block b is inside every slice (checked above).
+        super::prefetch(wq.wrapping_add((b + PREFETCH_BLOCKS) * PANEL_BLOCK), PANEL_BLOCK);
+        super::prefetch(wd.wrapping_add((b + PREFETCH_BLOCKS) * PANEL), PANEL);
+        // SAFETY: block b is inside the panel and every activation row (checked above).
         unsafe {
-            let a: [__m256i; T] = std::array::from_fn(|t| _mm256_loadu_si256(aq[t].as_ptr().add(b * QK).cast()));
-            let ua = a.map(|a| _mm256_abs_epi8(a));
-            for r in 0..R {
-                let w = _mm256_loadu_si256(wq[r].as_ptr().add(b * QK).cast());
-                let sw = _mm256_set1_ps(*wd[r].get_unchecked(b));
+            let mut sums = [[_mm256_setzero_si256(); 2]; T];
+            for g in 0..QK / 4 {
+                let base = wq.add(b * PANEL_BLOCK + g * 4 * PANEL);
+                let w = [0, 32].map(|o| _mm256_xor_si256(_mm256_loadu_si256(base.add(o).cast()), flip));
                 for t in 0..T {
-                    // w with a's sign: |a|·(±w) = a·w, pairs at most 2·127·127 (no saturation).
-                    let p16 = _mm256_maddubs_epi16(ua[t], _mm256_sign_epi8(w, a[t]));
-                    let p32 = _mm256_madd_epi16(p16, ones);
-                    let d = _mm256_mul_ps(sw, _mm256_set1_ps(*ad[t].get_unchecked(b)));
-                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), d, acc[r][t]);
+                    let x = a[t].quants.as_ptr().add(b * QK + 4 * g).cast::<i32>();
+                    let x = _mm256_set1_epi32(x.read_unaligned());
+                    let ux = _mm256_abs_epi8(x);
+                    for h in 0..2 {
+                        let p16 = _mm256_maddubs_epi16(ux, _mm256_sign_epi8(w[h], x));
+                        sums[t][h] = _mm256_add_epi32(sums[t][h], _mm256_madd_epi16(p16, ones));
+                    }
+                }
+            }
+            let s = [0, 8].map(|o| _mm256_loadu_ps(wd.add(b * PANEL + o)));
+            for t in 0..T {
+                let x = _mm256_set1_ps(*a[t].scales.get_unchecked(b));
+                for h in 0..2 {
+                    let d = _mm256_mul_ps(s[h], x);
+                    acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t][h]), d, acc[t][h]);
                 }
             }
         }
     }
-    std::array::from_fn(|r| std::array::from_fn(|t| super::f32::reduce8(acc[r][t])))
-}
-
-/// Each accumulator of a tile summed across its 16 lanes, in one fixed order for every tile
-/// kernel and shape.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-pub(super) fn reduce_tile<const R: usize, const T: usize>(acc: &[[__m512; T]; R]) -> [[f32; T]; R] {
-    std::array::from_fn(|r| std::array::from_fn(|t| _mm512_reduce_add_ps(acc[r][t])))
+    acc.map(|v| {
+        let mut out = [0f32; PANEL];
+        // SAFETY: `out` holds 16 f32.
+        unsafe {
+            _mm256_storeu_ps(out.as_mut_ptr(), v[0]);
+            _mm256_storeu_ps(out.as_mut_ptr().add(8), v[1]);
+        }
+        out
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::cpu::dispatch::KernelPath;
     use crate::kernels::cpu::q8::{Q8Matrix, QuantizedRows};
 
     fn noise(n: usize, seed: u64, scale: f32) -> Vec<f32> {
         crate::kernels::cpu::f32::tests::noise(n, seed, scale)
     }
 
-    #[cfg(target_arch = "x86_64")]
-    fn vnni() -> bool {
-        crate::kernels::cpu::dispatch::KernelPath::Avx512Vnni.is_supported()
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn vnni_tile_matches_the_scalar_twin_and_is_independent_of_the_tile_shape() {
-        if !vnni() {
-            eprintln!("no AVX-512 VNNI here: nothing to compare");
-            return;
+    /// Every kernel this CPU runs, by name, at a tile of 3 tokens and of 1.
+    #[allow(clippy::type_complexity)]
+    fn kernels() -> Vec<(
+        &'static str,
+        fn(Panel<'_>, [Q8Act<'_>; 3]) -> [[f32; PANEL]; 3],
+        fn(Panel<'_>, [Q8Act<'_>; 1]) -> [[f32; PANEL]; 1],
+    )> {
+        #[allow(unused_mut)]
+        let mut v: Vec<(
+            &'static str,
+            fn(Panel<'_>, [Q8Act<'_>; 3]) -> [[f32; PANEL]; 3],
+            fn(Panel<'_>, [Q8Act<'_>; 1]) -> [[f32; PANEL]; 1],
+        )> = vec![("scalar", panel_scalar::<3>, panel_scalar::<1>)];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if KernelPath::Avx2.is_supported() {
+                // SAFETY: checked just above.
+                v.push((
+                    "avx2",
+                    |w, a| unsafe { panel_avx2(w, a) },
+                    |w, a| unsafe { panel_avx2(w, a) },
+                ));
+            }
+            if KernelPath::Avx512Vnni.is_supported() {
+                // SAFETY: checked just above.
+                v.push((
+                    "vnni512",
+                    |w, a| unsafe { panel_vnni512(w, a) },
+                    |w, a| unsafe { panel_vnni512(w, a) },
+                ));
+            }
         }
-        // SAFETY: checked above.
-        check_tile(
-            |wq, wd, aq, ad| unsafe { tile_vnni512(wq, wd, aq, ad) },
-            |wq, wd, aq, ad| unsafe { tile_vnni512::<1, 1>(wq, wd, aq, ad) },
-            |wq, wd, aq, ad| unsafe { tile_vnni512::<2, 3>(wq, wd, aq, ad) },
-        );
+        v
     }
 
-    #[cfg(target_arch = "x86_64")]
+    /// The exact product of the dequantized operands, in f64.
+    fn exact(m: &Q8Matrix, r: usize, xq: &QuantizedRows, t: usize) -> f64 {
+        let (aq, ad) = xq.row(t);
+        (0..m.cols)
+            .map(|c| m.quant(r, c) as f64 * m.scale(r, c / QK) as f64 * aq[c] as f64 * ad[c / QK] as f64)
+            .sum()
+    }
+
     #[test]
-    fn avx2_tile_matches_the_scalar_twin_and_the_row_kernel_and_is_independent_of_the_tile_shape() {
-        if !crate::kernels::cpu::dispatch::KernelPath::Avx2.is_supported() {
-            eprintln!("no AVX2 here: nothing to compare");
-            return;
-        }
-        // SAFETY: checked above.
-        check_tile(
-            |wq, wd, aq, ad| unsafe { tile_avx2(wq, wd, aq, ad) },
-            |wq, wd, aq, ad| {
-                // SAFETY: as above; the row kernel is the 1 × 1 tile.
-                let row = unsafe { crate::kernels::cpu::q8::dot_avx2(wq[0], wd[0], aq[0], ad[0]) };
-                // SAFETY: as above.
-                let tile = unsafe { tile_avx2::<1, 1>(wq, wd, aq, ad) };
-                assert_eq!(row.to_bits(), tile[0][0].to_bits());
-                tile
-            },
-            |wq, wd, aq, ad| unsafe { tile_avx2::<2, 3>(wq, wd, aq, ad) },
-        );
-    }
-
-    type Tile<const R: usize, const T: usize> = fn([&[i8]; R], [&[f32]; R], [&[i8]; T], [&[f32]; T]) -> [[f32; T]; R];
-
-    /// A tile kernel against the scalar twin (within the f32 accumulation-order tolerance), and
-    /// each of its products bit-identical in other tile shapes.
-    fn check_tile(four: Tile<4, 4>, one: Tile<1, 1>, two_by_three: Tile<2, 3>) {
-        // 1, 3 (odd: a lone last block) and 18 blocks; tiny, huge and mixed magnitudes.
-        for cols in [32, 96, 576] {
+    fn every_path_equals_the_scalar_twin_bit_for_bit_and_the_exact_product_closely() {
+        for cols in [32, 64, 96, 576, 1536] {
             for (seed, scale) in [(1u64, 1.0f32), (2, 1e3), (3, 1e-5)] {
-                let w = Q8Matrix::quantize(&noise(4 * cols, seed, scale), 4, cols).unwrap();
-                let mut x = noise(4 * cols, seed + 7, 1.0);
+                let m = Q8Matrix::quantize(&noise(20 * cols, seed, scale), 20, cols).unwrap();
+                let mut x = noise(3 * cols, seed + 7, 1.0);
                 x[0] = 0.0;
                 x[cols - 1] = -1.0; // the extreme quant -127
-                x[cols] = 1.0; // +127
+                x[cols..cols + QK].fill(0.0); // a zero block: scale 0
                 let mut xq = QuantizedRows::default();
                 xq.quantize(&x, cols);
-                let wr: [_; 4] = std::array::from_fn(|r| w.row(r));
-                let ar: [_; 4] = std::array::from_fn(|t| xq.row(t));
-                let (wq, wd) = (wr.map(|r| r.0), wr.map(|r| r.1));
-                let (aq, ad) = (ar.map(|a| a.0), ar.map(|a| a.1));
-                let want = tile_scalar(wq, wd, aq, ad);
-                let got = four(wq, wd, aq, ad);
-                for r in 0..4 {
-                    for t in 0..4 {
-                        // Integer block sums are exact; only the f32 accumulation order differs.
-                        let mag: f32 = (0..cols / QK)
-                            .map(|b| {
-                                let s: i32 = (b * QK..(b + 1) * QK)
-                                    .map(|j| (wq[r][j] as i32 * aq[t][j] as i32).abs())
-                                    .sum();
-                                (wd[r][b] * ad[t][b]).abs() * s as f32
-                            })
-                            .sum();
-                        let (g, w) = (got[r][t], want[r][t]);
-                        assert!((g - w).abs() <= 1e-6 * mag, "cols={cols} r={r} t={t}: {g} vs {w}");
-                        // The same product in any other tile shape is bit-identical.
-                        let one = one([wq[r]], [wd[r]], [aq[t]], [ad[t]]);
-                        assert_eq!(one[0][0].to_bits(), g.to_bits(), "cols={cols} r={r} t={t}");
+                let acts = [0, 1, 2].map(|t| xq.q8_act(t));
+                for p in 0..m.panels() {
+                    let want = panel_scalar(m.panel(p), acts);
+                    for (name, three, one) in kernels() {
+                        assert_eq!(three(m.panel(p), acts), want, "{name} cols={cols} panel {p}");
+                        for t in 0..3 {
+                            assert_eq!(one(m.panel(p), [acts[t]])[0], want[t], "{name} alone, token {t}");
+                        }
+                    }
+                    for (t, row) in want.iter().enumerate() {
+                        for (i, &got) in row.iter().enumerate().take(m.rows.saturating_sub(p * PANEL)) {
+                            let e = exact(&m, p * PANEL + i, &xq, t);
+                            let mag: f64 = (0..cols)
+                                .map(|c| {
+                                    let r = p * PANEL + i;
+                                    let (aq, ad) = xq.row(t);
+                                    (m.quant(r, c) as f64
+                                        * m.scale(r, c / QK) as f64
+                                        * aq[c] as f64
+                                        * ad[c / QK] as f64)
+                                        .abs()
+                                })
+                                .sum();
+                            // Only f32 rounding of each block's scaled sum and of the running
+                            // total: a few ulps of the magnitude.
+                            assert!((got as f64 - e).abs() <= 1e-6 * mag + 1e-30, "{got} vs {e}");
+                        }
+                        // Padding rows are exact zeros.
+                        for &v in &row[m.rows.saturating_sub(p * PANEL).min(PANEL)..] {
+                            assert_eq!(v, 0.0);
+                        }
                     }
                 }
-                let two_by_three = two_by_three(
-                    [wq[1], wq[2]],
-                    [wd[1], wd[2]],
-                    [aq[0], aq[1], aq[3]],
-                    [ad[0], ad[1], ad[3]],
-                );
-                assert_eq!(two_by_three[1][2].to_bits(), got[2][3].to_bits());
             }
+        }
+    }
+
+    #[test]
+    fn extreme_quants_do_not_overflow_on_any_path() {
+        // Every product 127·127 (and -127·127) in every block: the largest integer sums.
+        let cols = 4 * QK;
+        let mut bytes = Vec::new();
+        for r in 0..PANEL {
+            for _ in 0..cols / QK {
+                bytes.extend_from_slice(&half::f16::from_f32(1.0).to_le_bytes());
+                bytes.extend((0..QK).map(|j| if (j + r) % 3 == 0 { 0x81u8 } else { 127 }));
+            }
+        }
+        let m = Q8Matrix::from_ggml(&bytes, PANEL, cols).unwrap();
+        // ±127 quantizes to quants ±127 with scale exactly 1, so every sum below is exact.
+        let x: Vec<f32> = (0..3 * cols).map(|j| if j % 2 == 0 { 127.0 } else { -127.0 }).collect();
+        let mut xq = QuantizedRows::default();
+        xq.quantize(&x, cols);
+        let acts = [0, 1, 2].map(|t| xq.q8_act(t));
+        let want = panel_scalar(m.panel(0), acts);
+        for (name, three, _) in kernels() {
+            assert_eq!(three(m.panel(0), acts), want, "{name}");
+        }
+        for (i, &v) in want[0].iter().enumerate() {
+            assert_eq!(v as f64, exact(&m, i, &xq, 0), "row {i}");
         }
     }
 }
