@@ -1,7 +1,8 @@
 //! CPU kernels. `reference` is the fp32 correctness oracle every faster kernel is tested against;
-//! `f32` and `q8` are its SIMD twins (picked at run time by `dispatch`), `q8_gemm` the tiled
-//! many-token Q8_0 kernel, `q4` the Q4_0/Q4_1 kernels, `half` the bf16/f16 ones, `elementwise` the row-wise ones
-//! (norms, RoPE, SiLU, softmax) on the dispatched path, and `matmul` runs them over weight matrices on a thread pool.
+//! `f32` is its SIMD twin (picked at run time by `dispatch`), `q8` the Q8_0 panel layout and
+//! activation quantization, `q8_gemm` the Q8_0 panel kernels, `q4` the Q4_0/Q4_1 kernels, `half`
+//! the bf16/f16 ones, `elementwise` the row-wise ones (norms, RoPE, SiLU, softmax) on the
+//! dispatched path, and `matmul` runs them over weight matrices on a thread pool.
 
 pub mod aligned;
 pub mod attention;
@@ -16,9 +17,9 @@ pub mod q8_gemm;
 pub mod reference;
 pub mod testdata;
 
-/// Tiles of `R` weight rows read their rows side by side, which the hardware streamers miss in
-/// decode (one token): every tile prefetches the quants, scales (and Q4 offsets) of the tile
-/// this many tiles ahead. Scales are streams of their own; without their prefetch each tile
+/// Q4 tiles of `R` weight rows read their rows side by side, which the hardware streamers miss
+/// in decode (one token): every tile prefetches the quants, scales and offsets of the tile this
+/// many tiles ahead. Scales are streams of their own; without their prefetch each tile
 /// waited on memory at their first use (decode took 1.7-2.4x as long).
 pub(crate) const PREFETCH_TILES: usize = 2;
 
