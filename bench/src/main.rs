@@ -79,7 +79,7 @@ enum Cmd {
         /// Thread counts to measure.
         #[arg(long, value_delimiter = ',', default_value = "1")]
         threads: Vec<usize>,
-        /// Kernel path (scalar, avx2, avx512, avx512-vnni); default: the fastest supported.
+        /// Kernel path (scalar, avx2, avx-vnni, avx512, avx512-vnni); default: the fastest supported.
         #[arg(long)]
         kernel_path: Option<KernelPath>,
     },

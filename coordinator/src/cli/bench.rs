@@ -50,7 +50,7 @@ pub struct BenchOpts {
     /// Repetitions per configuration; the median is reported.
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
-    /// Kernel path (scalar, avx2, avx512, avx512-vnni); default: the fastest this CPU runs.
+    /// Kernel path (scalar, avx2, avx-vnni, avx512, avx512-vnni); default: the fastest this CPU runs.
     /// A slower path measures what CPUs without the faster instructions get.
     #[arg(long)]
     pub kernels: Option<KernelPath>,

@@ -132,7 +132,7 @@ fn pv_dispatch<const HD: usize>(
         KernelPath::Avx512 | KernelPath::Avx512Vnni => unsafe { pv_run_avx512(acc, w, v, row0, kv_dim, off) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        KernelPath::Avx2 => unsafe { pv_run_avx2(acc, w, v, row0, kv_dim, off) },
+        KernelPath::Avx2 | KernelPath::AvxVnni => unsafe { pv_run_avx2(acc, w, v, row0, kv_dim, off) },
         _ => pv_run(acc, w, v, row0, kv_dim, off),
     }
 }

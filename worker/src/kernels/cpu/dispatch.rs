@@ -12,6 +12,9 @@ pub enum KernelPath {
     Scalar,
     /// AVX2 + FMA: 256-bit f32, Q8_0 through `vpmaddubsw`.
     Avx2,
+    /// AVX2 + AVX-VNNI (the 256-bit VEX `vpdpbusd` of CPUs without AVX-512, e.g. Alder Lake):
+    /// Q8_0 through `vpdpbusd`, everything else as AVX2.
+    AvxVnni,
     /// AVX-512 F/BW/VL: 512-bit f32; Q8_0 as AVX2.
     Avx512,
     /// AVX-512 with VNNI: Q8_0 through `vpdpbusd`.
@@ -20,13 +23,14 @@ pub enum KernelPath {
 
 impl KernelPath {
     /// Every path, slowest first.
-    pub const ALL: [KernelPath; 4] = [Self::Scalar, Self::Avx2, Self::Avx512, Self::Avx512Vnni];
+    pub const ALL: [KernelPath; 5] = [Self::Scalar, Self::Avx2, Self::AvxVnni, Self::Avx512, Self::Avx512Vnni];
 
     /// The name reported in logs and benchmarks.
     pub fn name(self) -> &'static str {
         match self {
             Self::Scalar => "scalar",
             Self::Avx2 => "avx2",
+            Self::AvxVnni => "avx-vnni",
             Self::Avx512 => "avx512",
             Self::Avx512Vnni => "avx512-vnni",
         }
@@ -47,6 +51,7 @@ impl KernelPath {
             match self {
                 Self::Scalar => true,
                 Self::Avx2 => avx2,
+                Self::AvxVnni => avx2 && std::arch::is_x86_feature_detected!("avxvnni"),
                 Self::Avx512 => avx512,
                 Self::Avx512Vnni => avx512 && std::arch::is_x86_feature_detected!("avx512vnni"),
             }
@@ -69,7 +74,7 @@ impl std::fmt::Display for KernelPath {
 pub enum DispatchError {
     #[error("kernel path {0} is not supported by this CPU")]
     Unsupported(KernelPath),
-    #[error("unknown kernel path {0:?} (expected scalar, avx2, avx512 or avx512-vnni)")]
+    #[error("unknown kernel path {0:?} (expected scalar, avx2, avx-vnni, avx512 or avx512-vnni)")]
     Unknown(String),
 }
 

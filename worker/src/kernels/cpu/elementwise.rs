@@ -27,7 +27,7 @@ macro_rules! dispatched {
                 }
                 match k.path() {
                     // SAFETY: `Kernels` is only made for paths the CPU supports.
-                    KernelPath::Avx2 => return unsafe { avx2($($arg),*) },
+                    KernelPath::Avx2 | KernelPath::AvxVnni => return unsafe { avx2($($arg),*) },
                     // SAFETY: as above.
                     KernelPath::Avx512 | KernelPath::Avx512Vnni => return unsafe { avx512($($arg),*) },
                     KernelPath::Scalar => {}

@@ -19,7 +19,7 @@ pub fn dot(k: Kernels, a: &[f32], b: &[f32]) -> f32 {
         KernelPath::Scalar => reference::dot(a, b),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Kernels` is only made for paths the CPU supports.
-        KernelPath::Avx2 => unsafe { dot_avx2(a, b) },
+        KernelPath::Avx2 | KernelPath::AvxVnni => unsafe { dot_avx2(a, b) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         KernelPath::Avx512 | KernelPath::Avx512Vnni => unsafe { dot_avx512(a, b) },

@@ -86,7 +86,7 @@ pub fn dot(k: Kernels, kind: HalfKind, x: &[f32], w: &[u16]) -> f32 {
         KernelPath::Avx512 | KernelPath::Avx512Vnni => unsafe { dot_avx512(kind, x, w) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above (the AVX2 path includes F16C).
-        KernelPath::Avx2 => unsafe { dot_avx2(kind, x, w) },
+        KernelPath::Avx2 | KernelPath::AvxVnni => unsafe { dot_avx2(kind, x, w) },
         _ => dot_scalar(kind, x, w),
     }
 }
@@ -98,7 +98,9 @@ pub fn widen(k: Kernels, kind: HalfKind, src: &[u16], dst: &mut [f32]) {
     match k.path() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Kernels` is only made for paths the CPU supports; AVX2 includes F16C.
-        KernelPath::Avx2 | KernelPath::Avx512 | KernelPath::Avx512Vnni => unsafe { widen_avx2(kind, src, dst) },
+        KernelPath::Avx2 | KernelPath::AvxVnni | KernelPath::Avx512 | KernelPath::Avx512Vnni => unsafe {
+            widen_avx2(kind, src, dst)
+        },
         _ => widen_scalar(kind, src, dst),
     }
 }

@@ -310,12 +310,12 @@ fn add_bias(bias: Option<&[f32]>, r0: usize, n: usize, t: usize, rows: usize, ou
     }
 }
 
-/// Tokens per Q8_0 panel-kernel call: the VNNI kernel's 3 vectors per token fit 8 tokens in
-/// its 32 registers; the AVX2 kernel keeps 4 per token in 16.
+/// Tokens per Q8_0 panel-kernel call: the AVX-512 VNNI kernel's 3 vectors per token fit 8
+/// tokens in its 32 registers; the 256-bit kernels keep 4 per token in 16.
 fn q8_tokens(k: Kernels) -> usize {
     match k.path() {
         KernelPath::Avx512Vnni => 8,
-        KernelPath::Avx2 | KernelPath::Avx512 => 2,
+        KernelPath::Avx2 | KernelPath::AvxVnni | KernelPath::Avx512 => 2,
         KernelPath::Scalar => 1,
     }
 }
@@ -368,6 +368,9 @@ unsafe fn q8_group<const T: usize>(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Kernels` is only made for supported paths.
         KernelPath::Avx512Vnni => unsafe { q8_gemm::panel_vnni512(w, a) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        KernelPath::AvxVnni => unsafe { q8_gemm::panel_avxvnni(w, a) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above; AVX-512 implies AVX2.
         KernelPath::Avx2 | KernelPath::Avx512 => unsafe { q8_gemm::panel_avx2(w, a) },

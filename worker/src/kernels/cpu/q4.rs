@@ -166,7 +166,9 @@ pub fn dot(k: Kernels, w: Q4Row<'_>, a: ActRow<'_>) -> f32 {
     match k.path() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Kernels` is only made for paths the CPU supports; every path past scalar has AVX2.
-        KernelPath::Avx2 | KernelPath::Avx512 | KernelPath::Avx512Vnni => unsafe { dot_avx2(w, a) },
+        KernelPath::Avx2 | KernelPath::AvxVnni | KernelPath::Avx512 | KernelPath::Avx512Vnni => unsafe {
+            dot_avx2(w, a)
+        },
         _ => dot_scalar(w, a),
     }
 }

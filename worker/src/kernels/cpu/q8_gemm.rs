@@ -109,6 +109,56 @@ pub unsafe fn panel_vnni512<const T: usize>(w: Panel<'_>, a: [Q8Act<'_>; T]) -> 
     })
 }
 
+/// AVX-VNNI panel kernel (256-bit VEX `vpdpbusd`, for CPUs with VNNI but no AVX-512): the
+/// AVX-512 VNNI kernel's arithmetic on two 8-row halves, so the same bits.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and AVX-VNNI.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avxvnni")]
+pub unsafe fn panel_avxvnni<const T: usize>(w: Panel<'_>, a: [Q8Act<'_>; T]) -> [[f32; PANEL]; T] {
+    let nb = blocks(&w, &a);
+    let (wq, wd) = (w.quants.as_ptr(), w.scales.as_ptr());
+    let mut acc = [[_mm256_setzero_ps(); 2]; T];
+    for b in 0..nb {
+        super::prefetch(wq.wrapping_add((b + PREFETCH_BLOCKS) * PANEL_BLOCK), PANEL_BLOCK);
+        super::prefetch(wd.wrapping_add((b + PREFETCH_BLOCKS) * PANEL), PANEL);
+        // SAFETY: block b is inside the panel and every activation row (checked above).
+        unsafe {
+            let mut sums: [[__m256i; 2]; T] =
+                std::array::from_fn(|t| [_mm256_set1_epi32(*a[t].bias.get_unchecked(b)); 2]);
+            for g in 0..QK / 4 {
+                let base = wq.add(b * PANEL_BLOCK + g * 4 * PANEL);
+                let w = [0, 32].map(|o| _mm256_loadu_si256(base.add(o).cast()));
+                for t in 0..T {
+                    let x = a[t].quants.as_ptr().add(b * QK + 4 * g).cast::<i32>();
+                    let x = _mm256_set1_epi32(x.read_unaligned());
+                    for h in 0..2 {
+                        sums[t][h] = _mm256_dpbusd_avx_epi32(sums[t][h], w[h], x);
+                    }
+                }
+            }
+            let s = [0, 8].map(|o| _mm256_loadu_ps(wd.add(b * PANEL + o)));
+            for t in 0..T {
+                let x = _mm256_set1_ps(*a[t].scales.get_unchecked(b));
+                for h in 0..2 {
+                    let d = _mm256_mul_ps(s[h], x);
+                    acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t][h]), d, acc[t][h]);
+                }
+            }
+        }
+    }
+    acc.map(|v| {
+        let mut out = [0f32; PANEL];
+        // SAFETY: `out` holds 16 f32.
+        unsafe {
+            _mm256_storeu_ps(out.as_mut_ptr(), v[0]);
+            _mm256_storeu_ps(out.as_mut_ptr().add(8), v[1]);
+        }
+        out
+    })
+}
+
 /// AVX2 panel kernel: the same integer block sums without VNNI, eight rows per 256-bit half.
 /// Weights are un-biased (`xor 0x80`) and given the activation's sign (`vpsignb`) so that
 /// `vpmaddubsw` multiplies |a| by ±w with pairs of at most 2·127·127 (no saturation; this is why
@@ -196,6 +246,14 @@ mod tests {
                     "avx2",
                     |w, a| unsafe { panel_avx2(w, a) },
                     |w, a| unsafe { panel_avx2(w, a) },
+                ));
+            }
+            if KernelPath::AvxVnni.is_supported() {
+                // SAFETY: checked just above.
+                v.push((
+                    "avx-vnni",
+                    |w, a| unsafe { panel_avxvnni(w, a) },
+                    |w, a| unsafe { panel_avxvnni(w, a) },
                 ));
             }
             if KernelPath::Avx512Vnni.is_supported() {
