@@ -138,25 +138,10 @@ pub unsafe fn panel_avxvnni<const T: usize>(w: Panel<'_>, a: [Q8Act<'_>; T]) -> 
                     }
                 }
             }
-            let s = [0, 8].map(|o| _mm256_loadu_ps(wd.add(b * PANEL + o)));
-            for t in 0..T {
-                let x = _mm256_set1_ps(*a[t].scales.get_unchecked(b));
-                for h in 0..2 {
-                    let d = _mm256_mul_ps(s[h], x);
-                    acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t][h]), d, acc[t][h]);
-                }
-            }
+            fold_block_256(&mut acc, &sums, wd.add(b * PANEL), &a, b);
         }
     }
-    acc.map(|v| {
-        let mut out = [0f32; PANEL];
-        // SAFETY: `out` holds 16 f32.
-        unsafe {
-            _mm256_storeu_ps(out.as_mut_ptr(), v[0]);
-            _mm256_storeu_ps(out.as_mut_ptr().add(8), v[1]);
-        }
-        out
-    })
+    store_256(acc)
 }
 
 /// AVX2 panel kernel: the same integer block sums without VNNI, eight rows per 256-bit half.
@@ -194,16 +179,46 @@ pub unsafe fn panel_avx2<const T: usize>(w: Panel<'_>, a: [Q8Act<'_>; T]) -> [[f
                     }
                 }
             }
-            let s = [0, 8].map(|o| _mm256_loadu_ps(wd.add(b * PANEL + o)));
-            for t in 0..T {
-                let x = _mm256_set1_ps(*a[t].scales.get_unchecked(b));
-                for h in 0..2 {
-                    let d = _mm256_mul_ps(s[h], x);
-                    acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t][h]), d, acc[t][h]);
-                }
+            fold_block_256(&mut acc, &sums, wd.add(b * PANEL), &a, b);
+        }
+    }
+    store_256(acc)
+}
+
+/// Fold one block's integer row sums (two 8-row halves per token) into the f32 accumulators of
+/// the 256-bit kernels: `acc += sum · (w_scale · a_scale)`, as every path does.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `wd` must point at the block's 16 weight scales and every
+/// activation row must hold block `b`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn fold_block_256<const T: usize>(
+    acc: &mut [[__m256; 2]; T],
+    sums: &[[__m256i; 2]; T],
+    wd: *const f32,
+    a: &[Q8Act<'_>; T],
+    b: usize,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        let s = [0, 8].map(|o| _mm256_loadu_ps(wd.add(o)));
+        for t in 0..T {
+            let x = _mm256_set1_ps(*a[t].scales.get_unchecked(b));
+            for h in 0..2 {
+                let d = _mm256_mul_ps(s[h], x);
+                acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t][h]), d, acc[t][h]);
             }
         }
     }
+}
+
+/// The 256-bit kernels' accumulators as 16 row results per token.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn store_256<const T: usize>(acc: [[__m256; 2]; T]) -> [[f32; PANEL]; T] {
     acc.map(|v| {
         let mut out = [0f32; PANEL];
         // SAFETY: `out` holds 16 f32.
