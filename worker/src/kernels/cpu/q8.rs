@@ -93,7 +93,7 @@ impl Q8Matrix {
             let (r, b) = (i / nb, i % nb);
             scales[scale_index(nb, r, b)] = half::f16::from_le_bytes([block[0], block[1]]).to_f32();
             for (j, &v) in block[2..].iter().enumerate() {
-                quants[quant_index(nb, r, b * QK + j)] = bias((v as i8).max(-127));
+                quants[quant_index(nb, r, b * QK + j)] = flip_bias((v as i8).max(-127));
             }
         }
         Ok(Self {
@@ -137,7 +137,7 @@ impl Q8Matrix {
 
     /// The quant of row `r`, column `c` (-127..=127).
     pub fn quant(&self, r: usize, c: usize) -> i8 {
-        unbias(self.quants[quant_index(self.cols / QK, r, c)])
+        flip_bias(self.quants[quant_index(self.cols / QK, r, c)])
     }
 
     /// The scale of row `r`'s block `b`.
@@ -169,16 +169,11 @@ fn scale_index(nb: usize, r: usize, b: usize) -> usize {
     ((r / PANEL) * nb + b) * PANEL + r % PANEL
 }
 
-/// `w + 128` as an unsigned byte, kept in an i8's bits.
+/// `w + 128` as an unsigned byte, kept in an i8's bits, and back: flipping the top bit is its
+/// own inverse.
 #[inline]
-fn bias(w: i8) -> i8 {
+fn flip_bias(w: i8) -> i8 {
     (w as u8 ^ 0x80) as i8
-}
-
-/// The inverse of [`bias`].
-#[inline]
-fn unbias(q: i8) -> i8 {
-    (q as u8 ^ 0x80) as i8
 }
 
 /// Activations quantized per 32-block; buffers grow to the largest batch and are reused.

@@ -285,10 +285,13 @@ mod tests {
 
     /// The exact product of the dequantized operands, in f64.
     fn exact(m: &Q8Matrix, r: usize, xq: &QuantizedRows, t: usize) -> f64 {
+        terms(m, r, xq, t).sum()
+    }
+
+    /// The products of row `r` and activation row `t`, column by column, in f64.
+    fn terms<'a>(m: &'a Q8Matrix, r: usize, xq: &'a QuantizedRows, t: usize) -> impl Iterator<Item = f64> + 'a {
         let (aq, ad) = xq.row(t);
-        (0..m.cols)
-            .map(|c| m.quant(r, c) as f64 * m.scale(r, c / QK) as f64 * aq[c] as f64 * ad[c / QK] as f64)
-            .sum()
+        (0..m.cols).map(move |c| m.quant(r, c) as f64 * m.scale(r, c / QK) as f64 * aq[c] as f64 * ad[c / QK] as f64)
     }
 
     #[test]
@@ -314,17 +317,7 @@ mod tests {
                     for (t, row) in want.iter().enumerate() {
                         for (i, &got) in row.iter().enumerate().take(m.rows.saturating_sub(p * PANEL)) {
                             let e = exact(&m, p * PANEL + i, &xq, t);
-                            let mag: f64 = (0..cols)
-                                .map(|c| {
-                                    let r = p * PANEL + i;
-                                    let (aq, ad) = xq.row(t);
-                                    (m.quant(r, c) as f64
-                                        * m.scale(r, c / QK) as f64
-                                        * aq[c] as f64
-                                        * ad[c / QK] as f64)
-                                        .abs()
-                                })
-                                .sum();
+                            let mag: f64 = terms(&m, p * PANEL + i, &xq, t).map(f64::abs).sum();
                             // Only f32 rounding of each block's scaled sum and of the running
                             // total: a few ulps of the magnitude.
                             assert!((got as f64 - e).abs() <= 1e-6 * mag + 1e-30, "{got} vs {e}");
