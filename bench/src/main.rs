@@ -119,6 +119,11 @@ enum Cmd {
         /// Repetitions.
         #[arg(long, default_value_t = 5)]
         reps: usize,
+        /// Instead of single products, time a pass over this many decoder layers' seven
+        /// products each, as a forward pass runs them (30: SmolLM2-135M's layers, more bytes
+        /// than L3 holds). 0: single products.
+        #[arg(long, default_value_t = 0)]
+        layers: usize,
     },
 }
 
@@ -152,7 +157,8 @@ fn main() -> Result<()> {
             weights,
             ms,
             reps,
-        } => kernels::run(&threads, &tokens, &weights, ms, reps)?,
+            layers,
+        } => kernels::run(&threads, &tokens, &weights, ms, reps, layers)?,
         Cmd::Load(args) => load::run(args)?,
         Cmd::Perplexity {
             model,

@@ -34,3 +34,16 @@ pub(crate) fn prefetch<T>(p: *const T, n: usize) {
         unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>().wrapping_add(off)) };
     }
 }
+
+/// Hint the `n` elements from `p` into L2 only (far-ahead prefetch that should not evict what
+/// L1 is working on). `p` may point past its matrix.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_l2<T>(p: *const T, n: usize) {
+    use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+    let bytes = n * size_of::<T>();
+    for off in (0..bytes).step_by(64) {
+        // SAFETY: as in `prefetch`.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast::<i8>().wrapping_add(off)) };
+    }
+}
