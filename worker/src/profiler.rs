@@ -3,9 +3,11 @@
 //! ranges, so a slower worker gets fewer layers and the last stage's head is paid for with
 //! layers given to the others.
 //!
-//! The profile loads its own copy of one layer (with the embedding and the head) rather than
+//! The profile loads its own copy of a few layers (with the embedding and the head) rather than
 //! timing the stage a worker serves: it runs before any stage is assigned, and every decoder
-//! layer of a model has the same shape and cost.
+//! layer of a model has the same shape and cost. It times a pass over enough layers that their
+//! weights come from memory, not from the cache the previous repetition filled, and the head
+//! after them, as a serving stage runs them.
 
 use std::time::Instant;
 
@@ -29,6 +31,11 @@ const MAX_PROFILE_LOGITS: usize = 1 << 28;
 pub const MAX_PROFILE_POINT_SECONDS: f64 = 1.0;
 /// Positions per block of the profile's own KV pool.
 const BLOCK: usize = 16;
+/// Layer weight bytes the timed pass streams at least (fewer layers if the model has fewer):
+/// more than a last-level cache holds. Timing one small layer back to back measured it from
+/// cache, about half what each layer of a serving stage costs when all its layers stream from
+/// memory every step, and the split planner then gave stages uneven work.
+const STREAM_BYTES: usize = 128 << 20;
 
 /// What to measure.
 #[derive(Debug, Clone, PartialEq)]
@@ -136,23 +143,35 @@ impl ProfileSpec {
     }
 }
 
-/// Run `once` (which returns the seconds of its timed part) once to warm up, then at least
-/// `reps` times and for at least `min_seconds` back to back; the mean. Not the median: on a
-/// core shared with another process most short repetitions fit in one time slice and run at
-/// full speed, and the few that wait for the other process are exactly what serving will see.
-fn mean_seconds(
+/// Run `once` (which returns the seconds of each of its `N` timed parts) once to warm up, then
+/// at least `reps` times and for at least `min_seconds` back to back; the mean of each part.
+/// Not the median: on a core shared with another process most short repetitions fit in one
+/// time slice and run at full speed, and the few that wait for the other process are exactly
+/// what serving will see.
+fn mean_seconds<const N: usize>(
     reps: usize,
     min_seconds: f64,
-    mut once: impl FnMut() -> Result<f64, ForwardError>,
-) -> Result<f64, ForwardError> {
+    mut once: impl FnMut() -> Result<[f64; N], ForwardError>,
+) -> Result<[f64; N], ForwardError> {
     once()?;
     let start = Instant::now();
-    let (mut n, mut total) = (0usize, 0f64);
+    let (mut n, mut total) = (0usize, [0f64; N]);
     while n < reps.max(1) || start.elapsed().as_secs_f64() < min_seconds {
-        total += once()?;
+        for (t, s) in total.iter_mut().zip(once()?) {
+            *t += s;
+        }
         n += 1;
     }
-    Ok(total / n as f64)
+    Ok(total.map(|t| t / n as f64))
+}
+
+/// How many layers the timed pass runs: enough for [`STREAM_BYTES`] of weights of
+/// `layer_bytes` each, at most the model's `num_layers`, and as many as `kv_budget` has room
+/// for at `kv_per_layer` bytes each (at least one).
+fn pass_layers(num_layers: usize, layer_bytes: usize, kv_per_layer: u128, kv_budget: u64) -> usize {
+    let streamed = STREAM_BYTES.div_ceil(layer_bytes.max(1));
+    let fits = (kv_budget as u128 / kv_per_layer.max(1)).min(usize::MAX as u128) as usize;
+    streamed.min(num_layers).min(fits).max(1)
 }
 
 /// Time one layer, the head and the embedding of the model in `files` on the backend `opts`
@@ -188,11 +207,19 @@ pub fn profile(
             budget: kv_budget,
         });
     }
-    let shape = StageShape {
+    // One layer alone first, for its size.
+    let one = StageShape {
         config: config.clone(),
         layers: 0..1,
+        first: false,
+        last: false,
+    };
+    let layer_bytes = backend::load_shape(files, &one, &opts)?.info().part_bytes.layers;
+    let shape = StageShape {
+        layers: 0..pass_layers(config.num_layers, layer_bytes, need, kv_budget),
         first: true,
         last: true,
+        ..one
     };
     let mut b = backend::load_shape(files, &shape, &opts)?;
     let tables: Vec<Vec<u32>> = (0..max_t)
@@ -223,24 +250,23 @@ pub fn profile(
             })
             .collect();
         let (embedded, hidden, logits) = (&mut embedded[..t * h], &mut hidden[..t * h], &mut logits[..t * vocab]);
-        let embed = mean_seconds(spec.reps, spec.min_seconds, || {
+        // One pass as a one-stage pipeline runs it, each part timed: the embedding, every
+        // layer (weights streamed from memory), then the head (evicted by the layers).
+        let [embed, layers, head] = mean_seconds(spec.reps, spec.min_seconds, || {
             let start = Instant::now();
             b.embed(&tokens, embedded)?;
-            Ok(start.elapsed().as_secs_f64())
-        })?;
-        let layer = mean_seconds(spec.reps, spec.min_seconds, || {
+            let embed = start.elapsed().as_secs_f64();
             hidden.copy_from_slice(embedded);
             let start = Instant::now();
             b.forward(hidden, &seqs)?;
-            Ok(start.elapsed().as_secs_f64())
-        })?;
-        let head = mean_seconds(spec.reps, spec.min_seconds, || {
+            let layers = start.elapsed().as_secs_f64();
             let start = Instant::now();
             b.logits(hidden, logits)?;
             let picked: usize = logits.chunks_exact(vocab).map(argmax).sum();
             std::hint::black_box(picked);
-            Ok(start.elapsed().as_secs_f64())
+            Ok([embed, layers, start.elapsed().as_secs_f64()])
         })?;
+        let layer = layers / shape.layers.len() as f64;
         out.embed.push(CostPoint {
             tokens: t,
             seconds: embed,
@@ -266,4 +292,26 @@ fn argmax(row: &[f32]) -> usize {
             |best, (i, &v)| if v > best.1 { (i, v) } else { best },
         )
         .0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_timed_pass_streams_enough_layers_within_the_model_and_the_kv_budget() {
+        const MIB: usize = 1 << 20;
+        // SmolLM2-135M in Q8_0: 3.7 MiB a layer, so every one of its 30 layers.
+        assert_eq!(pass_layers(30, 3_700_000, 1000, u64::MAX), 30);
+        // Small layers of a deep model: just enough for STREAM_BYTES.
+        assert_eq!(pass_layers(1000, MIB, 1000, u64::MAX), STREAM_BYTES / MIB);
+        assert_eq!(pass_layers(1000, MIB + 1, 1000, u64::MAX), STREAM_BYTES / MIB);
+        // A layer larger than STREAM_BYTES streams on its own.
+        assert_eq!(pass_layers(80, 2 * STREAM_BYTES, 1000, u64::MAX), 1);
+        // The KV budget caps the layers, but one is always timed (the caller refuses a budget
+        // without room for one).
+        assert_eq!(pass_layers(30, MIB, 1000, 4500), 4);
+        assert_eq!(pass_layers(30, MIB, 1000, 10), 1);
+        assert_eq!(pass_layers(30, 0, 0, 0), 1);
+    }
 }
