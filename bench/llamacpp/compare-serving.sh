@@ -49,8 +49,10 @@ BATON_BENCH="$REPO/target/release/baton-bench"
 Q8="$LLAMA_MODELS/SmolLM2-135M-Instruct.Q8_0.gguf"
 
 die() { echo "compare-serving: $*" >&2; exit 1; }
-[[ -x "$LLAMA_SERVER" ]] || die "$LLAMA_SERVER missing: run bench/llamacpp/build.sh (or set LLAMA_BUILD)"
-[[ -f "$Q8" ]] || die "$Q8 missing: run bench/llamacpp/build.sh (or set LLAMA_MODELS)"
+if [[ " $SERVERS " == *" llama-server "* ]]; then
+    [[ -x "$LLAMA_SERVER" ]] || die "$LLAMA_SERVER missing: run bench/llamacpp/build.sh (or set LLAMA_BUILD)"
+    [[ -f "$Q8" ]] || die "$Q8 missing: run bench/llamacpp/build.sh (or set LLAMA_MODELS)"
+fi
 for b in "$BATON" "$BATON_BENCH"; do
     [[ -x "$b" ]] || die "$b missing: cargo build --release -p baton-coordinator -p baton-bench"
 done
