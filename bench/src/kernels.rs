@@ -54,6 +54,33 @@ fn time_calls(
     start.elapsed().as_secs_f64() / calls as f64
 }
 
+/// One measurement's JSON line: `bytes` of weights read and `flops` done per call of `secs`.
+#[allow(clippy::too_many_arguments)]
+fn report(
+    shape: String,
+    format: WeightFormat,
+    k: Kernels,
+    threads: usize,
+    t: usize,
+    bytes: usize,
+    flops: f64,
+    secs: f64,
+) {
+    let line = serde_json::json!({
+        "shape": shape,
+        "weights": format.name(),
+        "kernel_path": k.path().name(),
+        "threads": threads,
+        "tokens": t,
+        "bytes": bytes,
+        "us_per_call": secs * 1e6,
+        "us_per_token": secs * 1e6 / t as f64,
+        "gb_per_s": bytes as f64 / secs / 1e9,
+        "gflop_per_s": flops / secs / 1e9,
+    });
+    println!("{line}");
+}
+
 /// Seconds per pass over every product of `layers` (each with its own input and output
 /// buffers sized for `t` tokens), timed for about `ms` milliseconds.
 fn time_pass(k: Kernels, pool: &ThreadPool, layers: &[Vec<Matrix>], t: usize, ms: u64, xq: &mut QuantizedRows) -> f64 {
@@ -99,19 +126,8 @@ fn run_layers(pools: &[ThreadPool], tokens: &[usize], formats: &[WeightFormat], 
                     .collect();
                 secs.sort_by(f64::total_cmp);
                 let s = secs[secs.len() / 2];
-                let line = serde_json::json!({
-                    "shape": format!("{n} layers"),
-                    "weights": format.name(),
-                    "kernel_path": k.path().name(),
-                    "threads": pool.threads(),
-                    "tokens": t,
-                    "bytes": bytes,
-                    "us_per_call": s * 1e6,
-                    "us_per_token": s * 1e6 / t as f64,
-                    "gb_per_s": bytes as f64 / s / 1e9,
-                    "gflop_per_s": (flops_per_token * t) as f64 / s / 1e9,
-                });
-                println!("{line}");
+                let flops = (flops_per_token * t) as f64;
+                report(format!("{n} layers"), format, k, pool.threads(), t, bytes, flops, s);
             }
         }
     }
@@ -168,18 +184,17 @@ pub fn run(
                         .collect();
                     secs.sort_by(f64::total_cmp);
                     let s = secs[secs.len() / 2];
-                    let line = serde_json::json!({
-                        "shape": format!("{rows}x{cols}"),
-                        "weights": format.name(),
-                        "kernel_path": k.path().name(),
-                        "threads": pool.threads(),
-                        "tokens": t,
-                        "bytes": w.bytes(),
-                        "us_per_call": s * 1e6,
-                        "gb_per_s": w.bytes() as f64 / s / 1e9,
-                        "gflop_per_s": 2.0 * (t * rows * cols) as f64 / s / 1e9,
-                    });
-                    println!("{line}");
+                    let flops = 2.0 * (t * rows * cols) as f64;
+                    report(
+                        format!("{rows}x{cols}"),
+                        format,
+                        k,
+                        pool.threads(),
+                        t,
+                        w.bytes(),
+                        flops,
+                        s,
+                    );
                 }
             }
         }

@@ -23,16 +23,23 @@ pub mod testdata;
 /// waited on memory at their first use (decode took 1.7-2.4x as long).
 pub(crate) const PREFETCH_TILES: usize = 2;
 
-/// Hint the `n` elements from `p` into L1. `p` may point past its matrix (a hint never faults).
+/// Hint the cache lines of the `n` elements from `p` with `_mm_prefetch` hint `HINT`. `p` may
+/// point past its matrix (a hint never faults).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(crate) fn prefetch<T>(p: *const T, n: usize) {
-    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+fn prefetch_lines<const HINT: i32, T>(p: *const T, n: usize) {
     let bytes = n * size_of::<T>();
     for off in (0..bytes).step_by(64) {
         // SAFETY: prefetching is a hint; it never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>().wrapping_add(off)) };
+        unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(p.cast::<i8>().wrapping_add(off)) };
     }
+}
+
+/// Hint the `n` elements from `p` into L1. `p` may point past its matrix.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch<T>(p: *const T, n: usize) {
+    prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T0 }, T>(p, n);
 }
 
 /// Hint the `n` elements from `p` into L2 only (far-ahead prefetch that should not evict what
@@ -40,10 +47,5 @@ pub(crate) fn prefetch<T>(p: *const T, n: usize) {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn prefetch_l2<T>(p: *const T, n: usize) {
-    use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
-    let bytes = n * size_of::<T>();
-    for off in (0..bytes).step_by(64) {
-        // SAFETY: as in `prefetch`.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast::<i8>().wrapping_add(off)) };
-    }
+    prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T1 }, T>(p, n);
 }
