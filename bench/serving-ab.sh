@@ -8,7 +8,9 @@
 #
 #   ROUNDS=2 CONCURRENCY=16 REQUESTS=32 MAX_TOKENS=128 PROMPT_TOKENS=128   load (defaults shown)
 #   TEMPERATURE=1.0   sampling temperature sent with every request (0: greedy)
-#   WORKERS=1 WEIGHTS=q8_0 MAX_RUNNING=16 PORT=8291   how each server runs
+#   WORKERS=1 WEIGHTS=q8_0 MAX_RUNNING=16 PORT=8291   how each server runs; WORKERS="1 2" runs
+#                     both worker counts in every round (1 × 2 threads, 2 × 1) and adds each
+#                     binary's pipeline efficiency: out tok/s with the last count ÷ the first
 #   OUT=DIR           keep raw outputs and server logs there (default: a new directory under /tmp)
 set -euo pipefail
 
@@ -37,9 +39,9 @@ source "$REPO/bench/lib.sh"
 
 echo "serving-ab: $ROUNDS rounds, concurrency $CONCURRENCY, temperature $TEMPERATURE; raw outputs in $OUT" >&2
 for ((r = 1; r <= ROUNDS; r++)); do
-    for i in 0 1; do
-        label=$([[ $i == 0 ]] && echo A || echo B)
-        "${BINS[$i]}" serve --weights "$WEIGHTS" --workers "$WORKERS" --host 127.0.0.1 --port "$PORT" \
+    for w in $WORKERS; do for i in 0 1; do
+        label=$([[ $i == 0 ]] && echo A || echo B)$w
+        "${BINS[$i]}" serve --weights "$WEIGHTS" --workers "$w" --host 127.0.0.1 --port "$PORT" \
             --max-running "$MAX_RUNNING" >"$OUT/$label.$r.server.log" 2>&1 &
         PID=$!
         wait_ready "http://127.0.0.1:$PORT" "$OUT/$label.$r.server.log" serving-ab
@@ -50,24 +52,32 @@ for ((r = 1; r <= ROUNDS; r++)); do
             --max-tokens "$MAX_TOKENS" --prompt-tokens "$PROMPT_TOKENS" --temperature "$TEMPERATURE" \
             --format json >"$OUT/$label.$r.json" 2>"$OUT/$label.$r.load.log" || true
         stop
-    done
+    done; done
 done
 
-python3 - "$OUT" "$ROUNDS" <<'EOF'
+python3 - "$OUT" "$ROUNDS" $WORKERS <<'EOF'
 import json, statistics, sys
-out, rounds = sys.argv[1], int(sys.argv[2])
+out, rounds, workers = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 def level(path):
     with open(path) as f:
         return json.load(f)["levels"][-1]
 res = {}
-for label in "AB":
-    tps, itl = [], []
-    for r in range(1, rounds + 1):
-        lv = level(f"{out}/{label}.{r}.json")
-        tps.append(lv["output_tok_per_s"])
-        itl.append(lv["itl_s"]["p50"] * 1e3)
-    res[label] = (tps, itl)
-    print(f"{label}: out tok/s {[round(x, 1) for x in tps]} (median {statistics.median(tps):.1f}), "
-          f"ITL p50 ms {[round(x, 1) for x in itl]}")
-print(f"B / A, median out tok/s: {statistics.median(res['B'][0]) / statistics.median(res['A'][0]):.2f}")
+for w in workers:
+    for label in ("A" + w, "B" + w):
+        tps, itl = [], []
+        for r in range(1, rounds + 1):
+            lv = level(f"{out}/{label}.{r}.json")
+            tps.append(lv["output_tok_per_s"])
+            itl.append(lv["itl_s"]["p50"] * 1e3)
+        res[label] = (tps, itl)
+        print(f"{label} ({w} workers): out tok/s {[round(x, 1) for x in tps]} "
+              f"(median {statistics.median(tps):.1f}), ITL p50 ms {[round(x, 1) for x in itl]}")
+    ratio = statistics.median(res["B" + w][0]) / statistics.median(res["A" + w][0])
+    print(f"B / A with {w} workers, median out tok/s: {ratio:.2f}")
+if len(workers) > 1:
+    lo, hi = workers[0], workers[-1]
+    for b in "AB":
+        per_round = [h / l for h, l in zip(res[b + hi][0], res[b + lo][0])]
+        print(f"{b}: {hi} workers / {lo} per round {[round(x, 2) for x in per_round]}, "
+              f"median {statistics.median(per_round):.2f}")
 EOF
