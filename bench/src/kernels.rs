@@ -81,8 +81,8 @@ fn report(
     println!("{line}");
 }
 
-/// Seconds per pass over every product of `layers` (each with its own input and output
-/// buffers sized for `t` tokens), timed for about `ms` milliseconds.
+/// Seconds per pass over every product of `layers` for `t` tokens (one input and one output
+/// buffer, sized for the widest product, serve them all), timed for about `ms` milliseconds.
 fn time_pass(k: Kernels, pool: &ThreadPool, layers: &[Vec<Matrix>], t: usize, ms: u64, xq: &mut QuantizedRows) -> f64 {
     let widest = LAYER.iter().map(|&(r, c)| r.max(c)).max().unwrap_or(0);
     let x = noise(t * widest, 7);

@@ -34,7 +34,7 @@ use super::q8::{PANEL, PANEL_BLOCK, Panel, Q8Act};
 const PREFETCH_BLOCKS: usize = 4;
 
 /// Blocks ahead (16 KiB) each panel kernel also hints into L2. A stage's weights stream from
-/// memory every step, and at batched-decode sizes (8 tokens a block) the L1 prefetch alone
+/// memory every step, and at batched-decode sizes (8 tokens) the L1 prefetch alone
 /// left the DRAM reads and the `vpdpbusd` work taking turns instead of overlapping: on a Zen 4
 /// core a pass over 18 layers at 8 tokens took 879 µs a token without it and 666–707 with it
 /// 24–48 blocks ahead (`baton-bench kernels --layers 18`, docs/benchmarks.md).
