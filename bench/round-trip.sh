@@ -12,6 +12,7 @@
 #   CONCURRENCY=16 REQUESTS=32 MAX_TOKENS=128 WEIGHTS=q8_0 MAX_RUNNING=16 SPLIT=measured
 #   STAGES=2         workers, each with 2/STAGES of this machine's 2 cores (1: the 1×2 baseline)
 #   PORT=8490        HTTP on PORT, registry on PORT+1, worker i's metrics on PORT+5+i
+#   BATON=PATH       the baton binary (default: target/release/baton)
 #
 # Needs a release build: cargo build --release --workspace.
 set -euo pipefail
@@ -26,7 +27,7 @@ STAGES=${STAGES:-2}
 [[ "$STAGES" == 1 || "$STAGES" == 2 ]] || { echo "round-trip: STAGES must be 1 or 2" >&2; exit 2; }
 PORT=${PORT:-8490}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-BATON="$REPO/target/release/baton"
+BATON=${BATON:-$REPO/target/release/baton}
 BATON_BENCH="$REPO/target/release/baton-bench"
 for b in "$BATON" "$BATON_BENCH"; do
     [[ -x "$b" ]] || { echo "round-trip: $b missing (cargo build --release --workspace)" >&2; exit 1; }

@@ -48,6 +48,8 @@ struct Seq {
     cached_reported: bool,
     /// Part of a micro-batch that has not come back yet.
     in_flight: bool,
+    /// Id of the latest micro-batch it was part of (0: none yet).
+    last_batch: u64,
     req: GenerationRequest,
     tx: mpsc::Sender<TokenEvent>,
     /// Ends (and is exported) when the sequence is dropped.
@@ -162,6 +164,28 @@ struct Composed {
     /// cache, and positions reused from it.
     prefix_queried: usize,
     prefix_reused: usize,
+}
+
+/// How many idle sequences the next micro-batch takes: an equal share of all `running` ones
+/// over `depth` micro-batches. Sequences return together with the micro-batch they went in, so
+/// an uneven split persists, and every stage waits for the larger micro-batch once a round:
+/// 16 decodes split 9/7 over two stages take as long a round as 9/9 would. Capping each
+/// micro-batch at the share evens such a split out on its next return.
+fn micro_batch_share(running: usize, idle: usize, depth: usize) -> usize {
+    idle.min(running.div_ceil(depth.max(1)))
+}
+
+/// The idle sequences for the next micro-batch, at most its share: decoding ones first, those
+/// that have waited longest for a micro-batch first (so the one a capped batch left behind goes
+/// next); then prompts in arrival order.
+fn pick_idle(active: &mut [Seq], depth: usize) -> Vec<&mut Seq> {
+    let running = active.len();
+    let mut idle: Vec<&mut Seq> = active.iter_mut().filter(|s| !s.in_flight).collect();
+    let share = micro_batch_share(running, idle.len(), depth);
+    // Stable: ties keep arrival order.
+    idle.sort_by_key(|s| (!s.decoding(), if s.decoding() { s.last_batch } else { 0 }));
+    idle.truncate(share);
+    idle
 }
 
 /// One step's chunks: every decoding sequence's next token first (running sequences keep their
@@ -382,13 +406,11 @@ pub(crate) async fn run(
         metrics::gauge!("baton_queue_depth").set(submit_rx.len() as f64);
 
         // Keep up to one micro-batch per stage in flight, over disjoint sequences, so every
-        // stage has work under load. Each takes its share of the idle sequences.
+        // stage has work under load. Each takes an equal share of the running sequences.
         let mut starved: Vec<u64> = Vec::new();
         let mut stalled = None;
         while in_flight.len() < depth {
-            let idle_count = active.iter().filter(|s| !s.in_flight).count();
-            let share = idle_count.div_ceil(depth - in_flight.len()).max(1);
-            let mut idle: Vec<&mut Seq> = active.iter_mut().filter(|s| !s.in_flight).take(share).collect();
+            let mut idle = pick_idle(&mut active, depth);
             if idle.is_empty() {
                 break;
             }
@@ -416,10 +438,11 @@ pub(crate) async fn run(
                 break;
             }
             let members: Vec<u64> = seqs.iter().map(|c| c.seq_id).collect();
+            batch_id += 1;
             for s in idle.iter_mut().filter(|s| members.contains(&s.id)) {
                 s.in_flight = true;
+                s.last_batch = batch_id;
             }
-            batch_id += 1;
             let batch_tokens: usize = seqs.iter().map(|c| c.tokens.len()).sum();
             let span = step_span(batch_id, &idle, &members, batch_tokens, decode);
             metrics::counter!("baton_prefill_tokens_total").increment((batch_tokens - decode) as u64);
@@ -662,6 +685,7 @@ fn new_seq(s: NewSequence) -> Seq {
         last_token: None,
         prefilled: 0,
         in_flight: false,
+        last_batch: 0,
         prompt_len: s.req.prompt.len(),
         prefill_len: s.req.prompt.len(),
         blocks: Vec::new(),
@@ -701,10 +725,82 @@ mod tests {
             prompt_len: prompt,
             prefilled,
             in_flight: false,
+            last_batch: 0,
             req,
             tx,
             span: tracing::Span::none(),
         }
+    }
+
+    /// Send micro-batches over `active` as the step loop does, returning the oldest in flight
+    /// whenever all `depth` slots are taken; the sizes of the micro-batches sent.
+    fn ring(active: &mut [Seq], depth: usize, in_flight: &mut VecDeque<Vec<u64>>, sends: usize) -> Vec<usize> {
+        let mut sizes = Vec::new();
+        let mut batch_id = active.iter().map(|s| s.last_batch).max().unwrap_or(0);
+        while sizes.len() < sends {
+            if in_flight.len() == depth {
+                let back = in_flight.pop_front().unwrap();
+                active.iter_mut().filter(|s| back.contains(&s.id)).for_each(|s| s.in_flight = false);
+            }
+            batch_id += 1;
+            let picked: Vec<u64> = pick_idle(active, depth)
+                .into_iter()
+                .map(|s| {
+                    s.in_flight = true;
+                    s.last_batch = batch_id;
+                    s.id
+                })
+                .collect();
+            sizes.push(picked.len());
+            in_flight.push_back(picked);
+        }
+        sizes
+    }
+
+    #[test]
+    fn an_uneven_split_of_micro_batches_evens_out_on_the_next_return() {
+        // 16 decoding sequences split 9/7 over two micro-batches, as arrivals can leave them:
+        // the first 9 are back, the other 7 in flight.
+        let mut active: Vec<Seq> = (0..16).map(|i| seq(i, 4, 1)).collect();
+        for s in &mut active[..9] {
+            s.last_batch = 1;
+        }
+        for s in &mut active[9..] {
+            s.last_batch = 2;
+            s.in_flight = true;
+        }
+        let mut in_flight = VecDeque::from([(9..16).collect::<Vec<u64>>()]);
+        let sizes = ring(&mut active, 2, &mut in_flight, 6);
+        assert_eq!(sizes, [8; 6], "the 9 go back as 8, and the one left behind joins the 7");
+        // Every sequence went in one of every two micro-batches: none was left behind twice.
+        let mut sent = [0usize; 16];
+        for s in &active {
+            sent[s.id as usize] = s.last_batch as usize;
+        }
+        assert!(sent.iter().all(|&b| b >= 7), "last micro-batch of each sequence: {sent:?}");
+        // One stage: every idle sequence goes at once.
+        active.iter_mut().for_each(|s| s.in_flight = false);
+        assert_eq!(ring(&mut active, 1, &mut VecDeque::new(), 1), [16]);
+    }
+
+    #[test]
+    fn a_capped_micro_batch_keeps_decodes_before_prompts() {
+        // 7 decoding sequences and 1 new prompt idle, 8 in flight: the share is 8, so all go,
+        // decodes first.
+        let mut active: Vec<Seq> = (0..16).map(|i| seq(i, 4, 1)).collect();
+        for s in &mut active[8..] {
+            s.in_flight = true;
+        }
+        active[0] = seq(0, 4, 0);
+        let first: Vec<u64> = pick_idle(&mut active, 2).iter().map(|s| s.id).collect();
+        assert_eq!(first, [1, 2, 3, 4, 5, 6, 7, 0], "decodes first, then the prompt");
+        // Ten idle with a share of 8 (16 running over 2): the two prompts wait, not a decode.
+        for s in &mut active[14..] {
+            s.in_flight = false;
+        }
+        active[14] = seq(14, 4, 0);
+        let picked: Vec<u64> = pick_idle(&mut active, 2).iter().map(|s| s.id).collect();
+        assert_eq!(picked, [1, 2, 3, 4, 5, 6, 7, 15]);
     }
 
     /// Compose over every sequence, as the step loop does when nothing is in flight.
