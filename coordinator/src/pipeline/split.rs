@@ -48,9 +48,9 @@ const OBSERVED_ROWS: u64 = 4096;
 
 /// The micro-batch the planner optimizes for: the running sequences' decode tokens shared among
 /// the stages' micro-batches in flight, plus prompt rows in the share served so far (or
-/// [`DEFAULT_PROMPT_SHARE`] before there is enough history), within the step's token budget.
+/// [`DEFAULT_PROMPT_SHARE`] before there is enough history), within a micro-batch's token budget.
 pub fn planning_workload(config: &PipelineConfig, prompt_rows: u64, decode_rows: u64) -> (Workload, f64) {
-    let budget = config.max_batch_tokens.max(1);
+    let budget = config.micro_batch_tokens();
     let sampled = config.max_running.div_ceil(config.stages.max(1)).clamp(1, budget);
     let total = prompt_rows + decode_rows;
     let share = if total >= OBSERVED_ROWS {
@@ -262,8 +262,9 @@ mod tests {
         assert_eq!(planning_workload(&c, 0, 0), (w(16, 8), 0.5));
         // Mostly decode, observed.
         assert_eq!(planning_workload(&c, 1000, 9000), (w(9, 8), 0.1));
-        // Prompt-heavy traffic fills the step's budget at most.
-        assert_eq!(planning_workload(&c, 99_000, 1000).0, w(128, 8));
+        // Prompt-heavy traffic fills a micro-batch's part of the step's budget at most.
+        assert_eq!(planning_workload(&c, 99_000, 1000).0, w(64, 8));
+        assert_eq!(planning_workload(&config(1, 16, 128), 99_000, 1000).0, w(128, 16));
         // Small budgets and one running sequence still plan at least one row.
         assert_eq!(planning_workload(&config(3, 1, 1), 0, 0).0, w(1, 1));
     }

@@ -421,7 +421,7 @@ pub(crate) async fn run(
                 stalled: stuck,
                 prefix_queried,
                 prefix_reused,
-            } = compose_step(&mut idle, config.max_batch_tokens, &mut alloc);
+            } = compose_step(&mut idle, config.micro_batch_tokens(), &mut alloc);
             starved.extend(short);
             stalled = stalled.or(stuck);
             if prefix_queried > 0 {
@@ -740,7 +740,10 @@ mod tests {
         while sizes.len() < sends {
             if in_flight.len() == depth {
                 let back = in_flight.pop_front().unwrap();
-                active.iter_mut().filter(|s| back.contains(&s.id)).for_each(|s| s.in_flight = false);
+                active
+                    .iter_mut()
+                    .filter(|s| back.contains(&s.id))
+                    .for_each(|s| s.in_flight = false);
             }
             batch_id += 1;
             let picked: Vec<u64> = pick_idle(active, depth)
@@ -777,7 +780,10 @@ mod tests {
         for s in &active {
             sent[s.id as usize] = s.last_batch as usize;
         }
-        assert!(sent.iter().all(|&b| b >= 7), "last micro-batch of each sequence: {sent:?}");
+        assert!(
+            sent.iter().all(|&b| b >= 7),
+            "last micro-batch of each sequence: {sent:?}"
+        );
         // One stage: every idle sequence goes at once.
         active.iter_mut().for_each(|s| s.in_flight = false);
         assert_eq!(ring(&mut active, 1, &mut VecDeque::new(), 1), [16]);

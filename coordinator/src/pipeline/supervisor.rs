@@ -170,7 +170,9 @@ pub(crate) async fn run(
         }
         *status.split.lock().unwrap_or_else(|e| e.into_inner()) = Some(split);
         // Published before `ready`, so anyone who sees the pipeline ready also sees its pool size.
-        status.kv_blocks_total.store(pipeline.kv_blocks as u64, Ordering::Relaxed);
+        status
+            .kv_blocks_total
+            .store(pipeline.kv_blocks as u64, Ordering::Relaxed);
         status.ready.store(true, Ordering::Release);
         metrics::gauge!("baton_pipeline_ready").set(1.0);
         metrics::gauge!("baton_pipeline_stages").set(pipeline.stages.len() as f64);
