@@ -166,22 +166,22 @@ struct Composed {
     prefix_reused: usize,
 }
 
-/// How many idle sequences the next micro-batch takes: an equal share of all `running` ones
-/// over `depth` micro-batches. Sequences return together with the micro-batch they went in, so
-/// an uneven split persists, and every stage waits for the larger micro-batch once a round:
-/// 16 decodes split 9/7 over two stages take as long a round as 9/9 would. Capping each
-/// micro-batch at the share evens such a split out on its next return.
-fn micro_batch_share(running: usize, idle: usize, depth: usize) -> usize {
-    idle.min(running.div_ceil(depth.max(1)))
+/// How many idle sequences the next micro-batch takes: the idle ones spread over the `free`
+/// slots of `depth`, and never more than an equal share of all `running` sequences.
+/// Sequences return together with the micro-batch they went in, so an uneven split persists,
+/// and every stage waits for the larger micro-batch once a round: 16 decodes split 9/7 over two
+/// stages take as long a round as 9/9 would. The cap evens such a split out on its next return.
+fn micro_batch_share(running: usize, idle: usize, depth: usize, free: usize) -> usize {
+    idle.min(running.div_ceil(depth.max(1))).min(idle.div_ceil(free.max(1)))
 }
 
-/// The idle sequences for the next micro-batch, at most its share: decoding ones first, those
-/// that have waited longest for a micro-batch first (so the one a capped batch left behind goes
-/// next); then prompts in arrival order.
-fn pick_idle(active: &mut [Seq], depth: usize) -> Vec<&mut Seq> {
+/// The idle sequences for the next micro-batch, at most its share with `free` of `depth` slots
+/// free: decoding ones first, those that have waited longest for a micro-batch first (so the
+/// one a capped batch left behind goes next); then prompts in arrival order.
+fn pick_idle(active: &mut [Seq], depth: usize, free: usize) -> Vec<&mut Seq> {
     let running = active.len();
     let mut idle: Vec<&mut Seq> = active.iter_mut().filter(|s| !s.in_flight).collect();
-    let share = micro_batch_share(running, idle.len(), depth);
+    let share = micro_batch_share(running, idle.len(), depth, free);
     // Stable: ties keep arrival order.
     idle.sort_by_key(|s| (!s.decoding(), if s.decoding() { s.last_batch } else { 0 }));
     idle.truncate(share);
@@ -410,7 +410,7 @@ pub(crate) async fn run(
         let mut starved: Vec<u64> = Vec::new();
         let mut stalled = None;
         while in_flight.len() < depth {
-            let mut idle = pick_idle(&mut active, depth);
+            let mut idle = pick_idle(&mut active, depth, depth - in_flight.len());
             if idle.is_empty() {
                 break;
             }
@@ -746,7 +746,7 @@ mod tests {
                     .for_each(|s| s.in_flight = false);
             }
             batch_id += 1;
-            let picked: Vec<u64> = pick_idle(active, depth)
+            let picked: Vec<u64> = pick_idle(active, depth, depth - in_flight.len())
                 .into_iter()
                 .map(|s| {
                     s.in_flight = true;
@@ -787,6 +787,9 @@ mod tests {
         // One stage: every idle sequence goes at once.
         active.iter_mut().for_each(|s| s.in_flight = false);
         assert_eq!(ring(&mut active, 1, &mut VecDeque::new(), 1), [16]);
+        // Fewer sequences than an even split needs: every stage still gets a micro-batch.
+        let mut four: Vec<Seq> = (0..4).map(|i| seq(i, 4, 1)).collect();
+        assert_eq!(ring(&mut four, 3, &mut VecDeque::new(), 6), [2, 1, 1, 2, 1, 1]);
     }
 
     #[test]
@@ -798,14 +801,14 @@ mod tests {
             s.in_flight = true;
         }
         active[0] = seq(0, 4, 0);
-        let first: Vec<u64> = pick_idle(&mut active, 2).iter().map(|s| s.id).collect();
+        let first: Vec<u64> = pick_idle(&mut active, 2, 1).iter().map(|s| s.id).collect();
         assert_eq!(first, [1, 2, 3, 4, 5, 6, 7, 0], "decodes first, then the prompt");
         // Ten idle with a share of 8 (16 running over 2): the two prompts wait, not a decode.
         for s in &mut active[14..] {
             s.in_flight = false;
         }
         active[14] = seq(14, 4, 0);
-        let picked: Vec<u64> = pick_idle(&mut active, 2).iter().map(|s| s.id).collect();
+        let picked: Vec<u64> = pick_idle(&mut active, 2, 1).iter().map(|s| s.id).collect();
         assert_eq!(picked, [1, 2, 3, 4, 5, 6, 7, 15]);
     }
 
