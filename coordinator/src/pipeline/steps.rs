@@ -172,7 +172,8 @@ struct Composed {
 /// and every stage waits for the larger micro-batch once a round: 16 decodes split 9/7 over two
 /// stages take as long a round as 9/9 would. The cap evens such a split out on its next return.
 fn micro_batch_share(running: usize, idle: usize, depth: usize, free: usize) -> usize {
-    idle.min(running.div_ceil(depth.max(1))).min(idle.div_ceil(free.max(1)))
+    // The idle spread over at least one slot is never more than the idle count itself.
+    idle.div_ceil(free.max(1)).min(running.div_ceil(depth.max(1)))
 }
 
 /// The idle sequences for the next micro-batch, at most its share with `free` of `depth` slots
