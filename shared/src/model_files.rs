@@ -2,6 +2,7 @@
 //! (config.json + safetensors) or a GGUF file. Tensors are named by [`TensorRole`] and layer,
 //! so the layer code never sees format-specific names or GGUF's q/k row permutation.
 
+use crate::sampling::{SamplingDefaults, SamplingDefaultsError};
 use std::collections::BTreeSet;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -183,6 +184,27 @@ pub enum ModelFiles {
 }
 
 impl ModelFiles {
+    /// The model's own sampling recommendation: `generation_config.json` in a Hugging Face
+    /// directory, `general.sampling.*` in a GGUF file; OpenAI's defaults where it has none.
+    pub fn sampling_defaults(&self) -> Result<SamplingDefaults, SamplingDefaultsError> {
+        match self {
+            ModelFiles::HfDir { dir, .. } => match std::fs::read_to_string(dir.join("generation_config.json")) {
+                Ok(text) => SamplingDefaults::from_generation_config(&text),
+                Err(_) => Ok(SamplingDefaults::default()),
+            },
+            ModelFiles::Gguf(g) => SamplingDefaults::with_overrides("GGUF general.sampling", |k| {
+                let key = match k {
+                    "temperature" => "general.sampling.temp",
+                    "top_k" => "general.sampling.top_k",
+                    "top_p" => "general.sampling.top_p",
+                    "min_p" => "general.sampling.min_p",
+                    _ => return None,
+                };
+                g.get(key).and_then(|v| v.as_f64())
+            }),
+        }
+    }
+
     /// Open a `.gguf` file or a Hugging Face directory.
     pub fn open(path: &Path) -> Result<Self, LoadError> {
         if path.is_dir() {

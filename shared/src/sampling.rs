@@ -190,3 +190,132 @@ mod tests {
         }
     }
 }
+
+/// Sampling values a request falls back on when it leaves them out: the model's own
+/// recommendation (`generation_config.json` beside a Hugging Face checkpoint, or a GGUF's
+/// `general.sampling.*` keys), as vLLM does, else OpenAI's defaults (temperature 1, no
+/// truncation).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingDefaults {
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+}
+
+impl Default for SamplingDefaults {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+        }
+    }
+}
+
+/// A model's sampling recommendation that cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[error("{source_name}: '{key}' = {value} is not a valid {what}")]
+pub struct SamplingDefaultsError {
+    pub source_name: String,
+    pub key: &'static str,
+    pub value: String,
+    pub what: &'static str,
+}
+
+impl SamplingDefaults {
+    /// The defaults with whatever of `temperature`, `top_k`, `top_p` and `min_p` `get` finds
+    /// (`source_name` names where they come from in errors). Values out of range are errors, so
+    /// a broken file is reported rather than silently ignored.
+    pub fn with_overrides(source_name: &str, get: impl Fn(&str) -> Option<f64>) -> Result<Self, SamplingDefaultsError> {
+        let mut d = Self::default();
+        let bad = |key: &'static str, value: f64, what: &'static str| SamplingDefaultsError {
+            source_name: source_name.to_string(),
+            key,
+            value: value.to_string(),
+            what,
+        };
+        if let Some(t) = get("temperature") {
+            if !(t.is_finite() && t >= 0.0) {
+                return Err(bad("temperature", t, "temperature (≥ 0)"));
+            }
+            d.temperature = t as f32;
+        }
+        if let Some(k) = get("top_k") {
+            // transformers and vLLM spell "off" as 0 or -1.
+            if !(k.is_finite() && k >= -1.0 && k.fract() == 0.0) {
+                return Err(bad("top_k", k, "top_k (-1, 0 or a positive integer)"));
+            }
+            d.top_k = if k <= 0.0 { 0 } else { k as usize };
+        }
+        if let Some(p) = get("top_p") {
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(bad("top_p", p, "top_p (in (0, 1])"));
+            }
+            d.top_p = p as f32;
+        }
+        if let Some(p) = get("min_p") {
+            if !(0.0..=1.0).contains(&p) {
+                return Err(bad("min_p", p, "min_p (in [0, 1])"));
+            }
+            d.min_p = p as f32;
+        }
+        Ok(d)
+    }
+
+    /// From a `generation_config.json` text (missing keys keep the defaults).
+    pub fn from_generation_config(text: &str) -> Result<Self, SamplingDefaultsError> {
+        let json: serde_json::Value = serde_json::from_str(text).map_err(|e| SamplingDefaultsError {
+            source_name: "generation_config.json".into(),
+            key: "(file)",
+            value: e.to_string(),
+            what: "JSON document",
+        })?;
+        Self::with_overrides("generation_config.json", |k| json.get(k).and_then(|v| v.as_f64()))
+    }
+}
+
+#[cfg(test)]
+mod defaults_tests {
+    use super::*;
+
+    #[test]
+    fn generation_config_values_override_openai_defaults() {
+        let d = SamplingDefaults::from_generation_config(
+            r#"{"do_sample": true, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "bos_token_id": 1}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            d,
+            SamplingDefaults {
+                temperature: 0.6,
+                top_k: 20,
+                top_p: 0.95,
+                min_p: 0.0
+            }
+        );
+        assert_eq!(
+            SamplingDefaults::from_generation_config("{}").unwrap(),
+            SamplingDefaults::default()
+        );
+        let off = SamplingDefaults::from_generation_config(r#"{"top_k": -1}"#).unwrap();
+        assert_eq!(off.top_k, 0);
+    }
+
+    #[test]
+    fn bad_values_name_the_key() {
+        for (text, key) in [
+            (r#"{"temperature": -1}"#, "temperature"),
+            (r#"{"top_p": 0}"#, "top_p"),
+            (r#"{"top_k": 2.5}"#, "top_k"),
+            (r#"{"min_p": 3}"#, "min_p"),
+        ] {
+            let e = SamplingDefaults::from_generation_config(text).unwrap_err();
+            assert_eq!(e.key, key, "{text}");
+            assert!(e.to_string().contains(key), "{e}");
+        }
+        let e = SamplingDefaults::from_generation_config("{not json").unwrap_err();
+        assert!(e.to_string().contains("generation_config.json"), "{e}");
+    }
+}

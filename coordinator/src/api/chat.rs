@@ -103,6 +103,7 @@ async fn run(state: Arc<AppState>, req: ChatRequest) -> Result<Response, ApiErro
         "max_tokens"
     };
     let params = req.sampling().to_params(
+        &state.sampling_defaults,
         prompt.len(),
         state.max_context,
         DefaultMaxTokens::RestOfContext,

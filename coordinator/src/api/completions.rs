@@ -56,6 +56,7 @@ async fn run(state: Arc<AppState>, req: CompletionRequest) -> Result<Response, A
     let prompt = prompt_ids(&req.prompt, &state.tokenizer)?;
     tracing::Span::current().record("prompt_tokens", prompt.len());
     let params = req.sampling().to_params(
+        &state.sampling_defaults,
         prompt.len(),
         state.max_context,
         DefaultMaxTokens::Fixed(DEFAULT_MAX_TOKENS),

@@ -13,6 +13,7 @@ pub mod respond;
 pub mod stream;
 pub mod types;
 
+use baton_shared::sampling::SamplingDefaults;
 use std::future::Future;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -44,6 +45,8 @@ pub struct AppState {
     pub max_context: usize,
     /// Larger request bodies are answered with 413.
     pub max_body_bytes: usize,
+    /// Sampling values for fields a request leaves out (the model's recommendation).
+    pub sampling_defaults: SamplingDefaults,
     pub generator: Arc<dyn Generator>,
     /// When the server started (`created` in `/v1/models`).
     pub started: u64,
@@ -71,6 +74,7 @@ impl AppState {
             chat_template,
             max_context,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            sampling_defaults: SamplingDefaults::default(),
             generator,
             started: unix_now(),
         }

@@ -1,7 +1,7 @@
 //! Turning request fields into [`SamplingParams`], with a 400 naming the field for anything out
 //! of range or unsupported, and the context-length check.
 
-use baton_shared::sampling::{MAX_STOP_STRINGS, SamplingParams};
+use baton_shared::sampling::{MAX_STOP_STRINGS, SamplingDefaults, SamplingParams};
 use serde_json::Value;
 
 use super::error::ApiError;
@@ -67,10 +67,13 @@ pub fn parse_top_logprobs(param: &str, n: i64) -> Result<usize, ApiError> {
 }
 
 impl SamplingFields {
-    /// Sampling parameters for a prompt of `prompt_len` tokens in a context of `max_context`.
-    /// `max_tokens_param` names the field the limit came from (for error messages).
+    /// Sampling parameters for a prompt of `prompt_len` tokens in a context of `max_context`,
+    /// with `defaults` for the sampling fields left out. `max_tokens_param` names the field the
+    /// limit came from (for error messages).
+    #[allow(clippy::too_many_arguments)]
     pub fn to_params(
         &self,
+        defaults: &SamplingDefaults,
         prompt_len: usize,
         max_context: usize,
         default_max: DefaultMaxTokens,
@@ -80,8 +83,9 @@ impl SamplingFields {
         self.check_unsupported()?;
         let stop = parse_stop(self.stop.as_ref())?;
         let top_k = match self.top_k {
+            None => defaults.top_k,
             // vLLM spells "off" as -1, the rest of the world as 0.
-            None | Some(0) | Some(-1) => 0,
+            Some(0) | Some(-1) => 0,
             Some(k) if k < 0 => {
                 return Err(ApiError::invalid_param(
                     "top_k",
@@ -105,11 +109,11 @@ impl SamplingFields {
         };
         check_context(prompt_len, max_tokens, max_context, prompt_field)?;
         let params = SamplingParams {
-            // OpenAI's default is 1 (sampling), not greedy.
-            temperature: self.temperature.unwrap_or(1.0),
+            // The model's recommendation, else OpenAI's: 1 (sampling), not greedy.
+            temperature: self.temperature.unwrap_or(defaults.temperature),
             top_k,
-            top_p: self.top_p.unwrap_or(1.0),
-            min_p: self.min_p.unwrap_or(0.0),
+            top_p: self.top_p.unwrap_or(defaults.top_p),
+            min_p: self.min_p.unwrap_or(defaults.min_p),
             // OpenAI seeds are signed 64-bit; any bit pattern is as good a seed.
             seed: self.seed.map(|s| s as u64),
             max_tokens,
@@ -183,6 +187,7 @@ mod tests {
 
     fn params(f: SamplingFields, prompt: usize) -> Result<SamplingParams, ApiError> {
         f.to_params(
+            &SamplingDefaults::default(),
             prompt,
             100,
             DefaultMaxTokens::Fixed(16),
@@ -197,6 +202,7 @@ mod tests {
         assert_eq!((p.temperature, p.top_p, p.max_tokens, p.top_k), (1.0, 1.0, 16, 0));
         let p = SamplingFields::default()
             .to_params(
+                &SamplingDefaults::default(),
                 30,
                 100,
                 DefaultMaxTokens::RestOfContext,
@@ -205,6 +211,38 @@ mod tests {
             )
             .unwrap();
         assert_eq!(p.max_tokens, 70);
+    }
+
+    #[test]
+    fn the_models_recommendation_fills_what_a_request_leaves_out() {
+        let model = SamplingDefaults {
+            temperature: 0.6,
+            top_k: 20,
+            top_p: 0.95,
+            min_p: 0.05,
+        };
+        let to_params = |f: SamplingFields| {
+            f.to_params(
+                &model,
+                5,
+                100,
+                DefaultMaxTokens::Fixed(16),
+                "max_tokens",
+                PromptField("prompt"),
+            )
+            .unwrap()
+        };
+        let p = to_params(SamplingFields::default());
+        assert_eq!((p.temperature, p.top_k, p.top_p, p.min_p), (0.6, 20, 0.95, 0.05));
+        // What the request sets wins, including "off".
+        let p = to_params(SamplingFields {
+            temperature: Some(0.0),
+            top_k: Some(-1),
+            top_p: Some(1.0),
+            min_p: Some(0.0),
+            ..Default::default()
+        });
+        assert_eq!((p.temperature, p.top_k, p.top_p, p.min_p), (0.0, 0, 1.0, 0.0));
     }
 
     #[test]
