@@ -10,10 +10,10 @@ use std::time::Duration;
 use axum::http::{StatusCode, header};
 use baton_coordinator::api::{self, AppState};
 use baton_coordinator::generation::{GenerationRequest, Generator, TokenEvent};
-use baton_coordinator::local::{LocalConfig, LocalGenerator};
+use baton_coordinator::local::{self, LocalStageOptions};
+use baton_coordinator::pipeline::PipelineConfig;
 use baton_shared::model_files::ModelFiles;
 use baton_shared::sampling::SamplingParams;
-use baton_worker::model::StageWeights;
 use support::*;
 
 #[tokio::test]
@@ -62,18 +62,21 @@ async fn admin_cluster_reports_the_server_clock() {
     assert!(view["server_time_ms"].as_u64().unwrap() > 1_600_000_000_000, "{view}");
 }
 
-fn tiny_weights() -> StageWeights {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny/llama_tied");
-    let files = ModelFiles::open(&dir).unwrap();
-    let config = files.config().unwrap();
-    StageWeights::load_full(&files, &config, true).unwrap()
-}
-
 #[tokio::test]
 async fn in_process_engine_is_one_local_stage_with_live_counters() {
-    let weights = tiny_weights();
-    let layers = weights.config.num_layers;
-    let g = Arc::new(LocalGenerator::new(weights, vec![], LocalConfig::default()).unwrap());
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny/llama_tied");
+    let model = ModelFiles::open(&dir).unwrap().config().unwrap();
+    let layers = model.num_layers;
+    let config = PipelineConfig::new(dir.display().to_string(), &model, vec![]);
+    let g = Arc::new(local::start(config, &dir, &LocalStageOptions::default()).unwrap());
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !g.ready() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the in-process stage was not ready"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let view = g.describe();
     assert_eq!(view["mode"], "in-process");
     assert_eq!(view["max_queue"], 64, "existing fields stay");
@@ -120,11 +123,12 @@ async fn in_process_engine_is_one_local_stage_with_live_counters() {
         }
     }
     assert_eq!(tokens, 6);
-    // The engine thread publishes its usage right after the turn that finished the request.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    // The stage thread publishes its usage after it frees the finished sequence.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
     let view = loop {
         let v = g.describe();
-        if v["running_sequences"] == 0 || std::time::Instant::now() > deadline {
+        let settled = v["running_sequences"] == 0 && v["stages"][0]["live"]["kv_tokens"] == 0;
+        if settled || std::time::Instant::now() > deadline {
             break v;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;

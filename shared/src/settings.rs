@@ -87,8 +87,9 @@ pub struct ServeSettings {
     pub max_model_len: Option<usize>,
     /// Wire type of hidden states between workers: f32, bf16 or f16.
     pub activation_dtype: String,
-    /// Weight format workers hold: `f32` (the reference numerics), `q8_0` (about 4x faster
-    /// decode on CPU, logits within a few percent), `bf16` / `f16`, `q4_0` / `q4_1` (fewer bytes) or `native`
+    /// Weight format the stages hold: `auto` (the file's own quantization where it has one,
+    /// else `q8_0`), `f32` (the reference numerics), `q8_0` (about 4x faster decode on CPU,
+    /// logits within a few percent), `bf16` / `f16`, `q4_0` / `q4_1` (fewer bytes) or `native`
     /// (each tensor as the file stores it).
     pub weights: String,
 }
@@ -111,7 +112,7 @@ impl Default for ServeSettings {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_model_len: None,
             activation_dtype: "f32".into(),
-            weights: "f32".into(),
+            weights: "auto".into(),
         }
     }
 }
@@ -132,7 +133,8 @@ pub struct CoordinatorSettings {
     pub worker_model: Option<String>,
     /// Wire type of hidden states between stages: f32, bf16 or f16.
     pub activation_dtype: String,
-    /// Weight format workers hold: `f32`, `bf16`, `f16`, `q8_0`, `q4_0`, `q4_1` or `native`.
+    /// Weight format workers hold: `auto` (the file's own quantization, else `q8_0`), `f32`,
+    /// `bf16`, `f16`, `q8_0`, `q4_0`, `q4_1` or `native`.
     pub weights: String,
     /// Name clients pass as `model`.
     pub served_model_name: Option<String>,
@@ -168,7 +170,7 @@ impl Default for CoordinatorSettings {
             layer_cuts: Vec::new(),
             worker_model: None,
             activation_dtype: "f32".into(),
-            weights: "f32".into(),
+            weights: "auto".into(),
             served_model_name: None,
             max_queue: 64,
             max_running: 8,

@@ -89,12 +89,15 @@ fn generate_default_model_text_and_json() {
     let fx = read_json(&fixtures().join("smollm2/greedy.json"));
     let case = &fx["cases"][0];
     let prompt: Vec<String> = ids(&case["ids"]).iter().map(u32::to_string).collect();
+    // The reference numerics (the default is the file's own quantization).
     let v = stdout_json(&[
         "generate",
         "--tokens",
         &prompt.join(","),
         "--max-tokens",
         "16",
+        "--weights",
+        "f32",
         "--format",
         "json",
     ]);
@@ -327,14 +330,14 @@ fn serving_commands_explain_missing_settings() {
         let e = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && e.contains(want), "{device}: {e}");
     }
-    // f16 KV is for worker pools; the in-process engine refuses it, and unknown dtypes are named.
+    // Unknown KV dtypes and weight formats are named (f16 KV works in every mode).
     let m = default_model();
     for (toml, want) in [
-        (
-            "[serve]\nport = 0\nworkers = 0\nkv_dtype = \"f16\"\n",
-            "in-process engine",
-        ),
         ("[serve]\nport = 0\nkv_dtype = \"f8\"\n", "unknown KV cache dtype 'f8'"),
+        (
+            "[serve]\nport = 0\nworkers = 0\nweights = \"q2\"\n",
+            "unknown weight format \"q2\"",
+        ),
     ] {
         std::fs::write(&cfg, toml).unwrap();
         let e = stderr_of_failure(&[

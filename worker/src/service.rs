@@ -89,17 +89,17 @@ impl WorkerState {
     /// Resolve and open `model` (empty: the default) and parse the weight format `weights`
     /// (empty: f32), as LoadStage and Profile name them.
     fn open_model(&self, model: &str, weights: &str) -> Result<(ModelFiles, ModelConfig, WeightFormat), Status> {
-        let format = if weights.is_empty() {
-            Ok(WeightFormat::F32)
-        } else {
-            weights.parse::<WeightFormat>()
-        }
-        .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let model = (!model.is_empty()).then_some(model);
         let path = resolve_model(model, &self.home, &self.sources, false)
             .map_err(|e| Status::failed_precondition(e.to_string()))?;
         let files = ModelFiles::open(&path).map_err(|e| Status::failed_precondition(e.to_string()))?;
         let cfg = files.config().map_err(|e| Status::failed_precondition(e.to_string()))?;
+        let format = if weights.is_empty() {
+            Ok(WeightFormat::F32)
+        } else {
+            crate::model::resolve_format(weights, &files)
+        }
+        .map_err(|e| Status::invalid_argument(e.to_string()))?;
         Ok((files, cfg, format))
     }
 
@@ -237,11 +237,11 @@ impl Worker for WorkerService {
                     }
                 };
                 let batch_id = batch.batch_id;
-                let span = forward_span(&worker_id, &batch);
+                let span = crate::stage::forward_span(&worker_id, &batch);
                 // Compute on this runtime thread (tokio moves its other tasks away) rather than
                 // handing the batch to a blocking-pool thread: one thread switch less per hop.
                 let out = tokio::task::block_in_place(|| match lock(&stage).as_mut() {
-                    Some(stage) => run_instrumented(stage, batch, &span),
+                    Some(stage) => stage.run_observed(batch, &span),
                     None => Err("no stage loaded on this worker".to_string()),
                 });
                 let sent = match out {
@@ -287,7 +287,7 @@ impl Worker for WorkerService {
         let freed = self.with_stage(|stage| {
             stage.map_or(0, |s| {
                 let n = s.free(&ids);
-                record_usage(s);
+                s.record_usage();
                 n
             })
         });
@@ -301,35 +301,14 @@ impl Worker for WorkerService {
             let length = stage
                 .trim(r.seq_id, r.length as usize)
                 .ok_or_else(|| Status::not_found(format!("sequence {} is not on this worker", r.seq_id)))?;
-            record_usage(stage);
+            stage.record_usage();
             Ok(Response::new(TrimResponse { length: length as u32 }))
         })
     }
 
     async fn health(&self, _req: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
         let worker_id = lock(&self.state.worker_id).clone();
-        let mut health = self.with_stage(|stage| match stage {
-            None => HealthResponse::default(),
-            Some(s) => {
-                let (active, kv) = s.usage();
-                let (kv_capacity, kv_bytes) = s.kv_reserved();
-                let (blocks_used, blocks_total) = s.kv_blocks();
-                HealthResponse {
-                    loaded: true,
-                    stage: Some(s.info()),
-                    active_sequences: active as u32,
-                    kv_tokens: kv as u64,
-                    forward_batches: s.totals.batches,
-                    forward_tokens: s.totals.tokens,
-                    forward_seconds: s.totals.seconds,
-                    kv_capacity_tokens: kv_capacity as u64,
-                    kv_bytes: kv_bytes as u64,
-                    kv_blocks_used: blocks_used as u64,
-                    kv_blocks_total: blocks_total as u64,
-                    ..Default::default()
-                }
-            }
-        });
+        let mut health = self.with_stage(|stage| stage.map_or_else(HealthResponse::default, |s| s.health()));
         health.worker_id = worker_id;
         Ok(Response::new(health))
     }
@@ -393,61 +372,6 @@ impl Worker for WorkerService {
 
 /// The span of one micro-batch on this stage, a child of the sender's span when it came with
 /// a trace context. Stage fields are filled in once the stage is known.
-fn forward_span(worker_id: &str, batch: &MicroBatch) -> tracing::Span {
-    let span = tracing::info_span!(
-        "stage.forward",
-        stage = tracing::field::Empty,
-        worker_id = %worker_id,
-        layer_start = tracing::field::Empty,
-        layer_end = tracing::field::Empty,
-        batch_id = batch.batch_id,
-        batch_tokens = batch.seqs.iter().map(|s| s.tokens.len()).sum::<usize>(),
-        sequences = batch.seqs.len(),
-    );
-    baton_shared::trace_context::set_parent(&span, &batch.trace_context);
-    span
-}
-
-/// Run one micro-batch under `span`, with metrics.
-fn run_instrumented(stage: &mut Stage, batch: MicroBatch, span: &tracing::Span) -> Result<StageOutput, String> {
-    let tokens: usize = batch.seqs.iter().map(|s| s.tokens.len()).sum();
-    let info = stage.info();
-    span.record("stage", stage.stage_index);
-    span.record("layer_start", info.layer_start);
-    span.record("layer_end", info.layer_end);
-    let _entered = span.enter();
-    // How long this stage's input took to arrive (from the coordinator or the previous stage).
-    if let Some(hop) = baton_shared::wire::hop_seconds(batch.sent_unix_nanos) {
-        metrics::histogram!("baton_transfer_seconds", "stage" => stage.stage_index.to_string()).record(hop);
-    }
-    let started = std::time::Instant::now();
-    let out = stage.run(batch);
-    let seconds = started.elapsed().as_secs_f64();
-    stage.totals.record(tokens, seconds);
-    let label = [("stage", stage.stage_index.to_string())];
-    metrics::histogram!("baton_stage_forward_seconds", &label).record(seconds);
-    metrics::histogram!("baton_stage_batch_tokens", &label).record(tokens as f64);
-    if let Ok(StageOutput::Forward(mb)) = &out {
-        let bytes = mb.hidden.as_ref().map_or(0, |t| t.data.len());
-        metrics::counter!("baton_transfer_bytes_total", &label).increment(bytes as u64);
-    }
-    if out.is_err() {
-        metrics::counter!("baton_stage_errors_total", &label).increment(1);
-    }
-    record_usage(stage);
-    out
-}
-
-/// Gauges of what this worker holds.
-fn record_usage(stage: &Stage) {
-    let (seqs, kv_tokens) = stage.usage();
-    let (used, total) = stage.kv_blocks();
-    metrics::gauge!("baton_worker_sequences").set(seqs as f64);
-    metrics::gauge!("baton_worker_kv_tokens").set(kv_tokens as f64);
-    metrics::gauge!("baton_worker_kv_blocks_used").set(used as f64);
-    metrics::gauge!("baton_worker_kv_blocks_total").set(total as f64);
-}
-
 /// Open the Forward stream to the next stage; its results are relayed into `up_tx`.
 async fn open_downstream(
     url: &str,

@@ -4,7 +4,9 @@
 
 use std::collections::HashMap;
 
-use baton_shared::proto::{BatchResult, Dtype, MicroBatch, SequenceChunk, SequenceResult, StageInfo, Tensor};
+use baton_shared::proto::{
+    BatchResult, Dtype, HealthResponse, MicroBatch, SequenceChunk, SequenceResult, StageInfo, Tensor,
+};
 use baton_shared::sampling::SamplingParams;
 use baton_shared::wire;
 
@@ -46,6 +48,23 @@ impl ForwardTotals {
         self.tokens += tokens as u64;
         self.seconds += seconds;
     }
+}
+
+/// The `stage.forward` span of one micro-batch on the worker `worker_id`, a child of the
+/// trace context the batch carries; [`Stage::run_observed`] fills in the stage and its layers.
+pub fn forward_span(worker_id: &str, batch: &MicroBatch) -> tracing::Span {
+    let span = tracing::info_span!(
+        "stage.forward",
+        stage = tracing::field::Empty,
+        worker_id = %worker_id,
+        layer_start = tracing::field::Empty,
+        layer_end = tracing::field::Empty,
+        batch_id = batch.batch_id,
+        batch_tokens = batch.seqs.iter().map(|s| s.tokens.len()).sum::<usize>(),
+        sequences = batch.seqs.len(),
+    );
+    baton_shared::trace_context::set_parent(&span, &batch.trace_context);
+    span
 }
 
 /// A stage with its sequences.
@@ -132,6 +151,68 @@ impl Stage {
     fn err(&self, msg: impl std::fmt::Display) -> String {
         let l = &self.backend.shape().layers;
         format!("stage {} (layers {}..{}): {msg}", self.stage_index, l.start, l.end)
+    }
+
+    /// Run one micro-batch under `span` (see [`forward_span`]), with the stage's metrics:
+    /// forward time, batch tokens, transfer bytes and errors per stage, and what it holds.
+    pub fn run_observed(&mut self, batch: MicroBatch, span: &tracing::Span) -> Result<StageOutput, String> {
+        let tokens: usize = batch.seqs.iter().map(|s| s.tokens.len()).sum();
+        let info = self.info();
+        span.record("stage", self.stage_index);
+        span.record("layer_start", info.layer_start);
+        span.record("layer_end", info.layer_end);
+        let _entered = span.enter();
+        // How long this stage's input took to arrive (from the coordinator or the previous stage).
+        if let Some(hop) = wire::hop_seconds(batch.sent_unix_nanos) {
+            metrics::histogram!("baton_transfer_seconds", "stage" => self.stage_index.to_string()).record(hop);
+        }
+        let started = std::time::Instant::now();
+        let out = self.run(batch);
+        let seconds = started.elapsed().as_secs_f64();
+        self.totals.record(tokens, seconds);
+        let label = [("stage", self.stage_index.to_string())];
+        metrics::histogram!("baton_stage_forward_seconds", &label).record(seconds);
+        metrics::histogram!("baton_stage_batch_tokens", &label).record(tokens as f64);
+        if let Ok(StageOutput::Forward(mb)) = &out {
+            let bytes = mb.hidden.as_ref().map_or(0, |t| t.data.len());
+            metrics::counter!("baton_transfer_bytes_total", &label).increment(bytes as u64);
+        }
+        if out.is_err() {
+            metrics::counter!("baton_stage_errors_total", &label).increment(1);
+        }
+        self.record_usage();
+        out
+    }
+
+    /// Gauges of what this stage holds.
+    pub fn record_usage(&self) {
+        let (seqs, kv_tokens) = self.usage();
+        let (used, total) = self.kv_blocks();
+        metrics::gauge!("baton_worker_sequences").set(seqs as f64);
+        metrics::gauge!("baton_worker_kv_tokens").set(kv_tokens as f64);
+        metrics::gauge!("baton_worker_kv_blocks_used").set(used as f64);
+        metrics::gauge!("baton_worker_kv_blocks_total").set(total as f64);
+    }
+
+    /// The load numbers a Health answer reports (the worker id is the caller's to fill in).
+    pub fn health(&self) -> HealthResponse {
+        let (active, kv) = self.usage();
+        let (kv_capacity, kv_bytes) = self.kv_reserved();
+        let (blocks_used, blocks_total) = self.kv_blocks();
+        HealthResponse {
+            loaded: true,
+            stage: Some(self.info()),
+            active_sequences: active as u32,
+            kv_tokens: kv as u64,
+            forward_batches: self.totals.batches,
+            forward_tokens: self.totals.tokens,
+            forward_seconds: self.totals.seconds,
+            kv_capacity_tokens: kv_capacity as u64,
+            kv_bytes: kv_bytes as u64,
+            kv_blocks_used: blocks_used as u64,
+            kv_blocks_total: blocks_total as u64,
+            ..Default::default()
+        }
     }
 
     /// Run one micro-batch through this stage's layers.

@@ -48,9 +48,10 @@ pub struct CoordinatorArgs {
     #[arg(long, value_parser = ["f32", "bf16", "f16"])]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub activation_dtype: Option<String>,
-    /// Weight format the workers hold: f32 (reference numerics), bf16 / f16, q8_0 (faster),
-    /// q4_0 / q4_1 (fewer bytes) or native (each tensor as the file stores it) [default: f32].
-    #[arg(long, value_parser = ["f32", "bf16", "f16", "q8_0", "q4_0", "q4_1", "native"])]
+    /// Weight format the stages hold: auto (the file's own quantization, else q8_0), f32 (the
+    /// reference numerics), bf16 / f16, q8_0, q4_0 / q4_1 (fewer bytes) or native (each tensor
+    /// as the file stores it) [default: auto].
+    #[arg(long, value_parser = ["auto", "f32", "bf16", "f16", "q8_0", "q4_0", "q4_1", "native"])]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub weights: Option<String>,
     /// Name clients pass as `model`.
@@ -108,7 +109,7 @@ pub fn run(ctx: &Ctx, args: CoordinatorArgs) -> Result<()> {
     let model = super::open_model_at(&path)?;
     let dtype = parse_dtype(&a.activation_dtype)
         .with_context(|| format!("--activation-dtype '{}': expected f32, bf16 or f16", a.activation_dtype))?;
-    super::serve::weight_format(&a.weights)?;
+    super::serve::weight_format(&a.weights, &model.files)?;
     use super::serve::{kv_dtype, split_policy};
     let stages = if a.layer_cuts.is_empty() {
         a.workers
@@ -148,6 +149,8 @@ pub fn run(ctx: &Ctx, args: CoordinatorArgs) -> Result<()> {
         .clone()
         .unwrap_or_else(|| default_served_name(args.model.model.as_deref()));
     let max_context = model.config.max_position_embeddings;
+    let sampling_defaults = model.files.sampling_defaults()?;
+    tracing::info!(?sampling_defaults, "sampling defaults for fields a request leaves out");
     let tokenizer = Arc::new(model.tokenizer);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     baton_shared::telemetry::prometheus();
@@ -157,6 +160,7 @@ pub fn run(ctx: &Ctx, args: CoordinatorArgs) -> Result<()> {
         let server = cluster::start(registry, config)?;
         let state = AppState {
             max_body_bytes: a.max_body_bytes,
+            sampling_defaults,
             ..AppState::new(name.clone(), tokenizer, max_context, server.generator.clone())
         };
         println!(

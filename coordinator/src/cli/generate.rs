@@ -1,13 +1,21 @@
-//! `baton generate`: run a prompt through the whole model in this process.
+//! `baton generate`: run a prompt through the whole model in this process, on the same step
+//! loop and stage as `baton serve --workers 0`.
 
 use std::io::Write;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
+use baton_coordinator::api::output::Detokenizer;
+use baton_coordinator::generation::{FinishReason, GenerationRequest, Generator, TokenEvent};
+use baton_coordinator::local::{self, LocalStageOptions};
+use baton_coordinator::pipeline::PipelineConfig;
+use baton_coordinator::planner::SplitPolicy;
+use baton_shared::model_files::ModelFiles;
+use baton_shared::proto::Dtype;
 use baton_shared::sampling::SamplingParams;
+use baton_shared::tokenizer::Tokenizer;
+use baton_worker::kv_cache::KvDtype;
 
-use baton_worker::model::LoadOptions;
-
-use super::inspect::{apply_chat, full_engine};
+use super::inspect::apply_chat_with;
 use super::{Ctx, ModelArg, parse_token_list};
 
 #[derive(Debug, clap::Args)]
@@ -47,9 +55,10 @@ pub struct GenerateArgs {
     /// Keep generating past the end-of-sequence token.
     #[arg(long)]
     pub ignore_eos: bool,
-    /// Weight format: f32 (reference numerics), bf16 / f16, q8_0 (about 4x faster
-    /// decode), q4_0 / q4_1 (fewer bytes) or native (each tensor as the file stores it).
-    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16", "f16", "q8_0", "q4_0", "q4_1", "native"])]
+    /// Weight format: auto (the file's own quantization, else q8_0: about 4x faster decode than
+    /// f32), f32 (the reference numerics), bf16 / f16, q8_0, q4_0 / q4_1 (fewer bytes) or native
+    /// (each tensor as the file stores it).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "f32", "bf16", "f16", "q8_0", "q4_0", "q4_1", "native"])]
     pub weights: String,
     /// Threads for the matrix products (default: all cores).
     #[arg(long)]
@@ -60,57 +69,162 @@ pub struct GenerateArgs {
 }
 
 pub fn run(ctx: &Ctx, a: GenerateArgs) -> Result<()> {
-    let model = ctx.open_model(&a.model)?;
-    let prompt = match (&a.prompt, &a.tokens) {
-        (Some(p), _) if p.is_empty() => bail!("empty prompt: pass some text with --prompt"),
-        (Some(p), _) if a.chat => model.tokenizer.encode(&apply_chat(&model, p)?, false)?,
-        (Some(p), _) => model.tokenizer.encode(p, true)?,
-        (None, Some(t)) => parse_token_list(t)?,
-        (None, None) => bail!("pass --prompt TEXT or --tokens IDS"),
+    let path = ctx.model_path(&a.model)?;
+    // Token ids in and out need no tokenizer, so checkpoints without tokenizer files work too.
+    let files = ModelFiles::open(&path).with_context(|| format!("loading model {}", path.display()))?;
+    let config = files.config()?;
+    // Token ids in and out need no tokenizer, so checkpoints without tokenizer files work too.
+    let tokenizer = match super::open_model_at(&path) {
+        Ok(m) => Some(m.tokenizer),
+        Err(e) if a.prompt.is_none() && a.stop.is_empty() => {
+            tracing::info!("no tokenizer ({e:#}); printing token ids");
+            None
+        }
+        Err(e) => return Err(e),
     };
+    let prompt = match (&a.prompt, &a.tokens, &tokenizer) {
+        (Some(p), _, _) if p.is_empty() => bail!("empty prompt: pass some text with --prompt"),
+        (Some(p), _, Some(tok)) if a.chat => tok.encode(&apply_chat_with(tok, p)?, false)?,
+        (Some(p), _, Some(tok)) => tok.encode(p, true)?,
+        (None, Some(t), _) => parse_token_list(t)?,
+        (None, None, _) => bail!("pass --prompt TEXT or --tokens IDS"),
+        (Some(_), _, None) => unreachable!("a prompt without a tokenizer failed above"),
+    };
+    let max_context = config.max_position_embeddings;
+    if prompt.len() >= max_context {
+        bail!(
+            "the prompt has {} tokens; the model's context is {max_context}",
+            prompt.len()
+        );
+    }
     let params = SamplingParams {
         temperature: a.temperature,
         top_k: a.top_k,
         top_p: a.top_p,
         min_p: a.min_p,
         seed: a.seed,
-        max_tokens: a.max_tokens,
+        // Generation stops at the context's end ("length") rather than being refused.
+        max_tokens: a.max_tokens.min(max_context - prompt.len()),
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
         stop_token_ids: Vec::new(),
     };
-    let opts = LoadOptions {
-        format: super::serve::weight_format(&a.weights)?,
+    let block = 16;
+    let pipeline = PipelineConfig {
+        model: path.display().to_string(),
+        num_layers: config.num_layers,
+        vocab_size: config.vocab_size,
+        max_context,
+        eos_ids: tokenizer.as_ref().map(|t| t.eos_ids.clone()).unwrap_or_default(),
+        stages: 1,
+        cuts: None,
+        split: SplitPolicy::Even,
+        cluster_token: String::new(),
+        activation_dtype: Dtype::F32,
+        weights: a.weights.clone(),
+        max_queue: 1,
+        max_running: 1,
+        // The whole prompt in one micro-batch, as a single sequence runs fastest.
+        max_batch_tokens: prompt.len(),
+        kv_dim: config.kv_dim(),
+        kv_block_size: block,
+        kv_max_blocks: Some((prompt.len() + params.max_tokens).div_ceil(block).max(1)),
+        kv_dtype: KvDtype::F32,
+        prefix_caching: false,
+    };
+    let opts = LocalStageOptions {
+        format: super::serve::weight_format(&a.weights, &files)?,
         threads: a
             .threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
             .max(1),
-        kernels: None,
+        check_finite: ctx.settings.check_weights,
+        kv_budget_bytes: u64::MAX,
+        kv_max_blocks: pipeline.kv_max_blocks,
+        kv_block_size: block,
+        kv_dtype: KvDtype::F32,
     };
-    let mut engine = full_engine(ctx, &model.files, &model.config, &opts)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
     let stream = a.format == "text";
-    let mut stdout = std::io::stdout().lock();
-    let span = tracing::info_span!("generate", prompt_tokens = prompt.len(), max_tokens = a.max_tokens).entered();
-    let started = std::time::Instant::now();
-    let generation = engine.generate(&prompt, &params, Some(&model.tokenizer), |text| {
-        if stream {
-            let _ = stdout.write_all(text.as_bytes());
-            let _ = stdout.flush();
-        }
+    let req = GenerationRequest {
+        prompt: prompt.clone(),
+        params,
+        top_logprobs: 0,
+        logprobs: false,
+    };
+    let (tokens, text, finish_reason) = runtime.block_on(async {
+        let generator = local::start(pipeline, &path, &opts)?;
+        generator.wait_ready(std::time::Duration::from_secs(60)).await?;
+        let _span = tracing::info_span!("generate", prompt_tokens = prompt.len(), max_tokens = a.max_tokens).entered();
+        let started = std::time::Instant::now();
+        let out = print_events(&generator, req, tokenizer.as_ref(), &a.stop, stream).await;
+        tracing::info!(secs = started.elapsed().as_secs_f64(), "generation finished");
+        out
     })?;
-    let secs = started.elapsed().as_secs_f64();
-    drop(span);
-    tracing::info!(tokens = generation.tokens.len(), secs, "generation finished");
+    let mut stdout = std::io::stdout().lock();
     if stream {
         writeln!(stdout)?;
     } else {
         let out = serde_json::json!({
-            "tokens": generation.tokens,
-            "text": generation.text,
-            "finish_reason": generation.finish_reason.as_str(),
+            "tokens": tokens,
+            "text": text,
+            "finish_reason": finish_reason.as_str(),
             "prompt_tokens": prompt.len(),
         });
         writeln!(stdout, "{out}")?;
     }
     Ok(())
+}
+
+/// Run `req` and read its events: the token ids, the text (with a tokenizer; streamed to
+/// stdout when `stream`, else token ids are printed as they come) and why it ended.
+async fn print_events(
+    generator: &dyn Generator,
+    req: GenerationRequest,
+    tokenizer: Option<&Tokenizer>,
+    stops: &[String],
+    stream: bool,
+) -> Result<(Vec<u32>, Option<String>, FinishReason)> {
+    let mut rx = generator.submit(req).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut detok = tokenizer.map(|t| Detokenizer::new(t, stops));
+    let mut tokens = Vec::new();
+    let mut text = String::new();
+    let mut stdout = std::io::stdout();
+    let mut emit = |s: &str, text: &mut String| {
+        text.push_str(s);
+        if stream && !s.is_empty() {
+            let _ = stdout.write_all(s.as_bytes());
+            let _ = stdout.flush();
+        }
+    };
+    let reason = loop {
+        match rx.recv().await {
+            Some(TokenEvent::PromptCached { .. }) => {}
+            Some(TokenEvent::Token { id, .. }) => {
+                tokens.push(id);
+                match detok.as_mut() {
+                    Some(d) => {
+                        let step = d.token(id, None).map_err(|e| anyhow::anyhow!("{}", e.message))?;
+                        emit(&step.text, &mut text);
+                        if step.stopped {
+                            break FinishReason::Stop;
+                        }
+                    }
+                    None => emit(&format!("{}{id}", if tokens.len() > 1 { " " } else { "" }), &mut text),
+                }
+            }
+            Some(TokenEvent::Done { reason }) => {
+                let Some(d) = detok.as_mut() else { break reason };
+                let (rest, stopped) = d.finish().map_err(|e| anyhow::anyhow!("{}", e.message))?;
+                emit(&rest, &mut text);
+                break if stopped { FinishReason::Stop } else { reason };
+            }
+            Some(TokenEvent::Failed { message, .. }) => bail!("generation failed: {message}"),
+            None => bail!("the generator stopped without finishing"),
+        }
+    };
+    Ok((tokens, detok.is_some().then_some(text), reason))
 }

@@ -5,6 +5,7 @@ use baton_shared::chat_template::{ChatMessage, ChatTemplate};
 use baton_shared::model_config::ModelConfig;
 use baton_shared::model_files::ModelFiles;
 use baton_shared::model_source::LoadedModel;
+use baton_shared::tokenizer::Tokenizer;
 use baton_worker::engine::Engine;
 use baton_worker::model::{LoadOptions, StageWeights};
 
@@ -36,7 +37,11 @@ pub struct LogitsArgs {
 
 /// The text a user message becomes under the model's chat template.
 pub fn apply_chat(model: &LoadedModel, user: &str) -> Result<String> {
-    let tok = &model.tokenizer;
+    apply_chat_with(&model.tokenizer, user)
+}
+
+/// [`apply_chat`] with the tokenizer (which holds the template) alone.
+pub fn apply_chat_with(tok: &Tokenizer, user: &str) -> Result<String> {
     let src = tok
         .chat_template
         .as_deref()

@@ -11,16 +11,17 @@ use anyhow::{Context, Result, bail};
 use baton_coordinator::api::{self, AppState};
 use baton_coordinator::cluster;
 use baton_coordinator::generation::Generator;
-use baton_coordinator::local::{LocalConfig, LocalGenerator};
+use baton_coordinator::local::{self, LocalStageOptions};
 use baton_coordinator::pipeline::PipelineConfig;
 use baton_coordinator::planner::SplitPolicy;
 use baton_shared::fetch::{DEFAULT_MODEL, HF_REPO};
+use baton_shared::model_files::ModelFiles;
 use baton_shared::model_source::LoadedModel;
 use baton_shared::proto::Dtype;
 use baton_shared::settings::ServeSettings;
 use baton_shared::wire::parse_dtype;
 use baton_worker::kv_cache::KvDtype;
-use baton_worker::model::{LoadOptions, StageWeights, WeightFormat};
+use baton_worker::model::{WeightFormat, resolve_format};
 
 use super::{Ctx, ModelArg};
 
@@ -90,9 +91,10 @@ pub struct ServeArgs {
     #[arg(long, value_parser = ["f32", "bf16", "f16"])]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub activation_dtype: Option<String>,
-    /// Weight format the workers hold: f32 (reference numerics), bf16 / f16, q8_0 (faster),
-    /// q4_0 / q4_1 (fewer bytes) or native (each tensor as the file stores it) [default: f32].
-    #[arg(long, value_parser = ["f32", "bf16", "f16", "q8_0", "q4_0", "q4_1", "native"])]
+    /// Weight format the stages hold: auto (the file's own quantization, else q8_0), f32 (the
+    /// reference numerics), bf16 / f16, q8_0, q4_0 / q4_1 (fewer bytes) or native (each tensor
+    /// as the file stores it) [default: auto].
+    #[arg(long, value_parser = ["auto", "f32", "bf16", "f16", "q8_0", "q4_0", "q4_1", "native"])]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub weights: Option<String>,
     /// Most tokens (prompt + completion) per request; default and upper bound: the model's
@@ -111,12 +113,8 @@ pub fn run(ctx: &Ctx, args: ServeArgs) -> Result<()> {
         .served_model_name
         .clone()
         .unwrap_or_else(|| default_served_name(args.model.model.as_deref()));
-    let kv = kv_dtype(&a.kv_dtype)?;
+    kv_dtype(&a.kv_dtype)?;
     split_policy(&a.split)?;
-    anyhow::ensure!(
-        a.workers > 0 || kv == KvDtype::F32,
-        "kv_dtype {kv} applies to worker processes' paged KV; the in-process engine (workers = 0) keeps f32"
-    );
     // Bind before the slow model load so a taken port fails at once.
     let listener = std::net::TcpListener::bind((a.host.as_str(), a.port))
         .with_context(|| format!("listening on {}:{}", a.host, a.port))?;
@@ -141,6 +139,8 @@ pub fn run(ctx: &Ctx, args: ServeArgs) -> Result<()> {
         );
     }
     let tokenizer = Arc::new(model.tokenizer.clone());
+    let sampling_defaults = model.files.sampling_defaults()?;
+    tracing::info!(?sampling_defaults, "sampling defaults for fields a request leaves out");
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -155,6 +155,7 @@ pub fn run(ctx: &Ctx, args: ServeArgs) -> Result<()> {
         let (generator, mut workers) = build_generator(ctx, a, &model_path, model, max_context).await?;
         let state = AppState {
             max_body_bytes: a.max_body_bytes,
+            sampling_defaults,
             ..AppState::new(name.clone(), tokenizer, max_context, generator.clone())
         };
         workers.wait_until_ready(generator.as_ref()).await?;
@@ -241,27 +242,6 @@ async fn build_generator(
     model: LoadedModel,
     max_context: usize,
 ) -> Result<(Arc<dyn Generator>, LocalWorkers)> {
-    if a.workers == 0 {
-        let _span = tracing::info_span!("model.load_weights").entered();
-        let opts = LoadOptions {
-            format: weight_format(&a.weights)?,
-            threads: cores(),
-            kernels: None,
-        };
-        let weights = StageWeights::load_full_with(&model.files, &model.config, ctx.settings.check_weights, &opts)?;
-        let config = LocalConfig {
-            max_queue: a.max_queue,
-            max_running: a.max_running,
-        };
-        let generator = LocalGenerator::new(weights, model.tokenizer.eos_ids.clone(), config)?;
-        return Ok((Arc::new(generator), LocalWorkers { children: Vec::new() }));
-    }
-    // Pipeline mode: a registry on loopback and `a.workers` worker processes that join it with
-    // a token made for this run.
-    let token = baton_shared::auth::random_token();
-    let registry = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .context("binding the worker registry")?;
     anyhow::ensure!(a.kv_block_size > 0, "kv_block_size must be at least 1");
     anyhow::ensure!(a.kv_max_blocks != Some(0), "kv_max_blocks must be at least 1");
     let config = PipelineConfig {
@@ -273,9 +253,9 @@ async fn build_generator(
         vocab_size: model.config.vocab_size,
         max_context,
         eos_ids: model.tokenizer.eos_ids.clone(),
-        stages: a.workers,
+        stages: a.workers.max(1),
         cuts: None,
-        cluster_token: token.clone(),
+        cluster_token: String::new(),
         activation_dtype: parse_dtype(&a.activation_dtype).unwrap_or(Dtype::F32),
         max_queue: a.max_queue,
         max_running: a.max_running,
@@ -288,7 +268,31 @@ async fn build_generator(
         split: split_policy(&a.split)?,
         prefix_caching: a.prefix_caching,
     };
-    weight_format(&a.weights)?;
+    if a.workers == 0 {
+        // The whole model on one stage in this process, through the same step loop.
+        let opts = LocalStageOptions {
+            format: weight_format(&a.weights, &model.files)?,
+            threads: cores(),
+            check_finite: ctx.settings.check_weights,
+            kv_budget_bytes: ctx.settings.worker.kv_cache_mib << 20,
+            kv_max_blocks: a.kv_max_blocks,
+            kv_block_size: a.kv_block_size,
+            kv_dtype: config.kv_dtype,
+        };
+        let generator = tokio::task::block_in_place(|| local::start(config, model_path, &opts))?;
+        return Ok((Arc::new(generator), LocalWorkers { children: Vec::new() }));
+    }
+    // Pipeline mode: a registry on loopback and `a.workers` worker processes that join it with
+    // a token made for this run.
+    let token = baton_shared::auth::random_token();
+    let registry = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .context("binding the worker registry")?;
+    let config = PipelineConfig {
+        cluster_token: token.clone(),
+        ..config
+    };
+    weight_format(&a.weights, &model.files)?;
     let server = cluster::start(registry, config)?;
     let registry_url = format!("http://{}", server.registry_addr);
     // The workers share this machine: split its cores among them.
@@ -330,10 +334,9 @@ fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-/// Parse a weight format name.
-pub(super) fn weight_format(name: &str) -> Result<WeightFormat> {
-    name.parse::<WeightFormat>()
-        .map_err(|e| anyhow::anyhow!("weights: {e}"))
+/// A weight format name (`auto`: the file's own quantization, else Q8_0) for `files`.
+pub(super) fn weight_format(name: &str, files: &ModelFiles) -> Result<WeightFormat> {
+    resolve_format(name, files).map_err(|e| anyhow::anyhow!("weights: {e}"))
 }
 
 /// `smollm2-135m` for the default model, else the file stem or directory name.

@@ -11,8 +11,10 @@ mod supervisor;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use baton_shared::model_config::ModelConfig;
 use baton_shared::proto::Dtype;
 use baton_worker::kv_cache::KvDtype;
+use baton_worker::stage::Stage;
 use tokio::sync::mpsc;
 
 use crate::generation::{GenerationRequest, Generator, SubmitError, TokenEvent};
@@ -20,7 +22,8 @@ use crate::planner::SplitPolicy;
 use crate::registry::Cluster;
 
 pub use stage_stats::StageLive;
-pub use supervisor::StageAssignment;
+pub(crate) use supervisor::Pipeline;
+pub use supervisor::{StageAssignment, StageLoader};
 
 /// What the pipeline needs to know about the model and the cluster.
 #[derive(Debug, Clone)]
@@ -63,6 +66,34 @@ pub struct PipelineConfig {
 }
 
 impl PipelineConfig {
+    /// A configuration for `model` (as workers should resolve it) with the defaults of
+    /// `baton serve`: one stage per worker is set by the caller through `stages`; f32 weights,
+    /// activations and KV, 64 queued and 8 running requests, 128 tokens a step, blocks of 16
+    /// positions, the measured split and prefix caching on.
+    pub fn new(model: impl Into<String>, config: &ModelConfig, eos_ids: Vec<u32>) -> Self {
+        Self {
+            model: model.into(),
+            num_layers: config.num_layers,
+            vocab_size: config.vocab_size,
+            max_context: config.max_position_embeddings,
+            eos_ids,
+            stages: 1,
+            cuts: None,
+            split: SplitPolicy::Measured,
+            cluster_token: String::new(),
+            activation_dtype: Dtype::F32,
+            weights: "f32".into(),
+            max_queue: 64,
+            max_running: 8,
+            max_batch_tokens: 128,
+            kv_dim: config.kv_dim(),
+            kv_block_size: 16,
+            kv_max_blocks: None,
+            kv_dtype: KvDtype::F32,
+            prefix_caching: true,
+        }
+    }
+
     /// Tokens one micro-batch may carry: an equal part of the step's budget for each of the
     /// stages' micro-batches in flight. A whole budget's prompt chunk in one micro-batch made
     /// it many times heavier than the others (128 tokens against 8 decodes at 16 streams over
@@ -131,10 +162,20 @@ impl PipelineStatus {
     }
 }
 
-/// Generator backed by a pipeline of gRPC workers.
+/// The device of the in-process stage, for `/admin/cluster` (workers register theirs).
+#[derive(Debug, Clone)]
+struct LocalDevice {
+    kind: &'static str,
+    cores: usize,
+    features: Vec<String>,
+}
+
+/// Generator backed by a pipeline: gRPC workers, or one stage in this process.
 pub struct PipelineGenerator {
     config: PipelineConfig,
-    cluster: Arc<Cluster>,
+    /// The registry of workers; None for the in-process stage.
+    cluster: Option<Arc<Cluster>>,
+    local: Option<LocalDevice>,
     submit_tx: mpsc::Sender<NewSequence>,
     next_id: AtomicU64,
     pub status: Arc<PipelineStatus>,
@@ -153,11 +194,58 @@ impl PipelineGenerator {
         ));
         Self {
             config,
-            cluster,
+            cluster: Some(cluster),
+            local: None,
             submit_tx,
             next_id: AtomicU64::new(1),
             status,
         }
+    }
+
+    /// Serve on `stage`, the whole model loaded in this process (`baton serve --workers 0`,
+    /// `baton generate`), with the same step loop as a pipeline of workers; `reload` builds a
+    /// new stage if the running one fails.
+    pub fn start_local(mut config: PipelineConfig, stage: Stage, reload: StageLoader) -> Self {
+        config.stages = 1;
+        let info = stage.backend().info();
+        let local = LocalDevice {
+            kind: info.device.kind(),
+            cores: info.threads,
+            features: vec![format!("kernels:{}", info.kernels), format!("weights:{}", info.weights)],
+        };
+        let (submit_tx, submit_rx) = mpsc::channel(config.max_queue.max(1));
+        let status = Arc::new(PipelineStatus::default());
+        tokio::spawn(supervisor::run_local(
+            config.clone(),
+            stage,
+            reload,
+            submit_rx,
+            status.clone(),
+        ));
+        Self {
+            config,
+            cluster: None,
+            local: Some(local),
+            submit_tx,
+            next_id: AtomicU64::new(1),
+            status,
+        }
+    }
+}
+
+impl PipelineGenerator {
+    /// Wait until the pipeline is ready to take requests, at most `within`.
+    pub async fn wait_ready(&self, within: std::time::Duration) -> Result<(), SubmitError> {
+        let deadline = tokio::time::Instant::now() + within;
+        while !self.ready() {
+            if tokio::time::Instant::now() >= deadline || self.submit_tx.is_closed() {
+                return Err(SubmitError::Unavailable(format!(
+                    "the pipeline was not ready within {within:?}"
+                )));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+        Ok(())
     }
 }
 
@@ -210,7 +298,7 @@ impl Generator for PipelineGenerator {
         *self.status.viewed.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::time::Instant::now());
         let live = self.status.stage_live.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let split = self.status.split.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let alive = self.cluster.alive();
+        let alive = self.cluster.as_ref().map(|c| c.alive()).unwrap_or_default();
         let stages: Vec<_> = assignment
             .iter()
             .enumerate()
@@ -219,7 +307,10 @@ impl Generator for PipelineGenerator {
                 let mut stage = serde_json::json!({
                     "stage": i, "worker_id": a.worker_id, "address": a.address,
                     "layer_start": a.layers.start, "layer_end": a.layers.end,
-                    "alive": self.cluster.is_alive(&a.worker_id),
+                    "alive": match &self.cluster {
+                        Some(c) => c.is_alive(&a.worker_id),
+                        None => self.ready(),
+                    },
                     "live": live.get(i).map(StageLive::to_json),
                     "predicted_ms": predicted,
                 });
@@ -229,6 +320,10 @@ impl Generator for PipelineGenerator {
                     stage["cores"] = w.cores.into();
                     stage["memory_bytes"] = w.memory_bytes.into();
                     stage["features"] = w.features.clone().into();
+                } else if let Some(d) = &self.local {
+                    stage["device"] = d.kind.into();
+                    stage["cores"] = d.cores.into();
+                    stage["features"] = d.features.clone().into();
                 }
                 stage
             })
@@ -244,7 +339,7 @@ impl Generator for PipelineGenerator {
             })
             .collect();
         serde_json::json!({
-            "mode": "pipeline",
+            "mode": if self.cluster.is_some() { "pipeline" } else { "in-process" },
             "ready": self.ready(),
             "num_layers": self.config.num_layers,
             "stages_wanted": self.config.stages,

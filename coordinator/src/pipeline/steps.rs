@@ -6,25 +6,22 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use baton_shared::proto::{FreeRequest, HealthRequest, MicroBatch, Sampling, SequenceChunk};
-use futures::StreamExt;
+use baton_shared::proto::{MicroBatch, Sampling, SequenceChunk};
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 
 use super::kv_blocks::{BlockAllocator, IndexProgress};
-use super::supervisor::Pipeline;
 use super::{NewSequence, PipelineConfig, PipelineStatus};
+use crate::executor::{Executor, StageFailure};
 use crate::generation::{FinishReason, GenerationRequest, TokenEvent, TokenLogprobs};
-use crate::registry::Cluster;
 
 /// Why the step loop returned.
 pub(crate) enum StepLoopEnd {
     /// Every `PipelineGenerator` handle is gone.
     Shutdown,
-    /// A stage failed; `worker_id` names it when it could be identified.
-    StageFailed { reason: String, worker_id: Option<String> },
+    /// A stage failed.
+    StageFailed(StageFailure),
 }
 
 struct Seq {
@@ -262,34 +259,6 @@ fn preemption_victim(active: &[Seq], starved: &[u64], in_flight: bool, alloc: &B
         .map(|(i, _)| i)
 }
 
-/// Drop sequences' KV on every stage, without waiting.
-fn free_everywhere(pipeline: &Pipeline, ids: Vec<u64>) {
-    if ids.is_empty() {
-        return;
-    }
-    for (_, client) in &pipeline.stages {
-        let mut client = client.clone();
-        let ids = ids.clone();
-        tokio::spawn(async move {
-            if let Err(e) = client.free(FreeRequest { seq_ids: ids }).await {
-                tracing::debug!(error = %e.message(), "free failed");
-            }
-        });
-    }
-}
-
-/// Probe every stage; the first that does not answer is the failed one.
-async fn find_failed_stage(pipeline: &Pipeline, cluster: &Cluster) -> Option<String> {
-    for (a, client) in &pipeline.stages {
-        let mut client = client.clone();
-        let ok = tokio::time::timeout(Duration::from_secs(2), client.health(HealthRequest {})).await;
-        if !matches!(ok, Ok(Ok(_))) || !cluster.is_alive(&a.worker_id) {
-            return Some(a.worker_id.clone());
-        }
-    }
-    None
-}
-
 /// Count a finished request by how it ended, with its end-to-end latency.
 fn record_outcome(seq: &Seq, outcome: &'static str) {
     seq.span.record("finish_reason", outcome);
@@ -308,39 +277,25 @@ fn fail_all(active: &mut Vec<Seq>, reason: &str) {
     }
 }
 
-/// Run steps until the pipeline fails or the generator is dropped.
-pub(crate) async fn run(
+/// Run steps on `exec` (whose stages hold `kv_blocks` KV blocks each) until a stage fails or
+/// the generator is dropped.
+pub(crate) async fn run<E: Executor>(
     config: &PipelineConfig,
-    cluster: &Cluster,
-    pipeline: &Pipeline,
+    exec: &mut E,
+    kv_blocks: usize,
     submit_rx: &mut mpsc::Receiver<NewSequence>,
     status: &PipelineStatus,
 ) -> StepLoopEnd {
-    let stage_failed = |reason: String, worker_id| StepLoopEnd::StageFailed { reason, worker_id };
-    let mut stage0 = pipeline.stages[0].1.clone();
-    let (batch_tx, batch_rx) = mpsc::channel::<MicroBatch>(4);
-    let mut results = match stage0.forward(ReceiverStream::new(batch_rx)).await {
-        Ok(r) => r.into_inner(),
-        Err(e) => return stage_failed(format!("stage 0 refused the forward stream: {}", e.message()), None),
-    };
     let mut active: Vec<Seq> = Vec::new();
-    let mut alloc = BlockAllocator::new(pipeline.kv_blocks, config.kv_block_size, config.prefix_caching);
+    let mut alloc = BlockAllocator::new(kv_blocks, config.kv_block_size, config.prefix_caching);
     status.kv_blocks_total.store(alloc.total() as u64, Ordering::Relaxed);
     metrics::gauge!("baton_kv_blocks_total").set(alloc.total() as f64);
     // A request taken from the queue that waits for KV blocks before it is admitted.
     let mut next_up: Option<NewSequence> = None;
     // Micro-batches sent and not yet answered, oldest first (stage streams keep order).
     let mut in_flight: VecDeque<InFlight> = VecDeque::new();
-    let depth = pipeline.stages.len();
+    let depth = exec.depth();
     let mut batch_id = 0u64;
-    let mut tick = tokio::time::interval(cluster.heartbeat_interval);
-    let dead_stage = || {
-        pipeline
-            .stages
-            .iter()
-            .find(|(a, _)| !cluster.is_alive(&a.worker_id))
-            .map(|(a, _)| a.clone())
-    };
     loop {
         status.active_sequences.store(active.len() as u64, Ordering::Relaxed);
         if active.is_empty() && next_up.is_none() {
@@ -349,12 +304,7 @@ pub(crate) async fn run(
                     Some(s) => next_up = Some(s),
                     None => return StepLoopEnd::Shutdown,
                 },
-                _ = tick.tick() => {
-                    if let Some(a) = dead_stage() {
-                        return stage_failed(format!("worker {} ({}) stopped heartbeating", a.worker_id, a.address), Some(a.worker_id));
-                    }
-                    continue;
-                }
+                failure = exec.watch() => return StepLoopEnd::StageFailed(failure),
             }
         }
         // Admit waiting requests up to the running limit while their prompts' KV blocks are
@@ -402,7 +352,7 @@ pub(crate) async fn run(
             alloc.release(&mut s.blocks);
         }
         publish_blocks(&alloc, status);
-        free_everywhere(pipeline, gone.iter().filter(|s| s.holds_kv()).map(|s| s.id).collect());
+        exec.free(gone.iter().filter(|s| s.holds_kv()).map(|s| s.id).collect());
         metrics::gauge!("baton_running_sequences").set(active.len() as f64);
         metrics::gauge!("baton_queue_depth").set(submit_rx.len() as f64);
 
@@ -459,20 +409,18 @@ pub(crate) async fn run(
                 in_flight = in_flight.len() + 1,
                 "micro-batch sent"
             );
-            if batch_tx
-                .send(MicroBatch {
+            let sent = exec
+                .submit(MicroBatch {
                     batch_id,
                     seqs,
                     hidden: None,
                     trace_context: baton_shared::trace_context::inject(&span),
                     sent_unix_nanos: baton_shared::wire::unix_nanos(),
                 })
-                .await
-                .is_err()
-            {
-                let reason = "stage 0 closed the forward stream".to_string();
-                fail_all(&mut active, &reason);
-                return stage_failed(reason, find_failed_stage(pipeline, cluster).await);
+                .await;
+            if let Err(failure) = sent {
+                fail_all(&mut active, &failure.reason);
+                return StepLoopEnd::StageFailed(failure);
             }
             in_flight.push_back(InFlight {
                 batch_id,
@@ -523,7 +471,7 @@ pub(crate) async fn run(
                             reason: FinishReason::Length,
                         });
                         alloc.release(&mut s.blocks);
-                        free_everywhere(pipeline, vec![s.id]);
+                        exec.free(vec![s.id]);
                     }
                     publish_blocks(&alloc, status);
                     continue;
@@ -536,35 +484,17 @@ pub(crate) async fn run(
             continue;
         }
 
-        let reply = loop {
-            tokio::select! {
-                r = results.next() => break r,
-                _ = tick.tick() => {
-                    if let Some(a) = dead_stage() {
-                        let reason = format!("worker {} ({}) stopped heartbeating", a.worker_id, a.address);
-                        fail_all(&mut active, &reason);
-                        return stage_failed(reason, Some(a.worker_id));
-                    }
-                }
-            }
-        };
-        let reply = match reply {
-            Some(Ok(r)) => r,
-            Some(Err(e)) => {
-                let reason = format!("pipeline stage unavailable: {}", e.message());
-                fail_all(&mut active, &reason);
-                return stage_failed(reason, find_failed_stage(pipeline, cluster).await);
-            }
-            None => {
-                let reason = "stage 0 ended the forward stream".to_string();
-                fail_all(&mut active, &reason);
-                return stage_failed(reason, find_failed_stage(pipeline, cluster).await);
+        let reply = match exec.next_result().await {
+            Ok(r) => r,
+            Err(failure) => {
+                fail_all(&mut active, &failure.reason);
+                return StepLoopEnd::StageFailed(failure);
             }
         };
         let Some(done_batch) = in_flight.pop_front().filter(|b| b.batch_id == reply.batch_id) else {
             let reason = format!("stage 0 answered micro-batch {} out of order", reply.batch_id);
             fail_all(&mut active, &reason);
-            return stage_failed(reason, None);
+            return StepLoopEnd::StageFailed(StageFailure::new(reason));
         };
         let _entered = done_batch.span.enter();
         metrics::histogram!("baton_step_seconds").record(done_batch.sent.elapsed().as_secs_f64());
@@ -586,7 +516,7 @@ pub(crate) async fn run(
                     retriable: false,
                 });
             }
-            free_everywhere(pipeline, failed.iter().map(|s| s.id).collect());
+            exec.free(failed.iter().map(|s| s.id).collect());
             continue;
         }
         let mut finished = Vec::new();
@@ -633,7 +563,7 @@ pub(crate) async fn run(
             alloc.release(&mut s.blocks);
         }
         active.retain(|s| !finished.contains(&s.id));
-        free_everywhere(pipeline, finished);
+        exec.free(finished);
         publish_blocks(&alloc, status);
     }
 }

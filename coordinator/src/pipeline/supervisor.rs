@@ -1,6 +1,6 @@
 //! Builds the pipeline from registered workers (layer ranges from `split`, LoadStage on each, a
 //! Forward stream into stage 0), runs the step loop, and starts over when a stage fails or
-//! leaves.
+//! leaves. [`run_local`] does the same for the one in-process stage of `--workers 0`.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -10,12 +10,16 @@ use std::time::Duration;
 use baton_shared::proto::LoadStageRequest;
 use baton_worker::kv_cache::PagedKv;
 use baton_worker::service::{AuthedWorkerClient, MAX_MESSAGE, connect_worker};
+use baton_worker::stage::Stage;
 use tokio::sync::mpsc;
 
 use super::split::{self, ProfileCache, SplitInfo};
 use super::stage_stats;
 use super::steps::{self, StepLoopEnd};
 use super::{NewSequence, PipelineConfig, PipelineStatus};
+use crate::executor::StageFailure;
+use crate::executor::grpc::GrpcExecutor;
+use crate::executor::local::{LOCAL_WORKER, LocalExecutor};
 use crate::generation::TokenEvent;
 use crate::planner::even_split;
 use crate::registry::{Cluster, WorkerEntry};
@@ -177,17 +181,86 @@ pub(crate) async fn run(
         metrics::gauge!("baton_pipeline_ready").set(1.0);
         metrics::gauge!("baton_pipeline_stages").set(pipeline.stages.len() as f64);
         let _poller = stage_stats::start(&pipeline, &status);
-        match steps::run(&config, &cluster, &pipeline, &mut submit_rx, &status).await {
+        let end = match GrpcExecutor::open(&pipeline, &cluster).await {
+            Ok(mut exec) => steps::run(&config, &mut exec, pipeline.kv_blocks, &mut submit_rx, &status).await,
+            Err(failure) => StepLoopEnd::StageFailed(failure),
+        };
+        match end {
             StepLoopEnd::Shutdown => return,
-            StepLoopEnd::StageFailed { reason, worker_id } => {
-                tracing::error!("pipeline broke: {reason}");
-                metrics::gauge!("baton_pipeline_ready").set(0.0);
-                metrics::counter!("baton_pipeline_failures_total").increment(1);
-                status.ready.store(false, Ordering::Release);
-                if let Some(id) = worker_id {
+            StepLoopEnd::StageFailed(failure) => {
+                broke(&failure, &status);
+                if let Some(id) = failure.worker_id {
                     cluster.remove(&id);
                 }
             }
+        }
+    }
+}
+
+/// Count and log a pipeline that broke.
+fn broke(failure: &StageFailure, status: &PipelineStatus) {
+    tracing::error!("pipeline broke: {}", failure.reason);
+    metrics::gauge!("baton_pipeline_ready").set(0.0);
+    metrics::counter!("baton_pipeline_failures_total").increment(1);
+    status.ready.store(false, Ordering::Release);
+}
+
+/// Builds the whole model's stage again after the in-process one failed.
+pub type StageLoader = Arc<dyn Fn() -> Result<Stage, String> + Send + Sync>;
+
+/// Supervise the one in-process stage: serve on `stage` with the step loop, and after a
+/// failure (a panic in the stage thread) load a new one with `reload` and serve again.
+pub(crate) async fn run_local(
+    config: PipelineConfig,
+    stage: Stage,
+    reload: StageLoader,
+    mut submit_rx: mpsc::Receiver<NewSequence>,
+    status: Arc<PipelineStatus>,
+) {
+    metrics::counter!("baton_pipeline_failures_total").increment(0);
+    metrics::counter!("baton_preemptions_total").increment(0);
+    let mut next = Some(stage);
+    loop {
+        status.ready.store(false, Ordering::Release);
+        metrics::gauge!("baton_pipeline_ready").set(0.0);
+        let stage = match next.take() {
+            Some(s) => s,
+            None => {
+                let reload = reload.clone();
+                let loaded = tokio::task::spawn_blocking(move || reload()).await;
+                match loaded.map_err(|e| e.to_string()).and_then(|r| r) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::warn!("loading the in-process stage failed: {e}; retrying");
+                        reject_waiting(&mut submit_rx, &format!("the model is not ready: {e}"));
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        continue;
+                    }
+                }
+            }
+        };
+        let info = stage.info();
+        let kv_blocks = stage.backend().kv().blocks;
+        *status.assignment.lock().unwrap_or_else(|e| e.into_inner()) = vec![StageAssignment {
+            worker_id: LOCAL_WORKER.into(),
+            address: "in-process".into(),
+            layers: info.layer_start as usize..info.layer_end as usize,
+        }];
+        status.kv_blocks_total.store(kv_blocks as u64, Ordering::Relaxed);
+        let mut exec = match LocalExecutor::start(stage, status.clone()) {
+            Ok(e) => e,
+            Err(failure) => {
+                broke(&failure, &status);
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        status.ready.store(true, Ordering::Release);
+        metrics::gauge!("baton_pipeline_ready").set(1.0);
+        metrics::gauge!("baton_pipeline_stages").set(1.0);
+        match steps::run(&config, &mut exec, kv_blocks, &mut submit_rx, &status).await {
+            StepLoopEnd::Shutdown => return,
+            StepLoopEnd::StageFailed(failure) => broke(&failure, &status),
         }
     }
 }

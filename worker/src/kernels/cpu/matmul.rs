@@ -55,7 +55,7 @@ impl WeightFormat {
 
 /// Errors naming a weight format.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("unknown weight format {0:?} (expected f32, bf16, f16, q8_0, q4_0, q4_1 or native)")]
+#[error("unknown weight format {0:?} (expected auto, f32, bf16, f16, q8_0, q4_0, q4_1 or native)")]
 pub struct UnknownFormat(pub String);
 
 impl std::str::FromStr for WeightFormat {

@@ -1,0 +1,128 @@
+//! The executor over a pipeline of gRPC workers: micro-batches go down stage 0's Forward
+//! stream and results come back up it in order; stages are watched through the registry's
+//! heartbeats and probed with Health when a stream breaks.
+
+use std::time::Duration;
+
+use baton_shared::proto::{BatchResult, FreeRequest, HealthRequest, MicroBatch};
+use futures::StreamExt;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::{Executor, StageFailure};
+use crate::pipeline::Pipeline;
+use crate::registry::Cluster;
+
+/// A built pipeline of workers, with the Forward stream into its first stage open.
+pub(crate) struct GrpcExecutor<'a> {
+    pipeline: &'a Pipeline,
+    cluster: &'a Cluster,
+    batch_tx: mpsc::Sender<MicroBatch>,
+    results: tonic::Streaming<BatchResult>,
+    tick: tokio::time::Interval,
+}
+
+impl<'a> GrpcExecutor<'a> {
+    /// Open the Forward stream into stage 0.
+    pub async fn open(pipeline: &'a Pipeline, cluster: &'a Cluster) -> Result<Self, StageFailure> {
+        let mut stage0 = pipeline.stages[0].1.clone();
+        let (batch_tx, batch_rx) = mpsc::channel::<MicroBatch>(4);
+        let results = stage0
+            .forward(ReceiverStream::new(batch_rx))
+            .await
+            .map_err(|e| StageFailure::new(format!("stage 0 refused the forward stream: {}", e.message())))?
+            .into_inner();
+        Ok(Self {
+            pipeline,
+            cluster,
+            batch_tx,
+            results,
+            tick: tokio::time::interval(cluster.heartbeat_interval),
+        })
+    }
+
+    /// A stage whose worker stopped heartbeating.
+    fn dead_stage(&self) -> Option<StageFailure> {
+        let (a, _) = self
+            .pipeline
+            .stages
+            .iter()
+            .find(|(a, _)| !self.cluster.is_alive(&a.worker_id))?;
+        Some(StageFailure {
+            reason: format!("worker {} ({}) stopped heartbeating", a.worker_id, a.address),
+            worker_id: Some(a.worker_id.clone()),
+        })
+    }
+
+    /// A broken stream: probe every stage; the first that does not answer is the failed one.
+    async fn broken(&self, reason: String) -> StageFailure {
+        for (a, client) in &self.pipeline.stages {
+            let mut client = client.clone();
+            let ok = tokio::time::timeout(Duration::from_secs(2), client.health(HealthRequest {})).await;
+            if !matches!(ok, Ok(Ok(_))) || !self.cluster.is_alive(&a.worker_id) {
+                return StageFailure {
+                    reason,
+                    worker_id: Some(a.worker_id.clone()),
+                };
+            }
+        }
+        StageFailure::new(reason)
+    }
+}
+
+impl Executor for GrpcExecutor<'_> {
+    fn depth(&self) -> usize {
+        self.pipeline.stages.len()
+    }
+
+    async fn submit(&mut self, batch: MicroBatch) -> Result<(), StageFailure> {
+        if self.batch_tx.send(batch).await.is_err() {
+            return Err(self.broken("stage 0 closed the forward stream".into()).await);
+        }
+        Ok(())
+    }
+
+    async fn next_result(&mut self) -> Result<BatchResult, StageFailure> {
+        let reply = loop {
+            tokio::select! {
+                r = self.results.next() => break r,
+                _ = self.tick.tick() => {
+                    if let Some(f) = self.dead_stage() {
+                        return Err(f);
+                    }
+                }
+            }
+        };
+        match reply {
+            Some(Ok(r)) => Ok(r),
+            Some(Err(e)) => Err(self
+                .broken(format!("pipeline stage unavailable: {}", e.message()))
+                .await),
+            None => Err(self.broken("stage 0 ended the forward stream".into()).await),
+        }
+    }
+
+    fn free(&self, ids: Vec<u64>) {
+        if ids.is_empty() {
+            return;
+        }
+        for (_, client) in &self.pipeline.stages {
+            let mut client = client.clone();
+            let ids = ids.clone();
+            tokio::spawn(async move {
+                if let Err(e) = client.free(FreeRequest { seq_ids: ids }).await {
+                    tracing::debug!(error = %e.message(), "free failed");
+                }
+            });
+        }
+    }
+
+    async fn watch(&mut self) -> StageFailure {
+        loop {
+            self.tick.tick().await;
+            if let Some(f) = self.dead_stage() {
+                return f;
+            }
+        }
+    }
+}

@@ -1,0 +1,49 @@
+//! Executors run micro-batches for the step loop: [`grpc::GrpcExecutor`] through a chain of
+//! worker processes, [`local::LocalExecutor`] on a stage in this process. The step loop
+//! (`pipeline::steps`) talks only to [`Executor`], so `baton serve --workers 0` gets the same
+//! continuous batching, paged KV and prefix cache as a pipeline of workers.
+
+pub(crate) mod grpc;
+pub(crate) mod local;
+
+use baton_shared::proto::{BatchResult, MicroBatch};
+
+/// A stage that can no longer serve: the step loop fails its sequences and the supervisor
+/// rebuilds.
+#[derive(Debug, Clone)]
+pub(crate) struct StageFailure {
+    pub reason: String,
+    /// The worker that failed, when it could be identified (it is dropped from the cluster).
+    pub worker_id: Option<String>,
+}
+
+impl StageFailure {
+    /// A failure not pinned on a known worker.
+    pub fn new(reason: impl Into<String>) -> Self {
+        Self {
+            reason: reason.into(),
+            worker_id: None,
+        }
+    }
+}
+
+/// Runs micro-batches through every stage and hands back what the last stage sampled.
+pub(crate) trait Executor {
+    /// Stages a micro-batch passes through: the step loop keeps up to this many in flight.
+    fn depth(&self) -> usize;
+
+    /// Send a micro-batch into the first stage.
+    async fn submit(&mut self, batch: MicroBatch) -> Result<(), StageFailure>;
+
+    /// The next result, in the order micro-batches were submitted (call only with one in
+    /// flight). Resolves with a failure when a stage dies while it waits.
+    async fn next_result(&mut self) -> Result<BatchResult, StageFailure>;
+
+    /// Drop sequences' state (KV) on every stage, without waiting. Only sequences with no
+    /// micro-batch in flight are freed, so this never overtakes their last batch.
+    fn free(&self, ids: Vec<u64>);
+
+    /// Resolves when a stage is known to be dead while nothing is in flight (the step loop
+    /// waits on this beside new requests); never resolves while every stage lives.
+    async fn watch(&mut self) -> StageFailure;
+}

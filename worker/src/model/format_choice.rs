@@ -1,0 +1,36 @@
+//! The weight format a stage loads when the user names none (`auto`): the file's own block
+//! quantization where it has one, else Q8_0, so serving is fast by default and `f32` is the
+//! opt-in reference mode.
+
+use baton_shared::dtype::DType;
+use baton_shared::model_files::{ModelFiles, TensorRole};
+
+use crate::kernels::cpu::matmul::{UnknownFormat, WeightFormat};
+
+/// The name that picks a format from the model file.
+pub const AUTO: &str = "auto";
+
+/// The format `auto` means for `files`: `native` when the first layer's matrices are stored in
+/// a block format (a quantized GGUF), else `q8_0` (float files: f32, bf16, f16).
+pub fn auto_format(files: &ModelFiles) -> WeightFormat {
+    use TensorRole::*;
+    let quantized = [Q, K, V, O, Gate, Up, Down].into_iter().any(|role| {
+        files
+            .stored(role, Some(0))
+            .is_some_and(|t| matches!(t.dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1))
+    });
+    if quantized {
+        WeightFormat::Native
+    } else {
+        WeightFormat::Q8_0
+    }
+}
+
+/// A weight format name (`auto` included) resolved for `files`.
+pub fn resolve_format(name: &str, files: &ModelFiles) -> Result<WeightFormat, UnknownFormat> {
+    if name.eq_ignore_ascii_case(AUTO) {
+        Ok(auto_format(files))
+    } else {
+        name.parse()
+    }
+}
