@@ -1,12 +1,15 @@
 //! Baton coordinator: the OpenAI-compatible HTTP API and the machinery that turns requests into
-//! token streams: one step loop (`pipeline`) over an executor (`executor`) that runs
-//! micro-batches on gRPC workers or on a stage in this process.
+//! token streams: a pure `scheduler`, one `engine` loop that carries out its decisions on an
+//! `executor` (gRPC workers or a stage in this process), and the `pipeline` that builds and
+//! supervises it.
 
 pub mod api;
 pub mod cluster;
+mod engine;
 mod executor;
 pub mod generation;
 pub mod local;
 pub mod pipeline;
 pub mod planner;
 pub mod registry;
+mod scheduler;

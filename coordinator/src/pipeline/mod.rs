@@ -1,11 +1,10 @@
 //! The pipeline generator: requests in, token streams out, by driving micro-batches through
 //! the chain of workers. `supervisor` builds (and rebuilds) the pipeline from registered
-//! workers; `steps` runs the step loop while it stands.
+//! workers and keeps `crate::engine` running on them while they stand.
 
-mod kv_blocks;
+pub(crate) mod kv_blocks;
 pub mod split;
 mod stage_stats;
-mod steps;
 mod supervisor;
 
 use std::sync::Arc;
@@ -103,18 +102,24 @@ impl PipelineConfig {
     }
 }
 
-/// A new sequence handed to the step loop.
+/// A request as the scheduler sees it (its events go out through the engine).
 #[derive(Debug)]
-pub(crate) struct NewSequence {
+pub(crate) struct SeqRequest {
     pub id: u64,
     /// When the request was accepted (for time-to-first-token).
     pub submitted: std::time::Instant,
     pub req: GenerationRequest,
-    pub tx: mpsc::Sender<TokenEvent>,
     /// The sequence's span (a child of the request's), ended when the sequence finishes.
     pub span: tracing::Span,
     /// Open while the sequence waits for admission.
     pub queue_span: tracing::Span,
+}
+
+/// A new sequence handed to the engine: the request and where its events go.
+#[derive(Debug)]
+pub(crate) struct NewSequence {
+    pub request: SeqRequest,
+    pub tx: mpsc::Sender<TokenEvent>,
 }
 
 /// Shared between the generator handle and the supervisor task.
@@ -273,12 +278,14 @@ impl Generator for PipelineGenerator {
         let queue_span = tracing::info_span!(parent: &span, "queue.wait");
         self.submit_tx
             .try_send(NewSequence {
-                id,
-                submitted: std::time::Instant::now(),
-                req,
+                request: SeqRequest {
+                    id,
+                    submitted: std::time::Instant::now(),
+                    req,
+                    span,
+                    queue_span,
+                },
                 tx,
-                span,
-                queue_span,
             })
             .map_err(|e| match e {
                 mpsc::error::TrySendError::Full(_) => {

@@ -15,8 +15,8 @@ use tokio::sync::mpsc;
 
 use super::split::{self, ProfileCache, SplitInfo};
 use super::stage_stats;
-use super::steps::{self, StepLoopEnd};
 use super::{NewSequence, PipelineConfig, PipelineStatus};
+use crate::engine::{self, EngineEnd};
 use crate::executor::StageFailure;
 use crate::executor::grpc::GrpcExecutor;
 use crate::executor::local::{LOCAL_WORKER, LocalExecutor};
@@ -182,12 +182,12 @@ pub(crate) async fn run(
         metrics::gauge!("baton_pipeline_stages").set(pipeline.stages.len() as f64);
         let _poller = stage_stats::start(&pipeline, &status);
         let end = match GrpcExecutor::open(&pipeline, &cluster).await {
-            Ok(mut exec) => steps::run(&config, &mut exec, pipeline.kv_blocks, &mut submit_rx, &status).await,
-            Err(failure) => StepLoopEnd::StageFailed(failure),
+            Ok(mut exec) => engine::run(&config, &mut exec, pipeline.kv_blocks, &mut submit_rx, &status).await,
+            Err(failure) => EngineEnd::StageFailed(failure),
         };
         match end {
-            StepLoopEnd::Shutdown => return,
-            StepLoopEnd::StageFailed(failure) => {
+            EngineEnd::Shutdown => return,
+            EngineEnd::StageFailed(failure) => {
                 broke(&failure, &status);
                 if let Some(id) = failure.worker_id {
                     cluster.remove(&id);
@@ -258,9 +258,9 @@ pub(crate) async fn run_local(
         status.ready.store(true, Ordering::Release);
         metrics::gauge!("baton_pipeline_ready").set(1.0);
         metrics::gauge!("baton_pipeline_stages").set(1.0);
-        match steps::run(&config, &mut exec, kv_blocks, &mut submit_rx, &status).await {
-            StepLoopEnd::Shutdown => return,
-            StepLoopEnd::StageFailed(failure) => broke(&failure, &status),
+        match engine::run(&config, &mut exec, kv_blocks, &mut submit_rx, &status).await {
+            EngineEnd::Shutdown => return,
+            EngineEnd::StageFailed(failure) => broke(&failure, &status),
         }
     }
 }

@@ -1,5 +1,9 @@
-//! The step loop: each step sends one micro-batch (new sequences' prompts and running
-//! sequences' last token) down the pipeline and hands the sampled tokens to their requests.
+//! The scheduler: which sequences go into the next micro-batches, and what their results mean
+//! for each request. It owns admission, the KV block allocator with its prefix index, and
+//! preemption, and does no I/O: [`Scheduler::schedule`] and [`Scheduler::on_result`] fill an
+//! [`Outbox`] (micro-batches to send, sequences to free, events for requests) that the engine
+//! (`crate::engine`) carries out on an executor.
+//!
 //! Up to one micro-batch per stage is in flight, over disjoint sequences. A new (or preempted)
 //! sequence first takes the cached blocks its tokens start with (`kv_blocks`), and blocks its
 //! micro-batches fill are indexed for later prompts when they come back.
@@ -8,20 +12,28 @@ use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use baton_shared::proto::{MicroBatch, Sampling, SequenceChunk};
-use tokio::sync::mpsc;
+use baton_shared::proto::{BatchResult, MicroBatch, Sampling, SequenceChunk};
 
-use super::kv_blocks::{BlockAllocator, IndexProgress};
-use super::{NewSequence, PipelineConfig, PipelineStatus};
-use crate::executor::{Executor, StageFailure};
 use crate::generation::{FinishReason, GenerationRequest, TokenEvent, TokenLogprobs};
+use crate::pipeline::kv_blocks::{BlockAllocator, IndexProgress};
+use crate::pipeline::{PipelineConfig, PipelineStatus, SeqRequest};
 
-/// Why the step loop returned.
-pub(crate) enum StepLoopEnd {
-    /// Every `PipelineGenerator` handle is gone.
-    Shutdown,
-    /// A stage failed.
-    StageFailed(StageFailure),
+/// What the scheduler hands the engine to carry out, in order: events first, then frees, then
+/// micro-batches.
+#[derive(Debug, Default)]
+pub(crate) struct Outbox {
+    /// Events for requests, by sequence id.
+    pub events: Vec<(u64, TokenEvent)>,
+    /// Sequences whose KV every stage should drop.
+    pub free: Vec<u64>,
+    /// Micro-batches to send into the first stage, in order.
+    pub batches: Vec<MicroBatch>,
+}
+
+impl Outbox {
+    fn event(&mut self, id: u64, event: TokenEvent) {
+        self.events.push((id, event));
+    }
 }
 
 struct Seq {
@@ -48,7 +60,6 @@ struct Seq {
     /// Id of the latest micro-batch it was part of (0: none yet).
     last_batch: u64,
     req: GenerationRequest,
-    tx: mpsc::Sender<TokenEvent>,
     /// Ends (and is exported) when the sequence is dropped.
     span: tracing::Span,
 }
@@ -86,7 +97,7 @@ impl Seq {
 
     /// Before the first chunk of a (re)start: take the cached blocks the tokens to prefill start
     /// with, and begin prefilling after them.
-    fn reuse_prefix(&mut self, alloc: &mut BlockAllocator) {
+    fn reuse_prefix(&mut self, alloc: &mut BlockAllocator, out: &mut Outbox) {
         debug_assert!(self.prefilled == 0 && self.blocks.is_empty());
         let reused = alloc.take_prefix(&mut self.blocks, &self.tokens[..self.prefill_len]);
         self.reused = reused;
@@ -96,7 +107,7 @@ impl Seq {
         // Reported once per request (usage.prompt_tokens_details), not again after a preemption.
         if reused > 0 && !self.cached_reported {
             self.cached_reported = true;
-            let _ = self.tx.try_send(TokenEvent::PromptCached { tokens: reused });
+            out.event(self.id, TokenEvent::PromptCached { tokens: reused });
         }
     }
 
@@ -191,8 +202,8 @@ fn pick_idle(active: &mut [Seq], depth: usize, free: usize) -> Vec<&mut Seq> {
 /// prompt is prefilled over several steps instead of stalling everyone's decode. Each chunk's
 /// positions get KV blocks first; a prompt chunk shrinks to the blocks there are. A sequence
 /// starting its prefill first reuses the cached blocks its tokens begin with.
-fn compose_step(active: &mut [&mut Seq], budget: usize, alloc: &mut BlockAllocator) -> Composed {
-    let mut out = Composed {
+fn compose_step(active: &mut [&mut Seq], budget: usize, alloc: &mut BlockAllocator, out: &mut Outbox) -> Composed {
+    let mut c = Composed {
         chunks: Vec::new(),
         decode: 0,
         starved: Vec::new(),
@@ -202,13 +213,13 @@ fn compose_step(active: &mut [&mut Seq], budget: usize, alloc: &mut BlockAllocat
     };
     for seq in active.iter_mut().filter(|s| s.decoding()) {
         if alloc.cover(&mut seq.blocks, seq.tokens.len()) {
-            out.chunks.push(seq.decode_chunk());
+            c.chunks.push(seq.decode_chunk());
         } else {
-            out.starved.push(seq.id);
+            c.starved.push(seq.id);
         }
     }
-    out.decode = out.chunks.len();
-    let mut used = out.decode;
+    c.decode = c.chunks.len();
+    let mut used = c.decode;
     for seq in active.iter_mut().filter(|s| !s.decoding()) {
         let left = budget.saturating_sub(used);
         let starting = seq.prefilled == 0 && seq.blocks.is_empty();
@@ -218,27 +229,27 @@ fn compose_step(active: &mut [&mut Seq], budget: usize, alloc: &mut BlockAllocat
             // others always makes room for it instead of it pinning blocks it cannot use.
             let hit = alloc.peek_prefix(&seq.tokens[..seq.prefill_len]);
             if alloc.free() > hit.idle {
-                seq.reuse_prefix(alloc);
+                seq.reuse_prefix(alloc, out);
             }
         }
         let room = (seq.blocks.len() + alloc.free()) * alloc.block_size() - seq.prefilled;
         let n = left.min(seq.prefill_len - seq.prefilled).min(room);
         if n == 0 {
             if left > 0 {
-                out.stalled = Some(seq.id);
+                c.stalled = Some(seq.id);
             }
             break;
         }
         if starting {
-            out.prefix_queried += seq.prefill_len;
-            out.prefix_reused += seq.reused;
+            c.prefix_queried += seq.prefill_len;
+            c.prefix_reused += seq.reused;
         }
         let covered = alloc.cover(&mut seq.blocks, seq.prefilled + n);
         debug_assert!(covered, "room was counted from the free blocks");
-        out.chunks.push(seq.prefill_chunk(n));
+        c.chunks.push(seq.prefill_chunk(n));
         used += n;
     }
-    out
+    c
 }
 
 /// The sequence to preempt when `starved` ones need blocks: the newest idle sequence holding
@@ -267,53 +278,68 @@ fn record_outcome(seq: &Seq, outcome: &'static str) {
     metrics::histogram!("baton_request_duration_seconds").record(seq.submitted.elapsed().as_secs_f64());
 }
 
-fn fail_all(active: &mut Vec<Seq>, reason: &str) {
-    for s in active.drain(..) {
-        record_outcome(&s, "failed");
-        let _ = s.tx.try_send(TokenEvent::Failed {
-            message: reason.to_string(),
-            retriable: true,
-        });
-    }
+/// Admission, micro-batch composition, preemption and token bookkeeping for one pipeline.
+pub(crate) struct Scheduler<'a> {
+    config: &'a PipelineConfig,
+    status: &'a PipelineStatus,
+    active: Vec<Seq>,
+    alloc: BlockAllocator,
+    /// A request taken from the queue that waits for KV blocks before it is admitted.
+    next_up: Option<SeqRequest>,
+    /// Micro-batches sent and not yet answered, oldest first (stage streams keep order).
+    in_flight: VecDeque<InFlight>,
+    /// Micro-batches kept in flight at most: one per stage.
+    depth: usize,
+    batch_id: u64,
 }
 
-/// Run steps on `exec` (whose stages hold `kv_blocks` KV blocks each) until a stage fails or
-/// the generator is dropped.
-pub(crate) async fn run<E: Executor>(
-    config: &PipelineConfig,
-    exec: &mut E,
-    kv_blocks: usize,
-    submit_rx: &mut mpsc::Receiver<NewSequence>,
-    status: &PipelineStatus,
-) -> StepLoopEnd {
-    let mut active: Vec<Seq> = Vec::new();
-    let mut alloc = BlockAllocator::new(kv_blocks, config.kv_block_size, config.prefix_caching);
-    status.kv_blocks_total.store(alloc.total() as u64, Ordering::Relaxed);
-    metrics::gauge!("baton_kv_blocks_total").set(alloc.total() as f64);
-    // A request taken from the queue that waits for KV blocks before it is admitted.
-    let mut next_up: Option<NewSequence> = None;
-    // Micro-batches sent and not yet answered, oldest first (stage streams keep order).
-    let mut in_flight: VecDeque<InFlight> = VecDeque::new();
-    let depth = exec.depth();
-    let mut batch_id = 0u64;
-    loop {
-        status.active_sequences.store(active.len() as u64, Ordering::Relaxed);
-        if active.is_empty() && next_up.is_none() {
-            tokio::select! {
-                s = submit_rx.recv() => match s {
-                    Some(s) => next_up = Some(s),
-                    None => return StepLoopEnd::Shutdown,
-                },
-                failure = exec.watch() => return StepLoopEnd::StageFailed(failure),
-            }
+impl<'a> Scheduler<'a> {
+    /// A scheduler for a pipeline of `depth` stages holding `kv_blocks` KV blocks each.
+    pub fn new(config: &'a PipelineConfig, status: &'a PipelineStatus, depth: usize, kv_blocks: usize) -> Self {
+        let alloc = BlockAllocator::new(kv_blocks, config.kv_block_size, config.prefix_caching);
+        status.kv_blocks_total.store(alloc.total() as u64, Ordering::Relaxed);
+        metrics::gauge!("baton_kv_blocks_total").set(alloc.total() as f64);
+        Self {
+            config,
+            status,
+            active: Vec::new(),
+            alloc,
+            next_up: None,
+            in_flight: VecDeque::new(),
+            depth,
+            batch_id: 0,
         }
-        // Admit waiting requests up to the running limit while their prompts' KV blocks are
-        // free (beyond what admitted prompts still need); the rest stay queued in the channel,
-        // whose capacity bounds the queue (submissions beyond it get 429).
-        while active.len() < config.max_running {
-            let Some(s) = next_up.take().or_else(|| submit_rx.try_recv().ok()) else {
+    }
+
+    /// Nothing running and nothing waiting for admission.
+    pub fn is_idle(&self) -> bool {
+        self.active.is_empty() && self.next_up.is_none()
+    }
+
+    /// Micro-batches sent and not answered yet.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// Sequences admitted (holding or waiting for KV).
+    #[cfg(test)]
+    pub fn running(&self) -> usize {
+        self.active.len()
+    }
+
+    /// Admit requests from `pull` (the queue, in arrival order) up to the running limit while
+    /// their prompts' KV blocks are free beyond what admitted prompts still need; the first
+    /// that does not fit waits here, the rest stay in the queue. A prompt longer than the whole
+    /// pool fails at once.
+    pub fn admit(&mut self, mut pull: impl FnMut() -> Option<SeqRequest>, out: &mut Outbox) {
+        self.status
+            .active_sequences
+            .store(self.active.len() as u64, Ordering::Relaxed);
+        while self.active.len() < self.config.max_running {
+            let Some(s) = self.next_up.take().or_else(&mut pull) else {
                 break;
             };
+            let alloc = &self.alloc;
             let need = alloc.blocks_for(s.req.prompt.len());
             if need > alloc.total() {
                 let message = format!(
@@ -324,208 +350,234 @@ pub(crate) async fn run<E: Executor>(
                 );
                 let seq = new_seq(s);
                 record_outcome(&seq, "failed");
-                let _ = seq.tx.try_send(TokenEvent::Failed {
-                    message,
-                    retriable: false,
-                });
+                out.event(
+                    seq.id,
+                    TokenEvent::Failed {
+                        message,
+                        retriable: false,
+                    },
+                );
                 continue;
             }
             // The whole prompt's blocks are reserved even if some are cached now: cached blocks
             // no sequence holds may be reused for others before this prompt starts.
-            let pending: usize = active
+            let pending: usize = self
+                .active
                 .iter()
                 .filter(|q| !q.decoding())
                 .map(|q| alloc.blocks_for(q.prefill_len).saturating_sub(q.blocks.len()))
                 .sum();
-            if !active.is_empty() && alloc.free() < pending + need {
-                next_up = Some(s);
+            if !self.active.is_empty() && alloc.free() < pending + need {
+                self.next_up = Some(s);
                 break;
             }
-            active.push(new_seq(s));
+            self.active.push(new_seq(s));
         }
-        // Requests whose client went away: stop them and free their KV. One with a micro-batch
-        // in flight is dropped when that batch returns, so Free cannot overtake it.
-        let (mut gone, kept): (Vec<Seq>, Vec<Seq>) = active.into_iter().partition(|s| s.tx.is_closed() && !s.in_flight);
-        active = kept;
+        metrics::gauge!("baton_running_sequences").set(self.active.len() as f64);
+    }
+
+    /// Stop sequences whose requests went away and free their KV. One with a micro-batch in
+    /// flight stays until that batch returns (so Free cannot overtake it): abort it again then.
+    pub fn abort(&mut self, ids: &[u64], out: &mut Outbox) {
+        if ids.is_empty() {
+            return;
+        }
+        if self.next_up.as_ref().is_some_and(|s| ids.contains(&s.id)) {
+            let seq = new_seq(self.next_up.take().expect("checked"));
+            record_outcome(&seq, "cancelled");
+        }
+        let (mut gone, kept): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut self.active)
+            .into_iter()
+            .partition(|s| ids.contains(&s.id) && !s.in_flight);
+        self.active = kept;
         for s in &mut gone {
             record_outcome(s, "cancelled");
-            alloc.release(&mut s.blocks);
+            self.alloc.release(&mut s.blocks);
         }
-        publish_blocks(&alloc, status);
-        exec.free(gone.iter().filter(|s| s.holds_kv()).map(|s| s.id).collect());
-        metrics::gauge!("baton_running_sequences").set(active.len() as f64);
-        metrics::gauge!("baton_queue_depth").set(submit_rx.len() as f64);
+        out.free.extend(gone.iter().filter(|s| s.holds_kv()).map(|s| s.id));
+        self.publish_blocks();
+    }
 
-        // Keep up to one micro-batch per stage in flight, over disjoint sequences, so every
-        // stage has work under load. Each takes an equal share of the running sequences.
-        let mut starved: Vec<u64> = Vec::new();
-        let mut stalled = None;
-        while in_flight.len() < depth {
-            let mut idle = pick_idle(&mut active, depth, depth - in_flight.len());
-            if idle.is_empty() {
-                break;
-            }
-            let Composed {
-                chunks: seqs,
-                decode,
-                starved: short,
-                stalled: stuck,
-                prefix_queried,
-                prefix_reused,
-            } = compose_step(&mut idle, config.micro_batch_tokens(), &mut alloc);
-            starved.extend(short);
-            stalled = stalled.or(stuck);
-            if prefix_queried > 0 {
-                status
-                    .prefix_queried_tokens
-                    .fetch_add(prefix_queried as u64, Ordering::Relaxed);
-                status
-                    .prefix_hit_tokens
-                    .fetch_add(prefix_reused as u64, Ordering::Relaxed);
-                metrics::counter!("baton_prefix_cache_queried_tokens_total").increment(prefix_queried as u64);
-                metrics::counter!("baton_prefix_cache_hit_tokens_total").increment(prefix_reused as u64);
-            }
-            if seqs.is_empty() {
-                break;
-            }
-            let members: Vec<u64> = seqs.iter().map(|c| c.seq_id).collect();
-            batch_id += 1;
-            for s in idle.iter_mut().filter(|s| members.contains(&s.id)) {
-                s.in_flight = true;
-                s.last_batch = batch_id;
-            }
-            let batch_tokens: usize = seqs.iter().map(|c| c.tokens.len()).sum();
-            let span = step_span(batch_id, &idle, &members, batch_tokens, decode);
-            metrics::counter!("baton_prefill_tokens_total").increment((batch_tokens - decode) as u64);
-            status
-                .prompt_tokens
-                .fetch_add((batch_tokens - decode) as u64, Ordering::Relaxed);
-            metrics::counter!("baton_decode_tokens_total").increment(decode as u64);
-            metrics::histogram!("baton_step_batch_tokens").record(batch_tokens as f64);
-            tracing::debug!(
-                batch_id,
-                sequences = members.len(),
-                batch_tokens,
-                in_flight = in_flight.len() + 1,
-                "micro-batch sent"
-            );
-            let sent = exec
-                .submit(MicroBatch {
+    /// Fill the free micro-batch slots: up to one micro-batch per stage in flight, over disjoint
+    /// sequences, each taking an equal share of the running sequences, so every stage has work
+    /// under load. When KV blocks run out, the newest sequence is preempted (recomputed later)
+    /// to make room, or a lone sequence that fills the whole pool ends at its length limit.
+    pub fn schedule(&mut self, out: &mut Outbox) {
+        loop {
+            let mut starved: Vec<u64> = Vec::new();
+            let mut stalled = None;
+            while self.in_flight.len() < self.depth {
+                let free = self.depth - self.in_flight.len();
+                let mut idle = pick_idle(&mut self.active, self.depth, free);
+                if idle.is_empty() {
+                    break;
+                }
+                let Composed {
+                    chunks: seqs,
+                    decode,
+                    starved: short,
+                    stalled: stuck,
+                    prefix_queried,
+                    prefix_reused,
+                } = compose_step(&mut idle, self.config.micro_batch_tokens(), &mut self.alloc, out);
+                starved.extend(short);
+                stalled = stalled.or(stuck);
+                if prefix_queried > 0 {
+                    let st = self.status;
+                    st.prefix_queried_tokens
+                        .fetch_add(prefix_queried as u64, Ordering::Relaxed);
+                    st.prefix_hit_tokens.fetch_add(prefix_reused as u64, Ordering::Relaxed);
+                    metrics::counter!("baton_prefix_cache_queried_tokens_total").increment(prefix_queried as u64);
+                    metrics::counter!("baton_prefix_cache_hit_tokens_total").increment(prefix_reused as u64);
+                }
+                if seqs.is_empty() {
+                    break;
+                }
+                let members: Vec<u64> = seqs.iter().map(|c| c.seq_id).collect();
+                self.batch_id += 1;
+                let batch_id = self.batch_id;
+                for s in idle.iter_mut().filter(|s| members.contains(&s.id)) {
+                    s.in_flight = true;
+                    s.last_batch = batch_id;
+                }
+                let batch_tokens: usize = seqs.iter().map(|c| c.tokens.len()).sum();
+                let span = step_span(batch_id, &idle, &members, batch_tokens, decode);
+                metrics::counter!("baton_prefill_tokens_total").increment((batch_tokens - decode) as u64);
+                self.status
+                    .prompt_tokens
+                    .fetch_add((batch_tokens - decode) as u64, Ordering::Relaxed);
+                metrics::counter!("baton_decode_tokens_total").increment(decode as u64);
+                metrics::histogram!("baton_step_batch_tokens").record(batch_tokens as f64);
+                tracing::debug!(
+                    batch_id,
+                    sequences = members.len(),
+                    batch_tokens,
+                    in_flight = self.in_flight.len() + 1,
+                    "micro-batch sent"
+                );
+                out.batches.push(MicroBatch {
                     batch_id,
                     seqs,
                     hidden: None,
                     trace_context: baton_shared::trace_context::inject(&span),
                     sent_unix_nanos: baton_shared::wire::unix_nanos(),
-                })
-                .await;
-            if let Err(failure) = sent {
-                fail_all(&mut active, &failure.reason);
-                return StepLoopEnd::StageFailed(failure);
+                });
+                self.in_flight.push_back(InFlight {
+                    batch_id,
+                    members,
+                    sent: Instant::now(),
+                    span,
+                });
+                self.status
+                    .max_in_flight
+                    .fetch_max(self.in_flight.len() as u64, Ordering::Relaxed);
+                metrics::gauge!("baton_micro_batches_in_flight").set(self.in_flight.len() as f64);
             }
-            in_flight.push_back(InFlight {
-                batch_id,
-                members,
-                sent: Instant::now(),
-                span,
-            });
-            status
-                .max_in_flight
-                .fetch_max(in_flight.len() as u64, Ordering::Relaxed);
-            metrics::gauge!("baton_micro_batches_in_flight").set(in_flight.len() as f64);
-        }
-        if in_flight.is_empty() {
-            // Nothing was sent and nothing will come back: a prompt with budget but no free
-            // block (admission reserves its blocks, so this is a safety net) makes room like a
-            // starved decode instead of waiting for a return that will not come.
-            starved.extend(stalled);
-        }
-        if !starved.is_empty() {
-            // Nothing in flight and at most one sequence holding blocks: preempting cannot help.
-            let lone = in_flight.is_empty() && active.iter().filter(|s| !s.blocks.is_empty()).count() <= 1;
-            match preemption_victim(&active, &starved, !in_flight.is_empty(), &alloc) {
-                Some(i) if !lone => {
-                    let victim = &mut active[i];
-                    tracing::info!(
-                        seq_id = victim.id,
-                        tokens = victim.tokens.len(),
-                        "KV blocks ran out: preempting the newest sequence"
-                    );
-                    victim.preempt(&mut alloc);
-                    status.preemptions.fetch_add(1, Ordering::Relaxed);
-                    metrics::counter!("baton_preemptions_total").increment(1);
-                    publish_blocks(&alloc, status);
-                    continue;
-                }
-                _ if in_flight.is_empty() => {
-                    // A lone sequence has filled every block: it ends as if at its length limit.
-                    let (full, kept): (Vec<Seq>, Vec<Seq>) = active.into_iter().partition(|s| starved.contains(&s.id));
-                    active = kept;
-                    for mut s in full {
-                        tracing::warn!(
-                            seq_id = s.id,
-                            tokens = s.tokens.len(),
-                            "sequence fills the whole KV pool; finishing it"
-                        );
-                        record_outcome(&s, FinishReason::Length.as_str());
-                        let _ = s.tx.try_send(TokenEvent::Done {
-                            reason: FinishReason::Length,
-                        });
-                        alloc.release(&mut s.blocks);
-                        exec.free(vec![s.id]);
-                    }
-                    publish_blocks(&alloc, status);
-                    continue;
-                }
-                _ => {}
+            if self.in_flight.is_empty() {
+                // Nothing was sent and nothing will come back: a prompt with budget but no free
+                // block (admission reserves its blocks, so this is a safety net) makes room like
+                // a starved decode instead of waiting for a return that will not come.
+                starved.extend(stalled);
+            }
+            if starved.is_empty() || !self.make_room(&starved, out) {
+                break;
             }
         }
-        publish_blocks(&alloc, status);
-        if in_flight.is_empty() {
-            continue;
-        }
+        self.publish_blocks();
+    }
 
-        let reply = match exec.next_result().await {
-            Ok(r) => r,
-            Err(failure) => {
-                fail_all(&mut active, &failure.reason);
-                return StepLoopEnd::StageFailed(failure);
+    /// Blocks ran out for `starved` sequences: preempt a victim, or end a lone sequence that
+    /// fills the pool. Whether anything changed (so composing again may get further).
+    fn make_room(&mut self, starved: &[u64], out: &mut Outbox) -> bool {
+        let in_flight = !self.in_flight.is_empty();
+        // Nothing in flight and at most one sequence holding blocks: preempting cannot help.
+        let lone = !in_flight && self.active.iter().filter(|s| !s.blocks.is_empty()).count() <= 1;
+        match preemption_victim(&self.active, starved, in_flight, &self.alloc) {
+            Some(i) if !lone => {
+                let victim = &mut self.active[i];
+                tracing::info!(
+                    seq_id = victim.id,
+                    tokens = victim.tokens.len(),
+                    "KV blocks ran out: preempting the newest sequence"
+                );
+                victim.preempt(&mut self.alloc);
+                self.status.preemptions.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("baton_preemptions_total").increment(1);
+                self.publish_blocks();
+                true
             }
-        };
-        let Some(done_batch) = in_flight.pop_front().filter(|b| b.batch_id == reply.batch_id) else {
-            let reason = format!("stage 0 answered micro-batch {} out of order", reply.batch_id);
-            fail_all(&mut active, &reason);
-            return StepLoopEnd::StageFailed(StageFailure::new(reason));
+            _ if !in_flight => {
+                // A lone sequence has filled every block: it ends as if at its length limit.
+                let (full, kept): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut self.active)
+                    .into_iter()
+                    .partition(|s| starved.contains(&s.id));
+                self.active = kept;
+                for mut s in full {
+                    tracing::warn!(
+                        seq_id = s.id,
+                        tokens = s.tokens.len(),
+                        "sequence fills the whole KV pool; finishing it"
+                    );
+                    record_outcome(&s, FinishReason::Length.as_str());
+                    out.event(
+                        s.id,
+                        TokenEvent::Done {
+                            reason: FinishReason::Length,
+                        },
+                    );
+                    self.alloc.release(&mut s.blocks);
+                    out.free.push(s.id);
+                }
+                self.publish_blocks();
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The oldest micro-batch came back: append each sampled token to its sequence, emit it,
+    /// finish sequences that stop, and index the blocks the batch filled for later prompts.
+    /// A reply for any other micro-batch is an error (stages answer in order).
+    pub fn on_result(&mut self, reply: BatchResult, out: &mut Outbox) -> Result<(), String> {
+        let Some(done_batch) = self.in_flight.pop_front().filter(|b| b.batch_id == reply.batch_id) else {
+            return Err(format!("stage 0 answered micro-batch {} out of order", reply.batch_id));
         };
         let _entered = done_batch.span.enter();
         metrics::histogram!("baton_step_seconds").record(done_batch.sent.elapsed().as_secs_f64());
-        status.record_step(done_batch.sent.elapsed());
-        for s in active.iter_mut().filter(|s| done_batch.members.contains(&s.id)) {
+        self.status.record_step(done_batch.sent.elapsed());
+        metrics::gauge!("baton_micro_batches_in_flight").set(self.in_flight.len() as f64);
+        for s in self.active.iter_mut().filter(|s| done_batch.members.contains(&s.id)) {
             s.in_flight = false;
         }
         if !reply.error.is_empty() {
             // A bad batch (not a dead stage): fail its sequences, keep serving the others.
             tracing::warn!(error = %reply.error, "micro-batch failed");
-            let (mut failed, kept): (Vec<Seq>, Vec<Seq>) =
-                active.into_iter().partition(|s| done_batch.members.contains(&s.id));
-            active = kept;
+            let (mut failed, kept): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut self.active)
+                .into_iter()
+                .partition(|s| done_batch.members.contains(&s.id));
+            self.active = kept;
             for s in &mut failed {
-                alloc.release(&mut s.blocks);
+                self.alloc.release(&mut s.blocks);
                 record_outcome(s, "failed");
-                let _ = s.tx.try_send(TokenEvent::Failed {
-                    message: reply.error.clone(),
-                    retriable: false,
-                });
+                out.event(
+                    s.id,
+                    TokenEvent::Failed {
+                        message: reply.error.clone(),
+                        retriable: false,
+                    },
+                );
             }
-            exec.free(failed.iter().map(|s| s.id).collect());
-            continue;
+            out.free.extend(failed.iter().map(|s| s.id));
+            self.publish_blocks();
+            return Ok(());
         }
         let mut finished = Vec::new();
         for r in reply.results {
-            let Some(seq) = active.iter_mut().find(|s| s.id == r.seq_id) else {
+            let Some(seq) = self.active.iter_mut().find(|s| s.id == r.seq_id) else {
                 continue;
             };
             seq.tokens.push(r.token);
-            status.generated_tokens.fetch_add(1, Ordering::Relaxed);
+            self.status.generated_tokens.fetch_add(1, Ordering::Relaxed);
             let now = Instant::now();
             match seq.last_token {
                 None => {
@@ -540,41 +592,56 @@ pub(crate) async fn run<E: Executor>(
                 logprob: r.logprob,
                 top: r.top_ids.into_iter().zip(r.top_logprobs).collect(),
             });
-            let delivered = seq.tx.try_send(TokenEvent::Token { id: r.token, logprobs }).is_ok();
-            let done = seq.finish_reason(config, r.token);
-            if let Some(reason) = done {
+            out.event(seq.id, TokenEvent::Token { id: r.token, logprobs });
+            if let Some(reason) = seq.finish_reason(self.config, r.token) {
                 // Metrics first: a client that sees Done may read /metrics at once.
                 record_outcome(seq, reason.as_str());
-                let _ = seq.tx.try_send(TokenEvent::Done { reason });
-            } else if !delivered {
-                record_outcome(seq, "cancelled");
-            }
-            if !delivered || done.is_some() {
+                out.event(seq.id, TokenEvent::Done { reason });
                 finished.push(seq.id);
             }
         }
         // The batch's K/V is on every stage now: offer its members' full blocks to the prefix
         // index (before finished sequences release them, so they stay reusable).
-        for s in active.iter_mut().filter(|s| done_batch.members.contains(&s.id)) {
+        for s in self.active.iter_mut().filter(|s| done_batch.members.contains(&s.id)) {
             let computed = s.computed();
-            alloc.index(&s.blocks, &s.tokens, computed, &mut s.indexed);
+            self.alloc.index(&s.blocks, &s.tokens, computed, &mut s.indexed);
         }
-        for s in active.iter_mut().filter(|s| finished.contains(&s.id)) {
-            alloc.release(&mut s.blocks);
+        for s in self.active.iter_mut().filter(|s| finished.contains(&s.id)) {
+            self.alloc.release(&mut s.blocks);
         }
-        active.retain(|s| !finished.contains(&s.id));
-        exec.free(finished);
-        publish_blocks(&alloc, status);
+        self.active.retain(|s| !finished.contains(&s.id));
+        out.free.extend(finished);
+        self.publish_blocks();
+        Ok(())
     }
-}
 
-/// Publish block usage (status for `/admin/cluster`, gauges for `/metrics`).
-fn publish_blocks(alloc: &BlockAllocator, status: &PipelineStatus) {
-    let used = alloc.total() - alloc.free();
-    status.kv_blocks_used.store(used as u64, Ordering::Relaxed);
-    status.kv_blocks_cached.store(alloc.cached() as u64, Ordering::Relaxed);
-    metrics::gauge!("baton_kv_blocks_used").set(used as f64);
-    metrics::gauge!("baton_kv_blocks_cached").set(alloc.cached() as f64);
+    /// The pipeline broke: every admitted or waiting sequence fails with a retriable error.
+    pub fn fail_all(&mut self, reason: &str, out: &mut Outbox) {
+        let waiting = self.next_up.take().map(new_seq);
+        for s in self.active.drain(..).chain(waiting) {
+            record_outcome(&s, "failed");
+            out.event(
+                s.id,
+                TokenEvent::Failed {
+                    message: reason.to_string(),
+                    retriable: true,
+                },
+            );
+        }
+        self.in_flight.clear();
+    }
+
+    /// Publish block usage (status for `/admin/cluster`, gauges for `/metrics`).
+    fn publish_blocks(&self) {
+        let alloc = &self.alloc;
+        let used = alloc.total() - alloc.free();
+        self.status.kv_blocks_used.store(used as u64, Ordering::Relaxed);
+        self.status
+            .kv_blocks_cached
+            .store(alloc.cached() as u64, Ordering::Relaxed);
+        metrics::gauge!("baton_kv_blocks_used").set(used as f64);
+        metrics::gauge!("baton_kv_blocks_cached").set(alloc.cached() as f64);
+    }
 }
 
 /// A micro-batch on its way through the pipeline.
@@ -607,7 +674,7 @@ fn step_span(batch_id: u64, seqs: &[&mut Seq], members: &[u64], batch_tokens: us
     span
 }
 
-fn new_seq(s: NewSequence) -> Seq {
+fn new_seq(s: SeqRequest) -> Seq {
     drop(s.queue_span);
     Seq {
         span: s.span,
@@ -625,7 +692,6 @@ fn new_seq(s: NewSequence) -> Seq {
         cached_reported: false,
         tokens: s.req.prompt.clone(),
         req: s.req,
-        tx: s.tx,
     }
 }
 
@@ -634,7 +700,6 @@ mod tests {
     use super::*;
 
     fn seq(id: u64, prompt: usize, generated: usize) -> Seq {
-        let (tx, _rx) = mpsc::channel(1);
         let tokens: Vec<u32> = (0..(prompt + generated) as u32).collect();
         let req = GenerationRequest {
             prompt: tokens[..prompt].to_vec(),
@@ -658,7 +723,6 @@ mod tests {
             in_flight: false,
             last_batch: 0,
             req,
-            tx,
             span: tracing::Span::none(),
         }
     }
@@ -689,6 +753,150 @@ mod tests {
             in_flight.push_back(picked);
         }
         sizes
+    }
+
+    fn pipeline_config(max_running: usize, eos: Vec<u32>) -> PipelineConfig {
+        PipelineConfig {
+            model: String::new(),
+            num_layers: 2,
+            vocab_size: 100,
+            max_context: 64,
+            eos_ids: eos,
+            stages: 2,
+            cuts: None,
+            split: crate::planner::SplitPolicy::Even,
+            cluster_token: String::new(),
+            activation_dtype: baton_shared::proto::Dtype::F32,
+            weights: "f32".into(),
+            max_queue: 8,
+            max_running,
+            max_batch_tokens: 64,
+            kv_dim: 1,
+            kv_block_size: 16,
+            kv_max_blocks: None,
+            kv_dtype: baton_worker::kv_cache::KvDtype::F32,
+            prefix_caching: true,
+        }
+    }
+
+    fn request(id: u64, prompt: Vec<u32>, max_tokens: usize) -> SeqRequest {
+        SeqRequest {
+            id,
+            submitted: Instant::now(),
+            req: GenerationRequest {
+                prompt,
+                params: baton_shared::sampling::SamplingParams::greedy(max_tokens),
+                top_logprobs: 0,
+                logprobs: false,
+            },
+            span: tracing::Span::none(),
+            queue_span: tracing::Span::none(),
+        }
+    }
+
+    /// What a last stage would answer: `token(seq, position)` for every chunk that samples.
+    fn answer(batch: &MicroBatch, token: impl Fn(u64, u32) -> u32) -> BatchResult {
+        let results = batch
+            .seqs
+            .iter()
+            .filter(|c| c.sample)
+            .map(|c| baton_shared::proto::SequenceResult {
+                seq_id: c.seq_id,
+                token: token(c.seq_id, c.pos0 + c.tokens.len() as u32),
+                ..Default::default()
+            })
+            .collect();
+        BatchResult {
+            batch_id: batch.batch_id,
+            results,
+            error: String::new(),
+        }
+    }
+
+    #[test]
+    fn requests_run_to_completion_through_schedule_and_results_alone() {
+        // No executor, no channels: the scheduler's decisions and a stand-in last stage.
+        let config = pipeline_config(4, vec![99]);
+        let status = PipelineStatus::default();
+        let mut sched = Scheduler::new(&config, &status, 2, 32);
+        let mut out = Outbox::default();
+        let mut queue = vec![request(1, (1..=5).collect(), 3), request(2, (1..=20).collect(), 8)];
+        queue.reverse();
+        sched.admit(|| queue.pop(), &mut out);
+        assert_eq!(sched.running(), 2);
+        // Sequence 2 emits EOS (99) as its third token; sequence 1 runs to max_tokens.
+        let token = |seq: u64, pos: u32| if seq == 2 && pos == 22 { 99 } else { pos };
+        let mut sent = VecDeque::new();
+        let mut events: Vec<(u64, TokenEvent)> = Vec::new();
+        let mut freed = Vec::new();
+        for _ in 0..20 {
+            sched.schedule(&mut out);
+            sent.extend(out.batches.drain(..));
+            assert!(sched.in_flight() <= 2, "one micro-batch per stage at most");
+            let Some(batch) = sent.pop_front() else { break };
+            sched.on_result(answer(&batch, token), &mut out).unwrap();
+            events.append(&mut out.events);
+            freed.append(&mut out.free);
+        }
+        assert!(sched.is_idle() && sent.is_empty(), "every request finished");
+        let of = |id: u64| -> Vec<&TokenEvent> { events.iter().filter(|(i, _)| *i == id).map(|(_, e)| e).collect() };
+        let tokens = |id| -> Vec<u32> {
+            of(id)
+                .iter()
+                .filter_map(|e| match e {
+                    TokenEvent::Token { id, .. } => Some(*id),
+                    _ => None,
+                })
+                .collect()
+        };
+        assert_eq!(tokens(1), [5, 6, 7]);
+        assert_eq!(
+            of(1).last(),
+            Some(&&TokenEvent::Done {
+                reason: FinishReason::Length
+            })
+        );
+        assert_eq!(tokens(2), [20, 21, 99]);
+        assert_eq!(
+            of(2).last(),
+            Some(&&TokenEvent::Done {
+                reason: FinishReason::Stop
+            })
+        );
+        freed.sort();
+        assert_eq!(freed, [1, 2], "both finished sequences are freed on every stage");
+        assert_eq!(status.generated_tokens.load(Ordering::Relaxed), 6);
+        // A reply out of order is an error, not a guess.
+        let mut queue = vec![request(3, vec![1, 2], 2)];
+        sched.admit(|| queue.pop(), &mut out);
+        sched.schedule(&mut out);
+        let batch = out.batches.pop().unwrap();
+        let wrong = BatchResult {
+            batch_id: batch.batch_id + 1,
+            ..answer(&batch, token)
+        };
+        assert!(sched.on_result(wrong, &mut out).unwrap_err().contains("out of order"));
+    }
+
+    #[test]
+    fn an_aborted_request_is_freed_once_its_micro_batch_is_back() {
+        let config = pipeline_config(4, vec![]);
+        let status = PipelineStatus::default();
+        let mut sched = Scheduler::new(&config, &status, 1, 32);
+        let mut out = Outbox::default();
+        let mut queue = vec![request(7, (1..=4).collect(), 10)];
+        sched.admit(|| queue.pop(), &mut out);
+        sched.schedule(&mut out);
+        let batch = out.batches.pop().unwrap();
+        sched.abort(&[7], &mut out);
+        assert!(out.free.is_empty(), "its micro-batch is still in flight");
+        assert_eq!(sched.running(), 1);
+        sched.on_result(answer(&batch, |_, p| p), &mut out).unwrap();
+        out.events.clear();
+        sched.abort(&[7], &mut out);
+        assert_eq!(out.free, [7]);
+        assert!(sched.is_idle());
+        assert_eq!(status.kv_blocks_used.load(Ordering::Relaxed), 0);
     }
 
     #[test]
@@ -747,7 +955,7 @@ mod tests {
     fn compose_all(active: &mut [Seq], budget: usize) -> (Vec<SequenceChunk>, usize) {
         let mut alloc = BlockAllocator::new(1 << 20, 16, true);
         let mut all: Vec<&mut Seq> = active.iter_mut().collect();
-        let c = compose_step(&mut all, budget, &mut alloc);
+        let c = compose_step(&mut all, budget, &mut alloc, &mut Outbox::default());
         assert!(c.starved.is_empty());
         (c.chunks, c.decode)
     }
@@ -760,7 +968,7 @@ mod tests {
         let mut active = vec![seq(1, 20, 11), seq(2, 100, 0)];
         assert!(alloc.cover(&mut active[0].blocks, 30));
         let mut all: Vec<&mut Seq> = active.iter_mut().collect();
-        let c = compose_step(&mut all, 512, &mut alloc);
+        let c = compose_step(&mut all, 512, &mut alloc, &mut Outbox::default());
         assert_eq!(c.decode, 1);
         assert_eq!(c.chunks[0].blocks.len(), 2, "position 30 fits the second block");
         assert_eq!(c.chunks[1].tokens.len(), 32, "the prompt chunk shrank to two blocks");
@@ -771,7 +979,7 @@ mod tests {
         active[0].tokens.push(7);
         active[0].tokens.push(8);
         let mut all: Vec<&mut Seq> = active.iter_mut().collect();
-        let c = compose_step(&mut all, 512, &mut alloc);
+        let c = compose_step(&mut all, 512, &mut alloc, &mut Outbox::default());
         assert_eq!(c.starved, [1]);
         assert!(c.chunks.is_empty(), "the prompt waits too: no block");
         // The newest sequence is the victim; after preemption it prefills all its tokens again.
@@ -794,7 +1002,7 @@ mod tests {
             s.prefilled = 16;
         }
         let mut all: Vec<&mut Seq> = active.iter_mut().collect();
-        let c = compose_step(&mut all, 512, &mut alloc);
+        let c = compose_step(&mut all, 512, &mut alloc, &mut Outbox::default());
         assert!(c.chunks.is_empty());
         assert_eq!(c.stalled, Some(1), "the oldest prompt has budget and no block");
         let victim = preemption_victim(&active, &[1], false, &alloc).unwrap();
@@ -831,7 +1039,7 @@ mod tests {
         new.tokens[..36].copy_from_slice(&old.tokens[..36]);
         new.req.prompt = new.tokens.clone();
         let mut all = vec![&mut new];
-        let c = compose_step(&mut all, 512, &mut alloc);
+        let c = compose_step(&mut all, 512, &mut alloc, &mut Outbox::default());
         assert_eq!((c.prefix_queried, c.prefix_reused), (50, 32));
         let chunk = &c.chunks[0];
         assert_eq!((chunk.pos0, chunk.cached, chunk.tokens.len()), (32, 32, 18));
@@ -844,7 +1052,7 @@ mod tests {
         alloc.index(&new.blocks, &tokens, 50, &mut new.indexed);
         new.preempt(&mut alloc);
         let mut all = vec![&mut new];
-        let c = compose_step(&mut all, 512, &mut alloc);
+        let c = compose_step(&mut all, 512, &mut alloc, &mut Outbox::default());
         assert_eq!((c.chunks[0].pos0, c.chunks[0].cached), (48, 48));
         assert_eq!(c.chunks[0].tokens, [tokens[48], tokens[49], 7]);
     }
@@ -862,7 +1070,7 @@ mod tests {
         let mut new = seq(3, 40, 0);
         new.tokens[..32].copy_from_slice(&old.tokens);
         let mut all = vec![&mut busy, &mut new];
-        let c = compose_step(&mut all, 512, &mut alloc);
+        let c = compose_step(&mut all, 512, &mut alloc, &mut Outbox::default());
         let chunk = c.chunks.iter().find(|c| c.seq_id == 3).unwrap();
         assert_eq!((chunk.pos0, chunk.cached, chunk.tokens.len()), (0, 0, 32));
         assert_eq!((c.prefix_queried, c.prefix_reused), (40, 0));
