@@ -38,8 +38,8 @@ pub fn baton_bin() -> PathBuf {
     bin
 }
 
-/// The `baton-bench` binary next to `baton` (built by `cargo test --workspace`, or
-/// `cargo build -p baton-bench`), or `$BATON_BENCH_BIN`.
+/// The `baton-bench` binary next to `baton` (built by `cargo test --workspace` for the bench
+/// package's own integration test, or by `cargo build -p baton-bench`), or `$BATON_BENCH_BIN`.
 pub fn baton_bench_bin() -> PathBuf {
     if let Some(p) = std::env::var_os("BATON_BENCH_BIN") {
         return p.into();
