@@ -1,6 +1,6 @@
-//! The distributed pipeline with real worker processes (`baton worker`) on loopback: greedy output through
-//! 1, 2 and 3 stages equals the single-process engine's, token for token; concurrency,
-//! cancellation, authentication and a dying worker.
+//! The distributed pipeline with real worker processes (`baton worker`) on loopback: greedy
+//! output through 1, 2 and 3 stages equals the single-process engine's, token for token;
+//! concurrency, cancellation, authentication and a dying worker.
 
 use std::time::Duration;
 
