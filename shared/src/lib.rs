@@ -13,6 +13,7 @@ pub mod model_source;
 pub mod safetensors_dir;
 pub mod sampling;
 pub mod settings;
+pub mod skip_report;
 pub mod stop;
 pub mod telemetry;
 pub mod tokenizer;

@@ -1,7 +1,7 @@
-//! An in-process coordinator (registry + pipeline generator) with real `baton-worker`
-//! processes on loopback, for pipeline tests.
+//! An in-process coordinator (registry + pipeline generator) with real worker processes
+//! (`baton worker`) on loopback, for pipeline tests.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,9 +16,13 @@ use baton_shared::sampling::SamplingParams;
 use baton_worker::kv_cache::KvDtype;
 use tokio::process::{Child, Command};
 
-/// The `baton-worker` binary next to `baton`.
-pub fn worker_bin() -> PathBuf {
-    crate::baton_bin().with_file_name(format!("baton-worker{}", std::env::consts::EXE_SUFFIX))
+/// `baton worker`, ready for more arguments. The `baton` binary, not `baton-worker` (the same
+/// worker, for slim images): `cargo test --workspace` builds `baton` for the coordinator's
+/// integration tests, but nothing in it builds `baton-worker`.
+pub fn worker_command() -> Command {
+    let mut cmd = Command::new(crate::baton_bin());
+    cmd.arg("worker");
+    cmd
 }
 
 /// Admission limits of the pipeline under test.
@@ -27,8 +31,9 @@ pub struct Limits {
     pub max_running: usize,
     pub max_queue: usize,
     pub max_batch_tokens: usize,
-    /// Workers heartbeat this often and are dead after three missed beats (short, so tests
-    /// that kill workers are fast; longer where workers share a loaded machine's cores).
+    /// Workers heartbeat this often and are dead after three missed beats. Long enough that a
+    /// worker starved of CPU on a loaded 2-core machine is not declared dead: tests that kill
+    /// workers wait for the death to be noticed (up to [`crate::PATIENCE`]), not for a time.
     pub heartbeat: Duration,
     /// Cap on the pipeline's KV blocks (of 16 positions); None: the workers' budgets.
     pub kv_max_blocks: Option<usize>,
@@ -46,7 +51,7 @@ impl Default for Limits {
             max_running: 8,
             max_queue: 64,
             max_batch_tokens: 512,
-            heartbeat: Duration::from_millis(200),
+            heartbeat: Duration::from_secs(2),
             kv_max_blocks: None,
             kv_dtype: KvDtype::F32,
             measured_split: false,
@@ -64,14 +69,14 @@ pub struct TestCluster {
     pub workers: Vec<Child>,
 }
 
-/// Start a `baton-worker` process that registers at `registry_url`.
+/// Start a worker process that registers at `registry_url`.
 pub fn spawn_worker(registry_url: &str, token: &str) -> Child {
     spawn_worker_with(registry_url, token, &[])
 }
 
-/// Start a `baton-worker` process with extra flags.
+/// Start a worker process with extra flags.
 pub fn spawn_worker_with(registry_url: &str, token: &str, extra: &[String]) -> Child {
-    Command::new(worker_bin())
+    worker_command()
         .args(["--listen", "127.0.0.1:0", "--coordinator", registry_url])
         .args(extra)
         .env("BATON_CLUSTER_TOKEN", token)
@@ -79,7 +84,7 @@ pub fn spawn_worker_with(registry_url: &str, token: &str, extra: &[String]) -> C
         .stdout(Stdio::null())
         .kill_on_drop(true)
         .spawn()
-        .expect("starting baton-worker")
+        .expect("starting baton worker")
 }
 
 impl TestCluster {
@@ -169,7 +174,7 @@ impl TestCluster {
             token,
             workers,
         };
-        tc.wait_ready(Duration::from_secs(120)).await;
+        tc.wait_ready(2 * crate::PATIENCE).await;
         tc
     }
 

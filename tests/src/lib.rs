@@ -38,8 +38,8 @@ pub fn baton_bin() -> PathBuf {
     bin
 }
 
-/// The `baton-bench` binary next to `baton` (built by `cargo test --workspace`, or
-/// `cargo build -p baton-bench`), or `$BATON_BENCH_BIN`.
+/// The `baton-bench` binary next to `baton` (built by `cargo test --workspace` for the bench
+/// package's own integration test, or by `cargo build -p baton-bench`), or `$BATON_BENCH_BIN`.
 pub fn baton_bench_bin() -> PathBuf {
     if let Some(p) = std::env::var_os("BATON_BENCH_BIN") {
         return p.into();
@@ -86,4 +86,41 @@ pub fn ids(v: &serde_json::Value) -> Vec<u32> {
         .iter()
         .map(|x| x.as_u64().expect("id") as u32)
         .collect()
+}
+
+/// How long a test waits for something that should happen promptly (a worker registering, a
+/// stage noticing a death, KV blocks coming back): generous, so a loaded 2-core machine does
+/// not fail a test by being slow. Tests poll for the condition rather than sleep for a time.
+pub const PATIENCE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Poll `check` until it returns Ok, at most [`PATIENCE`]; panics with `what` and the last
+/// Err (the state it saw) if it never does. Returns how long it took.
+pub fn wait_until(what: &str, mut check: impl FnMut() -> Result<(), String>) -> std::time::Duration {
+    let start = std::time::Instant::now();
+    loop {
+        match check() {
+            Ok(()) => return start.elapsed(),
+            Err(state) if start.elapsed() > PATIENCE => {
+                panic!("{what}: not so after {PATIENCE:?} ({state})")
+            }
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(50)),
+        }
+    }
+}
+
+/// [`wait_until`] for async checks, sleeping on the tokio timer between polls.
+pub async fn wait_until_async<F: std::future::Future<Output = Result<(), String>>>(
+    what: &str,
+    mut check: impl FnMut() -> F,
+) -> std::time::Duration {
+    let start = std::time::Instant::now();
+    loop {
+        match check().await {
+            Ok(()) => return start.elapsed(),
+            Err(state) if start.elapsed() > PATIENCE => {
+                panic!("{what}: not so after {PATIENCE:?} ({state})")
+            }
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+        }
+    }
 }

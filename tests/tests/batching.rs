@@ -345,8 +345,7 @@ async fn sixteen_concurrent_requests_match_their_solo_outputs_with_some_cancelle
     );
 
     // Finished and cancelled sequences alike leave no KV behind on either stage.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
+    baton_tests::wait_until_async("no KV left behind on the coordinator or the workers", || async {
         let held = tc
             .generator
             .status
@@ -354,14 +353,14 @@ async fn sixteen_concurrent_requests_match_their_solo_outputs_with_some_cancelle
             .load(std::sync::atomic::Ordering::Relaxed);
         let on_workers: u32 = tc.stage_sequences().await.iter().sum();
         if held == 0 && on_workers == 0 {
-            break;
+            Ok(())
+        } else {
+            Err(format!(
+                "KV still held: {held} on the coordinator, {on_workers} on workers"
+            ))
         }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "KV still held: {held} on the coordinator, {on_workers} on workers"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -401,11 +400,13 @@ async fn a_tiny_kv_pool_preempts_and_recomputes_without_changing_any_output() {
     );
     assert_eq!(status.kv_blocks_total.load(std::sync::atomic::Ordering::Relaxed), 7);
     // Blocks return right after the last tokens are handed out.
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while status.kv_blocks_used.load(std::sync::atomic::Ordering::Relaxed) != 0 {
-        assert!(std::time::Instant::now() < deadline, "blocks were not all returned");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    baton_tests::wait_until_async("every KV block is returned", || async {
+        match status.kv_blocks_used.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => Ok(()),
+            used => Err(format!("{used} blocks in use")),
+        }
+    })
+    .await;
 
     // A prompt longer than the whole pool is refused with a clear error, and serving goes on.
     let e = tc

@@ -397,7 +397,12 @@ fn bench_prints_one_json_object_per_configuration_with_the_roofline() {
             }
         }
         // Q4_1 as stored reads fewer bytes than Q8_0.
-        assert!(lines[1]["matrix_bytes"].as_u64() < lines[0]["matrix_bytes"].as_u64());
+        let matrix_bytes = |v: &serde_json::Value| {
+            v["matrix_bytes"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("matrix_bytes as a whole number: {v}"))
+        };
+        assert!(matrix_bytes(&lines[1]) < matrix_bytes(&lines[0]), "{lines:?}");
     }
     let err = stderr_of_failure(&["bench", "decode", "--model", model, "--threads", "0"]);
     assert!(err.contains("--threads"), "{err}");

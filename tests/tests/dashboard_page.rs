@@ -3,8 +3,10 @@
 //! tokens are generated, `--workers 0` shows one local stage, and a failed refresh shows a banner.
 //!
 //! Without Chromium these tests fail, saying how to install it; `BATON_SKIP_BROWSER_TESTS=1`
-//! skips the browser part instead (and says so). `BATON_DASHBOARD_SCREENSHOT=PATH` keeps the
-//! screenshot of the live 2-stage cluster (docs/dashboard.png is made that way).
+//! skips the browser part instead and records the skip in the skip report
+//! (`baton_shared::skip_report`: it fails without one, and CI fails on it), so a skip is never a
+//! pass. `BATON_DASHBOARD_SCREENSHOT=PATH` keeps the screenshot of the live 2-stage cluster
+//! (docs/dashboard.png is made that way).
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -24,11 +26,15 @@ const SKIP_VAR: &str = "BATON_SKIP_BROWSER_TESTS";
 /// Longest any single browser run may take before it is killed.
 const BROWSER_LIMIT: Duration = Duration::from_secs(90);
 
-/// Headless Chromium, or None when skipping was asked for. Never a silent pass: a missing
-/// browser without the skip variable fails the test.
-fn browser() -> Option<Browser> {
+/// Headless Chromium for `test`, or None when skipping was asked for (the skip is recorded in
+/// the skip report). Never a silent pass: a missing browser without the skip variable fails
+/// the test, and so does a skip with no report to count it in.
+fn browser(test: &str) -> Option<Browser> {
     if std::env::var(SKIP_VAR).is_ok_and(|v| v == "1") {
-        eprintln!("NOT RUN: the dashboard's browser checks are skipped ({SKIP_VAR}=1)");
+        baton_shared::skip_report::skip(
+            &format!("dashboard_page::{test}"),
+            &format!("the browser checks of the /dashboard page were skipped ({SKIP_VAR}=1)"),
+        );
         return None;
     }
     let names: Vec<PathBuf> = match std::env::var_os("BATON_CHROMIUM") {
@@ -352,9 +358,18 @@ fn dashboard_shows_a_live_two_stage_cluster() {
         );
     }
     complete(&addr, 8);
-    // Stage numbers come from polling the workers (every 500 ms).
-    std::thread::sleep(Duration::from_millis(1200));
-    let after = cluster_view(&addr);
+    // Stage numbers come from polling the workers (every 500 ms): wait until every stage's
+    // numbers include the request, then check them exactly.
+    let mut after = serde_json::Value::Null;
+    baton_tests::wait_until("every stage's polled numbers include the request", || {
+        after = cluster_view(&addr);
+        let stages = after["stages"].as_array().cloned().unwrap_or_default();
+        let caught_up = stages.len() == 2
+            && stages
+                .iter()
+                .all(|s| s["live"]["forward_batches"].as_u64().is_some_and(|n| n >= 8));
+        if caught_up { Ok(()) } else { Err(after.to_string()) }
+    });
     assert_eq!(after["generated_tokens_total"], 8, "{after}");
     assert_eq!(after["prompt_tokens_total"], 4, "{after}");
     assert!(after["steps_completed"].as_u64().unwrap() >= 8, "{after}");
@@ -369,7 +384,9 @@ fn dashboard_shows_a_live_two_stage_cluster() {
         assert_eq!(live["kv_tokens"], 0, "finished sequences are freed: {s}");
     }
 
-    let Some(browser) = browser() else { return };
+    let Some(browser) = browser("dashboard_shows_a_live_two_stage_cluster") else {
+        return;
+    };
     let before = browser.dump_dom(&page, 4000);
     let view = cluster_view(&addr);
     assert_stages_drawn(&before, &view, "ready");
@@ -405,7 +422,14 @@ fn dashboard_shows_a_live_two_stage_cluster() {
             })
         })
         .collect();
-    std::thread::sleep(Duration::from_secs(2));
+    baton_tests::wait_until("the load is generating", || {
+        let total = cluster_view(&addr)["generated_tokens_total"].as_u64().unwrap_or(0);
+        if total > 13 {
+            Ok(())
+        } else {
+            Err(format!("{total} tokens generated in all"))
+        }
+    });
     let proxy = pacing_proxy(addr.clone(), Duration::from_millis(900));
     let shot_dir = tempfile::tempdir().unwrap();
     let shot = shot_dir.path().join("dashboard.png");
@@ -442,7 +466,9 @@ fn dashboard_shows_the_in_process_engine_as_one_stage() {
     let view = cluster_view(&addr);
     assert_eq!(view["mode"], "in-process");
     assert_eq!(view["generated_tokens_total"], 3, "{view}");
-    let Some(browser) = browser() else { return };
+    let Some(browser) = browser("dashboard_shows_the_in_process_engine_as_one_stage") else {
+        return;
+    };
     let dom = browser.dump_dom(&format!("http://{addr}/dashboard"), 3000);
     assert_stages_drawn(&dom, &view, "ready");
     assert_eq!(dom.value_of("generated-total"), 3);
@@ -483,7 +509,9 @@ fn broken_server() -> String {
 
 #[test]
 fn a_failed_refresh_shows_an_error_banner() {
-    let Some(browser) = browser() else { return };
+    let Some(browser) = browser("a_failed_refresh_shows_an_error_banner") else {
+        return;
+    };
     let addr = broken_server();
     let dom = browser.dump_dom(&format!("http://{addr}/dashboard"), 2500);
     let (attrs, text) = dom.by_id("error");

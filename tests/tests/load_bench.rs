@@ -163,7 +163,9 @@ fn closed_port_fails_fast_with_a_clear_error() {
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let url = format!("http://127.0.0.1:{port}");
 
-    let started = Instant::now();
+    // "Fast": the requests fail on the refused connection, not at the level's time limit,
+    // which is set far beyond the time `load` allows the whole run (a run that waited for it
+    // is killed and fails), and the errors must say the connection was refused.
     let (status, out, err) = load(
         &[
             "--url",
@@ -175,13 +177,12 @@ fn closed_port_fails_fast_with_a_clear_error() {
             "--requests",
             "4",
             "--timeout-s",
-            "30",
+            "3600",
             "--format",
             "json",
         ],
-        Duration::from_secs(60),
+        Duration::from_secs(300),
     );
-    assert!(started.elapsed() < Duration::from_secs(20), "{:?}", started.elapsed());
     assert!(!status.success(), "failures give a non-zero exit\n{out}");
     assert!(err.contains("8 of 8 requests failed"), "{err}");
     let report: serde_json::Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
@@ -192,6 +193,7 @@ fn closed_port_fails_fast_with_a_clear_error() {
         assert_eq!(level["output_tok_per_s"], 0.0, "{level}");
         let e = level["first_error"].as_str().unwrap().to_lowercase();
         assert!(e.contains("connection refused") || e.contains("connect"), "{e}");
+        assert!(!e.contains("timed out"), "{e}");
     }
 
     // Without --model the lookup itself fails, naming the URL and the way around it.
@@ -216,7 +218,8 @@ fn a_stalled_server_is_cut_off_at_the_level_timeout() {
             held.push(conn);
         }
     });
-    let started = Instant::now();
+    // Cut off, not hung: `load` kills a run that outlives its generous limit and fails; the
+    // report below shows the level timeout is what ended the streams.
     let (status, out, _) = load(
         &[
             "--url",
@@ -232,10 +235,8 @@ fn a_stalled_server_is_cut_off_at_the_level_timeout() {
             "--format",
             "json",
         ],
-        Duration::from_secs(60),
+        Duration::from_secs(300),
     );
-    let took = started.elapsed();
-    assert!(took < Duration::from_secs(15), "{took:?}");
     assert!(!status.success());
     let report: serde_json::Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
     let level = &report["levels"][0];

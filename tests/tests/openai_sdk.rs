@@ -50,11 +50,22 @@ fn run_sdk_script(serve_args: &[&str], script_args: &[&str]) {
         .output()
         .expect("running the Python SDK test");
     let stdout = String::from_utf8_lossy(&out.stdout);
+    // Every test function of the script ran and passed: "N passed, 0 failed" with N the number
+    // of `def test_` in it ("0 passed, 0 failed" would be a run that checked nothing).
+    let want = format!("{} passed, 0 failed", script_tests());
     assert!(
-        out.status.success() && stdout.contains(" passed, 0 failed"),
-        "Python SDK test failed ({}):\n{stdout}\n{}\nserver stderr:\n{}",
+        out.status.success() && stdout.lines().last() == Some(want.as_str()),
+        "Python SDK test failed ({}), expected a last line {want:?}:\n{stdout}\n{}\nserver stderr:\n{}",
         out.status,
         String::from_utf8_lossy(&out.stderr),
         server.stderr_text()
     );
+}
+
+/// Test functions in the script (its runner calls every module-level `test_*` function).
+fn script_tests() -> usize {
+    let text = std::fs::read_to_string(script()).unwrap();
+    let n = text.lines().filter(|l| l.starts_with("def test_")).count();
+    assert!(n > 0, "no test functions in {}", script().display());
+    n
 }

@@ -28,6 +28,33 @@ fn opts(format: WeightFormat) -> BackendOptions {
     }
 }
 
+/// What a stage's parts take in memory, from the model's shapes alone (not from the loader's
+/// own count, which the profile and the stages share): (one layer, the embedding, the final
+/// norm with the head). Matrices are f32, or Q8_0 in panels of 16 rows (zero-padded), each row
+/// a byte per weight and an f32 scale per block of 32; vectors stay f32; an f32 head tied to
+/// the embedding is the embedding itself.
+fn bytes_from_shapes(cfg: &baton_shared::model_config::ModelConfig, format: WeightFormat) -> (usize, usize, usize) {
+    let matrix = |rows: usize, cols: usize| match format {
+        WeightFormat::F32 => 4 * rows * cols,
+        WeightFormat::Q8_0 => {
+            let padded = rows.div_ceil(16) * 16;
+            padded * cols + 4 * padded * (cols / 32)
+        }
+        other => panic!("no byte count for {other} here"),
+    };
+    let (h, ffn, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+    let (q, kv) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
+    let vectors = 2 * h + if cfg.qkv_bias { q + 2 * kv } else { 0 } + if cfg.qk_norm { 2 * cfg.head_dim } else { 0 };
+    let layer = matrix(q, h) + 2 * matrix(kv, h) + matrix(h, q) + 2 * matrix(ffn, h) + matrix(h, ffn) + 4 * vectors;
+    let embedding = 4 * vocab * h;
+    let head = 4 * h
+        + match (format, cfg.tie_word_embeddings) {
+            (WeightFormat::F32, true) => embedding,
+            _ => matrix(vocab, h),
+        };
+    (layer, embedding, head)
+}
+
 #[test]
 fn the_profile_times_every_part_and_its_bytes_match_real_stages() {
     let spec = ProfileSpec {
@@ -58,21 +85,20 @@ fn the_profile_times_every_part_and_its_bytes_match_real_stages() {
         }
         assert_eq!(p.threads, 1);
         assert!(!p.kernels.is_empty());
+        // The profile's part sizes are what the shapes say.
+        let (layer, embedding, head) = bytes_from_shapes(&cfg, format);
+        assert_eq!(
+            (p.bytes.layers, p.bytes.embedding, p.bytes.head),
+            (layer, embedding, head),
+            "{label}: profiled bytes (layer, embedding, head) vs the shapes'"
+        );
         // A first stage holds one layer's bytes per layer plus the embedding; a last stage the
         // layers plus the head (a tied f32 head borrows the embedding and counts it).
         let l = cfg.num_layers;
         let first = backend::load(&files, &cfg, 0..1, &opts(format)).unwrap().info();
         let last = backend::load(&files, &cfg, 1..l, &opts(format)).unwrap().info();
-        assert_eq!(
-            first.weight_bytes,
-            p.bytes.layers + p.bytes.embedding,
-            "{label}: first stage"
-        );
-        assert_eq!(
-            last.weight_bytes,
-            (l - 1) * p.bytes.layers + p.bytes.head,
-            "{label}: last stage"
-        );
+        assert_eq!(first.weight_bytes, layer + embedding, "{label}: first stage");
+        assert_eq!(last.weight_bytes, (l - 1) * layer + head, "{label}: last stage");
     }
 }
 
@@ -240,7 +266,16 @@ async fn the_profile_rpc_answers_and_refuses_bad_requests() {
         .await
         .unwrap_err();
     assert!(e.message().contains("/nonexistent/model.gguf"), "{}", e.message());
-    // The worker still serves after the refusals.
-    let (got, _) = tc.generate(&[3, 4, 5], SamplingParams::greedy(3)).await.unwrap();
-    assert_eq!(got.len(), 3);
+    // The worker still serves after the refusals, and serves what one process computes.
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(3)
+    };
+    let (got, _) = tc.generate(&[3, 4, 5], params.clone()).await.unwrap();
+    let files = ModelFiles::open(&dir).unwrap();
+    let want = Engine::new(StageWeights::load_full(&files, &cfg, true).unwrap())
+        .generate(&[3, 4, 5], &params, None, |_| {})
+        .unwrap()
+        .tokens;
+    assert_eq!(got, want);
 }

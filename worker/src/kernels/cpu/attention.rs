@@ -274,11 +274,16 @@ pub fn attention_batch<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::cpu::dispatch::KernelPath;
+    use crate::kernels::cpu::paths_run::PathsRun;
     use crate::kernels::cpu::reference;
     use crate::kernels::cpu::testdata::noise;
 
     #[test]
     fn batched_attention_equals_the_reference_bit_for_bit_on_every_path_and_thread_count() {
+        let mut paths = PathsRun::new(
+            "kernels::cpu::attention::tests::batched_attention_equals_the_reference_bit_for_bit_on_every_path_and_thread_count",
+        );
         // f16 caches must give the reference's bits on their widened values.
         for f16 in [false, true] {
             for (heads, kv_heads, hd) in [(4, 2, 8), (9, 3, 64), (3, 3, 20), (2, 1, 128), (2, 2, 72)] {
@@ -289,12 +294,14 @@ mod tests {
                         head_dim: hd,
                     },
                     f16,
+                    &mut paths,
                 );
             }
         }
+        paths.check(&KernelPath::ALL);
     }
 
-    fn check_batched_attention(shape: AttnShape, f16: bool) {
+    fn check_batched_attention(shape: AttnShape, f16: bool, paths: &mut PathsRun) {
         let (qd, kvd) = (shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim);
         // Three sequences: a decode row at 37, a 5-row chunk from 0, 3 rows from 10.
         let spans = [(37, 1), (0, 5), (10, 3)];
@@ -346,6 +353,7 @@ mod tests {
         for threads in [1, 2, 3] {
             let pool = ThreadPool::new(threads);
             for kern in Kernels::all_supported() {
+                paths.record(kern.path());
                 let mut got = vec![0f32; total * qd];
                 let seq = |i: usize| seqs[i];
                 attention_batch(kern, &pool, &q, seqs.len(), &seq, 40, shape, &mut Vec::new(), &mut got);

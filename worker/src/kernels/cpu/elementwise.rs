@@ -63,6 +63,8 @@ dispatched!(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::cpu::dispatch::KernelPath;
+    use crate::kernels::cpu::paths_run::PathsRun;
     use crate::kernels::cpu::testdata::noise;
 
     /// Lengths around the vector widths, and values that reach the clamps.
@@ -77,7 +79,9 @@ mod tests {
 
     #[test]
     fn every_path_gives_the_reference_bits() {
+        let mut paths = PathsRun::new("kernels::cpu::elementwise::tests::every_path_gives_the_reference_bits");
         for k in Kernels::all_supported() {
+            paths.record(k.path());
             for x in inputs() {
                 let n = x.len();
                 let (mut a, mut b) = (x.clone(), x.clone());
@@ -107,6 +111,7 @@ mod tests {
                 assert_eq!(a, b, "rmsnorm_inplace {} n={n}", k.path());
             }
         }
+        paths.check(&KernelPath::ALL);
     }
 
     #[test]

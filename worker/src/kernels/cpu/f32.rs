@@ -171,12 +171,16 @@ pub unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::kernels::cpu::dispatch::KernelPath;
+    use crate::kernels::cpu::paths_run::PathsRun;
 
     pub(crate) use crate::kernels::cpu::testdata::noise;
 
     #[test]
     fn every_path_is_bit_identical_to_the_reference() {
+        let mut paths = PathsRun::new("kernels::cpu::f32::tests::every_path_is_bit_identical_to_the_reference");
         for k in Kernels::all_supported() {
+            paths.record(k.path());
             for n in [0, 1, 7, 15, 16, 17, 31, 64, 100, 576, 1536, 1000] {
                 for (seed, scale) in [(1, 1.0), (2, 1e4), (3, 1e-6)] {
                     let a = noise(n, seed, scale);
@@ -188,11 +192,14 @@ pub(crate) mod tests {
             }
             assert_eq!(dot(k, &[0.0; 33], &[5.0; 33]), 0.0);
         }
+        paths.check(&KernelPath::ALL);
     }
 
     #[test]
     fn dot8_is_eight_dots_bit_for_bit() {
+        let mut paths = PathsRun::new("kernels::cpu::f32::tests::dot8_is_eight_dots_bit_for_bit");
         for k in Kernels::all_supported() {
+            paths.record(k.path());
             for n in [0, 1, 15, 16, 17, 48, 64, 100, 128] {
                 for (seed, scale) in [(1, 1.0), (2, 1e4), (3, 1e-6)] {
                     let a = noise(n, seed, scale);
@@ -212,5 +219,6 @@ pub(crate) mod tests {
                     .all(|v| v.to_bits() == reference::dot(&[1.0; 16], &z).to_bits())
             );
         }
+        paths.check(&KernelPath::ALL);
     }
 }

@@ -225,11 +225,15 @@ pub unsafe fn dot_avx512(kind: HalfKind, x: &[f32], w: &[u16]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::cpu::dispatch::KernelPath;
+    use crate::kernels::cpu::paths_run::PathsRun;
     use crate::kernels::cpu::reference;
     use crate::kernels::cpu::testdata::noise;
 
     #[test]
     fn every_path_gives_the_reference_dot_of_the_widened_weights() {
+        let mut paths =
+            PathsRun::new("kernels::cpu::half::tests::every_path_gives_the_reference_dot_of_the_widened_weights");
         for kind in [HalfKind::Bf16, HalfKind::F16] {
             for n in [0, 1, 15, 16, 17, 64, 576, 1000] {
                 for (seed, scale) in [(1u64, 1.0f32), (2, 1e3), (3, 1e-3)] {
@@ -239,6 +243,7 @@ mod tests {
                     let wide: Vec<f32> = w.iter().map(|&b| kind.to_f32(b)).collect();
                     let want = reference::dot(&x, &wide);
                     for k in Kernels::all_supported() {
+                        paths.record(k.path());
                         assert_eq!(
                             dot(k, kind, &x, w).to_bits(),
                             want.to_bits(),
@@ -256,10 +261,12 @@ mod tests {
             1.0 + 1.0 / 1024.0
         );
         assert!(HalfKind::F16.to_f32(HalfKind::F16.from_f32(1e6)).is_infinite());
+        paths.check(&KernelPath::ALL);
     }
 
     #[test]
     fn widening_is_exact_on_every_path() {
+        let mut paths = PathsRun::new("kernels::cpu::half::tests::widening_is_exact_on_every_path");
         for kind in [HalfKind::Bf16, HalfKind::F16] {
             for n in [0, 1, 7, 8, 9, 64, 100] {
                 // Every bit pattern class: zeros, subnormals, infinities, NaNs, ordinary values.
@@ -269,6 +276,7 @@ mod tests {
                 let mut want = vec![0f32; n];
                 widen_scalar(kind, &src, &mut want);
                 for k in Kernels::all_supported() {
+                    paths.record(k.path());
                     let mut got = vec![1f32; n];
                     widen(k, kind, &src, &mut got);
                     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
@@ -276,5 +284,6 @@ mod tests {
                 }
             }
         }
+        paths.check(&KernelPath::ALL);
     }
 }

@@ -532,10 +532,15 @@ pub fn matmul_reference(x: &[f32], w: MatRef<'_>, bias: Option<&[f32]>, out: &mu
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::cpu::dispatch::KernelPath;
     use crate::kernels::cpu::f32::tests::noise;
+    use crate::kernels::cpu::paths_run::PathsRun;
 
     #[test]
     fn f32_matmul_is_bit_identical_to_the_reference_for_any_threads_and_path() {
+        let mut paths = PathsRun::new(
+            "kernels::cpu::matmul::tests::f32_matmul_is_bit_identical_to_the_reference_for_any_threads_and_path",
+        );
         let (rows, cols, t) = (100, 96, 3);
         let w = Matrix::from_f32(noise(rows * cols, 1, 1.0), cols, WeightFormat::F32);
         let x = noise(t * cols, 2, 2.0);
@@ -546,15 +551,18 @@ mod tests {
         for threads in [1, 2, 3] {
             let pool = ThreadPool::new(threads);
             for k in Kernels::all_supported() {
+                paths.record(k.path());
                 let mut got = vec![0f32; t * rows];
                 matmul(k, &pool, &x, w.view(), Some(&bias), &mut got, &mut xq);
                 assert_eq!(got, want, "{} threads, {}", threads, k.path());
             }
         }
+        paths.check(&KernelPath::ALL);
     }
 
     #[test]
     fn q8_matmul_is_thread_independent_and_close_to_fp32() {
+        let mut paths = PathsRun::new("kernels::cpu::matmul::tests::q8_matmul_is_thread_independent_and_close_to_fp32");
         let (rows, cols, t) = (70, 576, 2);
         let wf = noise(rows * cols, 4, 0.1);
         let w = Matrix::from_f32(wf.clone(), cols, WeightFormat::Q8_0);
@@ -573,6 +581,7 @@ mod tests {
         for threads in [1, 2, 3] {
             let pool = ThreadPool::new(threads);
             for k in Kernels::all_supported() {
+                paths.record(k.path());
                 let mut got = vec![0f32; t * rows];
                 matmul(k, &pool, &x, w.view(), None, &mut got, &mut xq);
                 if k == scalar {
@@ -591,6 +600,7 @@ mod tests {
         let w2 = Matrix::from_f32(noise(40 * cols, 6, 0.1), cols, WeightFormat::Q8_0);
         let pool = ThreadPool::new(2);
         for k in Kernels::all_supported() {
+            paths.record(k.path());
             let (mut a, mut b) = (vec![0f32; t * rows], vec![0f32; t * 40]);
             matmul_many(
                 k,
@@ -606,16 +616,21 @@ mod tests {
         }
         // Identical across thread counts on every path.
         for k in Kernels::all_supported() {
+            paths.record(k.path());
             let mut one = vec![0f32; t * rows];
             matmul(k, &ThreadPool::new(1), &x, w.view(), None, &mut one, &mut xq);
             let mut three = vec![0f32; t * rows];
             matmul(k, &ThreadPool::new(3), &x, w.view(), None, &mut three, &mut xq);
             assert_eq!(one, three, "{}", k.path());
         }
+        paths.check(&KernelPath::ALL);
     }
 
     #[test]
     fn q4_matmul_equals_the_dequantized_product_on_every_path_and_thread_count() {
+        let mut paths = PathsRun::new(
+            "kernels::cpu::matmul::tests::q4_matmul_equals_the_dequantized_product_on_every_path_and_thread_count",
+        );
         let (rows, cols, t) = (37, 576, 5);
         let x = noise(t * cols, 8, 1.0);
         let mut xq = QuantizedRows::default();
@@ -632,6 +647,7 @@ mod tests {
             matmul_reference(&xr, w.view(), Some(&bias), &mut want);
             let mut first: Option<Vec<f32>> = None;
             for k in Kernels::all_supported() {
+                paths.record(k.path());
                 for threads in [1, 3] {
                     let mut got = vec![0f32; t * rows];
                     matmul(
@@ -658,10 +674,14 @@ mod tests {
                 }
             }
         }
+        paths.check(&KernelPath::ALL);
     }
 
     #[test]
     fn half_matmul_equals_the_reference_on_the_widened_weights_bit_for_bit() {
+        let mut paths = PathsRun::new(
+            "kernels::cpu::matmul::tests::half_matmul_equals_the_reference_on_the_widened_weights_bit_for_bit",
+        );
         let (rows, cols, t) = (21, 96, 3);
         let x = noise(t * cols, 11, 1.0);
         let mut xq = QuantizedRows::default();
@@ -672,6 +692,7 @@ mod tests {
             let mut want = vec![0f32; t * rows];
             matmul_reference(&x, w.view(), None, &mut want);
             for k in Kernels::all_supported() {
+                paths.record(k.path());
                 for threads in [1, 3] {
                     let mut got = vec![0f32; t * rows];
                     matmul(k, &ThreadPool::new(threads), &x, w.view(), None, &mut got, &mut xq);
@@ -682,5 +703,6 @@ mod tests {
         // Past f16's range the matrix stays f32 rather than turning into infinities.
         let big = Matrix::from_f32(vec![1e5; 32], 32, WeightFormat::F16);
         assert!(matches!(big, Matrix::F32 { .. }));
+        paths.check(&KernelPath::ALL);
     }
 }

@@ -11,6 +11,8 @@ pub mod elementwise;
 pub mod f32;
 pub mod half;
 pub mod matmul;
+#[cfg(test)]
+pub(crate) mod paths_run;
 pub mod q4;
 pub mod q8;
 pub mod q8_gemm;

@@ -348,6 +348,8 @@ impl QuantizedRows {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::cpu::dispatch::KernelPath;
+    use crate::kernels::cpu::paths_run::PathsRun;
 
     fn noise(n: usize, seed: u64, scale: f32) -> Vec<f32> {
         crate::kernels::cpu::f32::tests::noise(n, seed, scale)
@@ -408,6 +410,7 @@ mod tests {
 
     #[test]
     fn every_row_kernel_matches_the_scalar_twin() {
+        let mut paths = PathsRun::new("kernels::cpu::q4::tests::every_row_kernel_matches_the_scalar_twin");
         for dtype in [DType::Q4_0, DType::Q4_1] {
             for cols in [32, 96, 576] {
                 let w = Q4Matrix::quantize(&noise(cols, 21, 3.0), 1, cols, dtype).unwrap();
@@ -422,6 +425,7 @@ mod tests {
                     .map(|j| (wf[j] * xq.quants[j] as f32 * xq.scales[j / QK]).abs())
                     .sum();
                 for k in Kernels::all_supported() {
+                    paths.record(k.path());
                     let got = dot(k, w.row(0), xq.row_with_sums(0));
                     assert!(
                         (got - want).abs() <= 1e-5 * mag,
@@ -431,13 +435,14 @@ mod tests {
                 }
             }
         }
+        paths.check(&KernelPath::ALL);
     }
 
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn vnni_tile_matches_the_scalar_twin_and_is_independent_of_the_tile_shape() {
-        if !crate::kernels::cpu::dispatch::KernelPath::Avx512Vnni.is_supported() {
-            eprintln!("no AVX-512 VNNI here: nothing to compare");
+        let test = "kernels::cpu::q4::tests::vnni_tile_matches_the_scalar_twin_and_is_independent_of_the_tile_shape";
+        if !crate::kernels::cpu::paths_run::require(test, KernelPath::Avx512Vnni) {
             return;
         }
         // SAFETY: checked above.
@@ -450,8 +455,8 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_tile_matches_the_scalar_twin_and_is_independent_of_the_tile_shape() {
-        if !crate::kernels::cpu::dispatch::KernelPath::Avx2.is_supported() {
-            eprintln!("no AVX2 here: nothing to compare");
+        let test = "kernels::cpu::q4::tests::avx2_tile_matches_the_scalar_twin_and_is_independent_of_the_tile_shape";
+        if !crate::kernels::cpu::paths_run::require(test, KernelPath::Avx2) {
             return;
         }
         // SAFETY: checked above.

@@ -395,6 +395,8 @@ pub fn round_half_away(x: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::cpu::dispatch::KernelPath;
+    use crate::kernels::cpu::paths_run::PathsRun;
 
     fn noise(n: usize, seed: u64, scale: f32) -> Vec<f32> {
         crate::kernels::cpu::f32::tests::noise(n, seed, scale)
@@ -463,9 +465,12 @@ mod tests {
         x[3 * QK..4 * QK].iter_mut().for_each(|v| *v *= 1e-30);
         let want = quantized_by(&x, quantize_blocks);
         let (q, d, s, c) = &want;
+        let mut paths = PathsRun::new("kernels::cpu::q8::tests::vector_quantization_equals_the_scalar_blocks");
+        paths.record(KernelPath::Scalar);
         #[cfg(target_arch = "x86_64")]
         {
             if KernelPath::Avx2.is_supported() {
+                paths.record(KernelPath::Avx2);
                 // SAFETY: checked just above.
                 assert_eq!(
                     quantized_by(&x, |x, o| unsafe { quantize_blocks_avx2(x, o) }),
@@ -474,6 +479,7 @@ mod tests {
                 );
             }
             if KernelPath::Avx512.is_supported() {
+                paths.record(KernelPath::Avx512);
                 // SAFETY: checked just above.
                 assert_eq!(
                     quantized_by(&x, |x, o| unsafe { quantize_blocks_avx512(x, o) }),
@@ -492,6 +498,7 @@ mod tests {
         assert_eq!((q[15], q[31]), (-1, 16));
         assert_eq!((d[1], c[1]), (0.0, 0));
         assert_eq!(q[2 * QK + 5], -127);
+        paths.check(&[KernelPath::Scalar, KernelPath::Avx2, KernelPath::Avx512]);
     }
 
     #[test]

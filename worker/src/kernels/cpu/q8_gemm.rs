@@ -250,6 +250,7 @@ fn store_256<const T: usize>(acc: [[__m256; 2]; T]) -> [[f32; PANEL]; T] {
 mod tests {
     use super::*;
     use crate::kernels::cpu::dispatch::KernelPath;
+    use crate::kernels::cpu::paths_run::PathsRun;
     use crate::kernels::cpu::q8::{Q8Matrix, QuantizedRows};
 
     fn noise(n: usize, seed: u64, scale: f32) -> Vec<f32> {
@@ -259,22 +260,22 @@ mod tests {
     /// Every kernel this CPU runs, by name, at a tile of 3 tokens and of 1.
     #[allow(clippy::type_complexity)]
     fn kernels() -> Vec<(
-        &'static str,
+        KernelPath,
         fn(Panel<'_>, [Q8Act<'_>; 3]) -> [[f32; PANEL]; 3],
         fn(Panel<'_>, [Q8Act<'_>; 1]) -> [[f32; PANEL]; 1],
     )> {
         #[allow(unused_mut)]
         let mut v: Vec<(
-            &'static str,
+            KernelPath,
             fn(Panel<'_>, [Q8Act<'_>; 3]) -> [[f32; PANEL]; 3],
             fn(Panel<'_>, [Q8Act<'_>; 1]) -> [[f32; PANEL]; 1],
-        )> = vec![("scalar", panel_scalar::<3>, panel_scalar::<1>)];
+        )> = vec![(KernelPath::Scalar, panel_scalar::<3>, panel_scalar::<1>)];
         #[cfg(target_arch = "x86_64")]
         {
             if KernelPath::Avx2.is_supported() {
                 // SAFETY: checked just above.
                 v.push((
-                    "avx2",
+                    KernelPath::Avx2,
                     |w, a| unsafe { panel_avx2(w, a) },
                     |w, a| unsafe { panel_avx2(w, a) },
                 ));
@@ -282,7 +283,7 @@ mod tests {
             if KernelPath::AvxVnni.is_supported() {
                 // SAFETY: checked just above.
                 v.push((
-                    "avx-vnni",
+                    KernelPath::AvxVnni,
                     |w, a| unsafe { panel_avxvnni(w, a) },
                     |w, a| unsafe { panel_avxvnni(w, a) },
                 ));
@@ -290,7 +291,7 @@ mod tests {
             if KernelPath::Avx512Vnni.is_supported() {
                 // SAFETY: checked just above.
                 v.push((
-                    "vnni512",
+                    KernelPath::Avx512Vnni,
                     |w, a| unsafe { panel_vnni512(w, a) },
                     |w, a| unsafe { panel_vnni512(w, a) },
                 ));
@@ -312,6 +313,9 @@ mod tests {
 
     #[test]
     fn every_path_equals_the_scalar_twin_bit_for_bit_and_the_exact_product_closely() {
+        let mut paths = PathsRun::new(
+            "kernels::cpu::q8_gemm::tests::every_path_equals_the_scalar_twin_bit_for_bit_and_the_exact_product_closely",
+        );
         for cols in [32, 64, 96, 576, 1536] {
             for (seed, scale) in [(1u64, 1.0f32), (2, 1e3), (3, 1e-5)] {
                 let m = Q8Matrix::quantize(&noise(20 * cols, seed, scale), 20, cols).unwrap();
@@ -325,6 +329,7 @@ mod tests {
                 for p in 0..m.panels() {
                     let want = panel_scalar(m.panel(p), acts);
                     for (name, three, one) in kernels() {
+                        paths.record(name);
                         assert_eq!(three(m.panel(p), acts), want, "{name} cols={cols} panel {p}");
                         for t in 0..3 {
                             assert_eq!(one(m.panel(p), [acts[t]])[0], want[t], "{name} alone, token {t}");
@@ -346,6 +351,12 @@ mod tests {
                 }
             }
         }
+        paths.check(&[
+            KernelPath::Scalar,
+            KernelPath::Avx2,
+            KernelPath::AvxVnni,
+            KernelPath::Avx512Vnni,
+        ]);
     }
 
     #[test]
@@ -366,11 +377,19 @@ mod tests {
         xq.quantize(&x, cols);
         let acts = [0, 1, 2].map(|t| xq.q8_act(t));
         let want = panel_scalar(m.panel(0), acts);
+        let mut paths = PathsRun::new("kernels::cpu::q8_gemm::tests::extreme_quants_do_not_overflow_on_any_path");
         for (name, three, _) in kernels() {
+            paths.record(name);
             assert_eq!(three(m.panel(0), acts), want, "{name}");
         }
         for (i, &v) in want[0].iter().enumerate() {
             assert_eq!(v as f64, exact(&m, i, &xq, 0), "row {i}");
         }
+        paths.check(&[
+            KernelPath::Scalar,
+            KernelPath::Avx2,
+            KernelPath::AvxVnni,
+            KernelPath::Avx512Vnni,
+        ]);
     }
 }
