@@ -1,5 +1,6 @@
-//! `baton serve` with worker processes, from the outside: a worker dying mid-stream ends the
-//! stream with a clear error (no hang, no silent truncation) and `/ready` reports 503.
+//! `baton serve` from the outside: with worker processes, a worker dying mid-stream ends the
+//! stream with a clear error (no hang, no silent truncation) and `/ready` reports 503; with
+//! `--workers 0`, the in-process stage batches like a pipeline and reports its stage.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
@@ -140,6 +141,80 @@ fn q8_0_weights_and_bf16_activations_between_stages() {
         "baton_pipeline_stages 2",
         "baton_prefill_tokens_total 5",
         "baton_decode_tokens_total 3",
+    ] {
+        assert!(metrics.contains(series), "missing {series}:\n{metrics}");
+    }
+}
+
+#[test]
+fn in_process_serving_batches_requests_like_a_pipeline_and_reports_its_stage() {
+    // `--workers 0`: the whole model as one stage in the server's own process, under the same
+    // scheduler as workers. Concurrent greedy requests share micro-batches, each gets the
+    // tokens it gets alone, and the stage's metrics are on the server's own /metrics.
+    let model = default_model();
+    let (_server, url) = Server::start(&model, &["--workers", "0", "--weights", "q8_0"]);
+    let addr = url.trim_start_matches("http://").trim_end_matches("/v1").to_string();
+    let prompts = [
+        "The capital of France is",
+        "Water boils at",
+        "The largest planet in the solar system is",
+        "One, two, three,",
+    ];
+    let body = |p: &str| format!(r#"{{"prompt": {p:?}, "max_tokens": 12, "temperature": 0, "ignore_eos": true}}"#);
+    let text = |body: &str| -> String {
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        v["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let alone: Vec<String> = prompts
+        .iter()
+        .map(|p| {
+            let (code, out) = http_request(&addr, "POST", "/v1/completions", &body(p));
+            assert_eq!(code, 200, "{out}");
+            text(&out)
+        })
+        .collect();
+    let (_, before) = http_request(&addr, "GET", "/admin/cluster", "");
+    let before: serde_json::Value = serde_json::from_str(&before).unwrap();
+    let together: Vec<String> = std::thread::scope(|scope| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let (addr, req) = (&addr, body(p));
+                scope.spawn(move || http_request(addr, "POST", "/v1/completions", &req))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                let (code, out) = h.join().unwrap();
+                assert_eq!(code, 200, "{out}");
+                text(&out)
+            })
+            .collect()
+    });
+    assert_eq!(together, alone, "batched greedy output equals each request alone");
+    assert!(alone[0].contains("Paris"), "{alone:?}");
+
+    let (_, view) = http_request(&addr, "GET", "/admin/cluster", "");
+    let view: serde_json::Value = serde_json::from_str(&view).unwrap();
+    assert_eq!(view["mode"], "in-process", "{view}");
+    assert_eq!(view["stages"].as_array().map(Vec::len), Some(1), "{view}");
+    assert_eq!(view["stages"][0]["worker_id"], "local");
+    assert!(view["kv_blocks_total"].as_u64().unwrap() > 0, "a paged KV pool: {view}");
+    let steps = |v: &serde_json::Value| v["steps_completed"].as_u64().unwrap();
+    let batched_steps = steps(&view) - steps(&before);
+    // Alone, four requests of 12 tokens take 4 × 12 micro-batches; together far fewer.
+    assert!(
+        batched_steps < 4 * 12,
+        "the concurrent requests took {batched_steps} micro-batches: not batched"
+    );
+    let (code, metrics) = http_request(&addr, "GET", "/metrics", "");
+    assert_eq!(code, 200);
+    for series in [
+        "baton_stage_forward_seconds_count{stage=\"0\"}",
+        "baton_kv_blocks_total",
+        "baton_pipeline_stages 1",
+        "baton_requests_finished_total{outcome=\"length\"} 8",
     ] {
         assert!(metrics.contains(series), "missing {series}:\n{metrics}");
     }

@@ -332,9 +332,6 @@ impl<'a> Scheduler<'a> {
     /// that does not fit waits here, the rest stay in the queue. A prompt longer than the whole
     /// pool fails at once.
     pub fn admit(&mut self, mut pull: impl FnMut() -> Option<SeqRequest>, out: &mut Outbox) {
-        self.status
-            .active_sequences
-            .store(self.active.len() as u64, Ordering::Relaxed);
         while self.active.len() < self.config.max_running {
             let Some(s) = self.next_up.take().or_else(&mut pull) else {
                 break;
@@ -373,7 +370,7 @@ impl<'a> Scheduler<'a> {
             }
             self.active.push(new_seq(s));
         }
-        metrics::gauge!("baton_running_sequences").set(self.active.len() as f64);
+        self.publish_blocks();
     }
 
     /// Stop sequences whose requests went away and free their KV. One with a micro-batch in
@@ -629,10 +626,16 @@ impl<'a> Scheduler<'a> {
             );
         }
         self.in_flight.clear();
+        self.publish_blocks();
     }
 
-    /// Publish block usage (status for `/admin/cluster`, gauges for `/metrics`).
+    /// Publish running sequences and block usage (status for `/admin/cluster`, gauges for
+    /// `/metrics`).
     fn publish_blocks(&self) {
+        self.status
+            .active_sequences
+            .store(self.active.len() as u64, Ordering::Relaxed);
+        metrics::gauge!("baton_running_sequences").set(self.active.len() as f64);
         let alloc = &self.alloc;
         let used = alloc.total() - alloc.free();
         self.status.kv_blocks_used.store(used as u64, Ordering::Relaxed);
