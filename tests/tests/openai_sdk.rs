@@ -20,7 +20,8 @@ fn openai_python_sdk_against_baton_serve_with_two_workers() {
 
 #[test]
 fn openai_python_sdk_against_baton_serve_in_process() {
-    run_sdk_script(&["--workers", "0"], &[]);
+    // The in-process stage has the same prefix cache as a pipeline.
+    run_sdk_script(&["--workers", "0"], &["--prefix-cache"]);
 }
 
 fn run_sdk_script(serve_args: &[&str], script_args: &[&str]) {

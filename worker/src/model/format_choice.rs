@@ -1,6 +1,12 @@
-//! The weight format a stage loads when the user names none (`auto`): the file's own block
-//! quantization where it has one, else Q8_0, so serving is fast by default and `f32` is the
-//! opt-in reference mode.
+//! The weight format a stage loads when the user names none (`auto`): Q8_0, kept as the file
+//! stores it when the file is Q8_0 and re-quantized from anything else, so serving is fast by
+//! default and `f32` is the opt-in reference mode.
+//!
+//! A 4-bit file is widened to Q8_0 rather than run as stored: on the CPU path the 4-bit
+//! products (8-bit activations against 4-bit weights) measurably change small models' answers
+//! (the default SmolLM2 Q4_1 file stops answering "Paris" to the capital of France, which it
+//! does in f32 and Q8_0), and the Q8_0 panels are Baton's fastest kernels. `native`, `q4_0`
+//! and `q4_1` keep 4 bits for whoever needs the memory.
 
 use baton_shared::dtype::DType;
 use baton_shared::model_files::{ModelFiles, TensorRole};
