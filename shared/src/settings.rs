@@ -18,6 +18,132 @@ pub enum LogFormat {
     Json,
 }
 
+/// A closed set of names a setting takes: parsed case-insensitively (with the aliases older
+/// versions accepted), printed and serialized as its canonical lowercase name, and, when it
+/// comes from baton.toml or the environment, an error that names the setting.
+macro_rules! setting_enum {
+    (
+        $(#[$meta:meta])*
+        $name:ident, key = $key:literal, error = $error:literal,
+        { $( $(#[$vmeta:meta])* $variant:ident = $canon:literal $(| $alias:literal)* ),+ $(,)? }
+    ) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum $name {
+            $( $(#[$vmeta])* $variant, )+
+        }
+
+        impl $name {
+            /// Every value, in the order `--help` lists them.
+            pub const ALL: &'static [Self] = &[$(Self::$variant),+];
+            /// Canonical names, in the order of [`Self::ALL`].
+            pub const NAMES: &'static [&'static str] = &[$($canon),+];
+            /// The setting this type is the value of.
+            pub const KEY: &'static str = $key;
+
+            /// The canonical (lowercase) name.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(Self::$variant => $canon,)+
+                }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = UnknownSetting;
+
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                match s.trim().to_ascii_lowercase().as_str() {
+                    $($canon $(| $alias)* => Ok(Self::$variant),)+
+                    _ => Err(UnknownSetting(format!($error, s))),
+                }
+            }
+        }
+
+        impl Serialize for $name {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_str(self.as_str())
+            }
+        }
+
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                let s = String::deserialize(d)?;
+                // Inside a flattened section serde loses the key, so the message carries it.
+                s.parse()
+                    .map_err(|e: UnknownSetting| serde::de::Error::custom(format!("{}: {}", $key, e.0)))
+            }
+        }
+    };
+}
+
+/// A value that is not one of a setting's names (the message lists the ones it takes).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct UnknownSetting(pub String);
+
+setting_enum! {
+    /// How pipeline stages store keys and values (`kv_dtype`).
+    KvDtypeSetting, key = "kv_dtype",
+    error = "unknown KV cache dtype '{}' (expected f32 or f16)",
+    {
+        /// Exact.
+        F32 = "f32" | "fp32" | "float32",
+        /// Half the bytes per position, so twice the tokens fit in a worker's KV budget.
+        F16 = "f16" | "fp16" | "float16" | "half",
+    }
+}
+
+setting_enum! {
+    /// How layers are split among workers when no explicit cuts are given (`split`).
+    SplitSetting, key = "split",
+    error = "unknown split '{}': expected measured or even",
+    {
+        /// From each worker's measured cost of its layers, embedding and head.
+        Measured = "measured" | "",
+        /// By layer count.
+        Even = "even",
+    }
+}
+
+setting_enum! {
+    /// Wire type of hidden states between pipeline stages (`activation_dtype`).
+    ActivationDtypeSetting, key = "activation_dtype",
+    error = "unknown activation dtype '{}' (expected f32, bf16 or f16)",
+    {
+        F32 = "f32",
+        Bf16 = "bf16",
+        F16 = "f16",
+    }
+}
+
+setting_enum! {
+    /// Weight format the stages hold (`weights`); `auto` is resolved per model file by the
+    /// worker (the file's own block quantization where it has one, else `q8_0`).
+    WeightsSetting, key = "weights",
+    error = "unknown weight format {:?} (expected auto, f32, bf16, f16, q8_0, q4_0, q4_1 or native)",
+    {
+        /// The file's own quantization where it has one, else Q8_0.
+        Auto = "auto",
+        /// The reference numerics.
+        F32 = "f32",
+        Bf16 = "bf16",
+        F16 = "f16",
+        /// ggml Q8_0, re-quantized at load.
+        Q8_0 = "q8_0" | "q8",
+        Q4_0 = "q4_0",
+        Q4_1 = "q4_1",
+        /// Each tensor as the file stores it.
+        Native = "native",
+    }
+}
+
 /// Settings every `baton` subcommand shares.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -50,6 +176,63 @@ pub struct Settings {
 /// Default request body limit of the HTTP API (4 MiB).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 4 << 20;
 
+/// Settings of the pipeline both `baton serve` and `baton coordinator` drive: the same keys in
+/// `[serve]` and `[coordinator]` (flattened into each), `BATON_SERVE__*` /
+/// `BATON_COORDINATOR__*` and the same flags.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PipelineSettings {
+    /// Name clients pass as `model` (default: `smollm2-135m` or the model's file name).
+    pub served_model_name: Option<String>,
+    /// Requests allowed to wait; more get HTTP 429.
+    pub max_queue: usize,
+    /// Sequences generated at once (each holds KV on every stage); more wait in the queue.
+    pub max_running: usize,
+    /// Tokens per pipeline step; longer prompts are prefilled in chunks.
+    pub max_batch_tokens: usize,
+    /// Positions per paged-KV block.
+    pub kv_block_size: usize,
+    /// At most this many KV blocks per pipeline (default: what every worker's kv_cache_mib fits).
+    pub kv_max_blocks: Option<usize>,
+    /// How workers store keys and values: `f32` (exact) or `f16` (half the memory per position,
+    /// so twice the tokens fit in kv_cache_mib; logits within about 0.1%).
+    pub kv_dtype: KvDtypeSetting,
+    /// How layers are split among workers: `measured` (each worker times its layers and the
+    /// head, and the planner balances the stages) or `even` (by layer count).
+    pub split: SplitSetting,
+    /// Reuse the K/V of cached full blocks a new prompt starts with (a shared system prompt,
+    /// an earlier turn of a chat), so only the rest is prefilled.
+    pub prefix_caching: bool,
+    /// Largest request body in bytes (HTTP 413 beyond).
+    pub max_body_bytes: usize,
+    /// Wire type of hidden states between stages: f32, bf16 or f16.
+    pub activation_dtype: ActivationDtypeSetting,
+    /// Weight format the stages hold: `auto` (the file's own quantization where it has one,
+    /// else `q8_0`), `f32` (the reference numerics), `q8_0` (about 4x faster decode on CPU,
+    /// logits within a few percent), `bf16` / `f16`, `q4_0` / `q4_1` (fewer bytes) or `native`
+    /// (each tensor as the file stores it).
+    pub weights: WeightsSetting,
+}
+
+impl Default for PipelineSettings {
+    fn default() -> Self {
+        Self {
+            served_model_name: None,
+            max_queue: 64,
+            max_running: 8,
+            max_batch_tokens: 128,
+            kv_block_size: 16,
+            kv_max_blocks: None,
+            kv_dtype: KvDtypeSetting::F32,
+            split: SplitSetting::Measured,
+            prefix_caching: true,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            activation_dtype: ActivationDtypeSetting::F32,
+            weights: WeightsSetting::Auto,
+        }
+    }
+}
+
 /// Settings of `baton serve` (`[serve]` in baton.toml, `BATON_SERVE__*`, flags).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -60,38 +243,11 @@ pub struct ServeSettings {
     pub port: u16,
     /// Worker processes the model is split across; 0 runs it in this process.
     pub workers: usize,
-    /// Name clients pass as `model` (default: `smollm2-135m` or the model's file name).
-    pub served_model_name: Option<String>,
-    /// Requests allowed to wait; more get HTTP 429.
-    pub max_queue: usize,
-    /// Sequences generated at once (each holds KV); more wait in the queue.
-    pub max_running: usize,
-    /// Tokens per pipeline step; longer prompts are prefilled in chunks.
-    pub max_batch_tokens: usize,
-    /// Positions per paged-KV block.
-    pub kv_block_size: usize,
-    /// At most this many KV blocks per pipeline (default: what every worker's kv_cache_mib fits).
-    pub kv_max_blocks: Option<usize>,
-    /// How workers store keys and values: `f32` (exact) or `f16` (half the memory per position,
-    /// so twice the tokens fit in kv_cache_mib; logits within about 0.1%).
-    pub kv_dtype: String,
-    /// How layers are split among workers: `measured` (each worker times one layer and the
-    /// head, and the planner balances the stages) or `even` (by layer count).
-    pub split: String,
-    /// Reuse the K/V of cached full blocks a new prompt starts with (a shared system prompt,
-    /// an earlier turn of a chat), so only the rest is prefilled.
-    pub prefix_caching: bool,
-    /// Largest request body in bytes (HTTP 413 beyond).
-    pub max_body_bytes: usize,
     /// Most tokens (prompt + completion) per request; default: the model's context.
     pub max_model_len: Option<usize>,
-    /// Wire type of hidden states between workers: f32, bf16 or f16.
-    pub activation_dtype: String,
-    /// Weight format the stages hold: `auto` (the file's own quantization where it has one,
-    /// else `q8_0`), `f32` (the reference numerics), `q8_0` (about 4x faster decode on CPU,
-    /// logits within a few percent), `bf16` / `f16`, `q4_0` / `q4_1` (fewer bytes) or `native`
-    /// (each tensor as the file stores it).
-    pub weights: String,
+    /// The pipeline's settings (same keys as in `[coordinator]`).
+    #[serde(flatten)]
+    pub pipeline: PipelineSettings,
 }
 
 impl Default for ServeSettings {
@@ -100,19 +256,8 @@ impl Default for ServeSettings {
             host: "127.0.0.1".into(),
             port: 8000,
             workers: 2,
-            served_model_name: None,
-            max_queue: 64,
-            max_running: 8,
-            max_batch_tokens: 128,
-            kv_block_size: 16,
-            kv_max_blocks: None,
-            kv_dtype: "f32".into(),
-            split: "measured".into(),
-            prefix_caching: true,
-            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_model_len: None,
-            activation_dtype: "f32".into(),
-            weights: "auto".into(),
+            pipeline: PipelineSettings::default(),
         }
     }
 }
@@ -127,38 +272,13 @@ pub struct CoordinatorSettings {
     pub http: SocketAddr,
     /// Pipeline stages (one worker each).
     pub workers: usize,
-    /// Explicit layer cut points between stages (empty: even split).
+    /// Explicit layer cut points between stages (empty: split by `split`).
     pub layer_cuts: Vec<usize>,
     /// Model name or path workers resolve themselves (default: the coordinator's resolved path).
     pub worker_model: Option<String>,
-    /// Wire type of hidden states between stages: f32, bf16 or f16.
-    pub activation_dtype: String,
-    /// Weight format workers hold: `auto` (the file's own quantization, else `q8_0`), `f32`,
-    /// `bf16`, `f16`, `q8_0`, `q4_0`, `q4_1` or `native`.
-    pub weights: String,
-    /// Name clients pass as `model`.
-    pub served_model_name: Option<String>,
-    /// Requests allowed to wait; more get HTTP 429.
-    pub max_queue: usize,
-    /// Sequences generated at once (each holds KV on every stage); more wait in the queue.
-    pub max_running: usize,
-    /// Tokens per pipeline step; longer prompts are prefilled in chunks.
-    pub max_batch_tokens: usize,
-    /// Positions per paged-KV block.
-    pub kv_block_size: usize,
-    /// At most this many KV blocks per pipeline (default: what every worker's kv_cache_mib fits).
-    pub kv_max_blocks: Option<usize>,
-    /// How workers store keys and values: `f32` (exact) or `f16` (half the memory per position,
-    /// so twice the tokens fit in kv_cache_mib; logits within about 0.1%).
-    pub kv_dtype: String,
-    /// How layers are split among workers: `measured` (each worker times one layer and the
-    /// head, and the planner balances the stages) or `even` (by layer count).
-    pub split: String,
-    /// Reuse the K/V of cached full blocks a new prompt starts with (a shared system prompt,
-    /// an earlier turn of a chat), so only the rest is prefilled.
-    pub prefix_caching: bool,
-    /// Largest request body in bytes (HTTP 413 beyond).
-    pub max_body_bytes: usize,
+    /// The pipeline's settings (same keys as in `[serve]`).
+    #[serde(flatten)]
+    pub pipeline: PipelineSettings,
 }
 
 impl Default for CoordinatorSettings {
@@ -169,18 +289,7 @@ impl Default for CoordinatorSettings {
             workers: 2,
             layer_cuts: Vec::new(),
             worker_model: None,
-            activation_dtype: "f32".into(),
-            weights: "auto".into(),
-            served_model_name: None,
-            max_queue: 64,
-            max_running: 8,
-            max_batch_tokens: 128,
-            kv_block_size: 16,
-            kv_max_blocks: None,
-            kv_dtype: "f32".into(),
-            split: "measured".into(),
-            prefix_caching: true,
-            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            pipeline: PipelineSettings::default(),
         }
     }
 }
@@ -256,6 +365,8 @@ const ENV_SETTINGS: &[&str] = &[
     "check_weights",
     "cluster_token",
 ];
+/// The sections [`PipelineSettings`] is flattened into.
+const PIPELINE_SECTIONS: [&str; 2] = ["serve", "coordinator"];
 const ENV_SECTIONS: &[&str] = &["serve__", "coordinator__", "worker__"];
 
 fn is_env_setting(key: &str) -> bool {
@@ -280,7 +391,17 @@ impl Settings {
                     .split("__"),
             )
             .merge(Serialized::globals(flags));
-        fig.extract().map_err(|e| SettingsError(Box::new(e)))
+        fig.extract().map_err(|e| {
+            // A bad value inside a flattened section is reported for the section, without its
+            // key: extract the pipeline keys alone to name it.
+            for section in PIPELINE_SECTIONS {
+                if let Err(mut inner) = fig.focus(section).extract::<PipelineSettings>() {
+                    inner.path.insert(0, section.to_string());
+                    return SettingsError(Box::new(inner));
+                }
+            }
+            SettingsError(Box::new(e))
+        })
     }
 
     /// How this process logs and exports traces, as `service_name` in traces.
@@ -391,5 +512,110 @@ mod tests {
             assert!(e.contains("missing.toml"), "{e}");
             Ok(())
         });
+    }
+
+    #[test]
+    fn pipeline_keys_flattened_into_both_sections() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file(
+                "b.toml",
+                "[serve]\nmax_queue = 5\nkv_dtype = \"f16\"\nport = 9000\n\
+                 [coordinator]\nsplit = \"even\"\nweights = \"q4_1\"\nworkers = 3\n",
+            )?;
+            jail.set_env("BATON_SERVE__MAX_RUNNING", "3");
+            jail.set_env("BATON_SERVE__WEIGHTS", "native");
+            jail.set_env("BATON_COORDINATOR__MAX_QUEUE", "7");
+            jail.set_env("BATON_COORDINATOR__ACTIVATION_DTYPE", "bf16");
+            jail.set_env("BATON_COORDINATOR__PREFIX_CACHING", "false");
+            let flags = serde_json::json!({"serve": {"max_batch_tokens": 32, "split": "even"}});
+            let s = Settings::load(Some(Path::new("b.toml")), flags).unwrap();
+            let (p, c) = (&s.serve.pipeline, &s.coordinator.pipeline);
+            assert_eq!(
+                (s.serve.port, p.max_queue, p.max_running, p.max_batch_tokens),
+                (9000, 5, 3, 32)
+            );
+            assert_eq!(
+                (p.kv_dtype, p.split, p.weights),
+                (KvDtypeSetting::F16, SplitSetting::Even, WeightsSetting::Native)
+            );
+            assert_eq!(p.activation_dtype, ActivationDtypeSetting::F32);
+            assert_eq!((s.coordinator.workers, c.max_queue, c.max_running), (3, 7, 8));
+            assert_eq!(
+                (c.split, c.weights, c.activation_dtype),
+                (SplitSetting::Even, WeightsSetting::Q4_1, ActivationDtypeSetting::Bf16)
+            );
+            assert!(!c.prefix_caching && p.prefix_caching);
+            assert_eq!(c.kv_dtype, KvDtypeSetting::F32);
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn pipeline_defaults() {
+        let p = PipelineSettings::default();
+        assert_eq!(Settings::default().serve.pipeline, p);
+        assert_eq!(Settings::default().coordinator.pipeline, p);
+        assert_eq!(
+            (p.max_queue, p.max_running, p.max_batch_tokens, p.kv_block_size),
+            (64, 8, 128, 16)
+        );
+        assert_eq!(
+            (
+                p.kv_dtype.as_str(),
+                p.split.as_str(),
+                p.activation_dtype.as_str(),
+                p.weights.as_str()
+            ),
+            ("f32", "measured", "f32", "auto")
+        );
+        assert_eq!(
+            (p.max_body_bytes, p.prefix_caching, p.kv_max_blocks),
+            (4 << 20, true, None)
+        );
+    }
+
+    #[test]
+    fn bad_pipeline_values_name_the_key() {
+        figment::Jail::expect_with(|jail| {
+            for (toml, want) in [
+                ("[serve]\nkv_dtype = \"f8\"", "kv_dtype: unknown KV cache dtype 'f8'"),
+                ("[coordinator]\nsplit = \"random\"", "split: unknown split 'random'"),
+                ("[serve]\nweights = \"q2\"", "weights: unknown weight format \"q2\""),
+                (
+                    "[coordinator]\nactivation_dtype = \"f64\"",
+                    "activation_dtype: unknown activation dtype",
+                ),
+                ("[serve]\nmax_queue = \"many\"", "serve.max_queue"),
+                ("[serve]\nno_such_key = 1", "no_such_key"),
+                ("[coordinator]\nmax_model_len = 5", "max_model_len"),
+            ] {
+                jail.create_file("b.toml", toml)?;
+                let e = Settings::load(Some(Path::new("b.toml")), Flags { log_level: None })
+                    .unwrap_err()
+                    .to_string();
+                assert!(e.contains(want) && e.contains("b.toml"), "{toml}: {e}");
+            }
+            jail.set_env("BATON_COORDINATOR__KV_DTYPE", "f64");
+            let e = Settings::load(None, Flags { log_level: None }).unwrap_err().to_string();
+            assert!(e.contains("kv_dtype") && e.contains("f64"), "{e}");
+            jail.set_env("BATON_COORDINATOR__KV_DTYPE", "f16");
+            jail.set_env("BATON_SERVE__MAX_RUNNING", "lots");
+            let e = Settings::load(None, Flags { log_level: None }).unwrap_err().to_string();
+            // (figment prints an environment key as the variable spells it: SERVE.MAX_RUNNING)
+            let lower = e.to_ascii_lowercase();
+            assert!(lower.contains("serve.max_running") && e.contains("BATON_"), "{e}");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn setting_names_parse_case_insensitively_and_print_canonically() {
+        assert_eq!("FP16".parse::<KvDtypeSetting>(), Ok(KvDtypeSetting::F16));
+        assert_eq!("q8".parse::<WeightsSetting>(), Ok(WeightsSetting::Q8_0));
+        for w in WeightsSetting::ALL {
+            assert_eq!(w.to_string().parse::<WeightsSetting>(), Ok(*w));
+            assert_eq!(serde_json::to_value(w).unwrap(), w.as_str());
+        }
+        assert_eq!(WeightsSetting::NAMES.len(), WeightsSetting::ALL.len());
     }
 }

@@ -10,12 +10,13 @@ use baton_coordinator::local::{self, LocalStageOptions};
 use baton_coordinator::pipeline::PipelineConfig;
 use baton_coordinator::planner::SplitPolicy;
 use baton_shared::model_files::ModelFiles;
-use baton_shared::proto::Dtype;
 use baton_shared::sampling::SamplingParams;
+use baton_shared::settings::WeightsSetting;
 use baton_shared::tokenizer::Tokenizer;
 use baton_worker::kv_cache::KvDtype;
 
 use super::inspect::apply_chat_with;
+use super::pipeline_args::names;
 use super::{Ctx, ModelArg, parse_token_list};
 
 #[derive(Debug, clap::Args)]
@@ -58,8 +59,8 @@ pub struct GenerateArgs {
     /// Weight format: auto (the file's own quantization, else q8_0: about 4x faster decode than
     /// f32), f32 (the reference numerics), bf16 / f16, q8_0, q4_0 / q4_1 (fewer bytes) or native
     /// (each tensor as the file stores it).
-    #[arg(long, default_value = "auto", value_parser = ["auto", "f32", "bf16", "f16", "q8_0", "q4_0", "q4_1", "native"])]
-    pub weights: String,
+    #[arg(long, default_value = "auto", value_parser = names!(WeightsSetting))]
+    pub weights: WeightsSetting,
     /// Threads for the matrix products (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -110,30 +111,23 @@ pub fn run(ctx: &Ctx, a: GenerateArgs) -> Result<()> {
         stop_token_ids: Vec::new(),
     };
     let block = 16;
+    let eos_ids = tokenizer.as_ref().map(|t| t.eos_ids.clone()).unwrap_or_default();
     let pipeline = PipelineConfig {
-        model: path.display().to_string(),
-        num_layers: config.num_layers,
-        vocab_size: config.vocab_size,
         max_context,
-        eos_ids: tokenizer.as_ref().map(|t| t.eos_ids.clone()).unwrap_or_default(),
-        stages: 1,
-        cuts: None,
         split: SplitPolicy::Even,
-        cluster_token: String::new(),
-        activation_dtype: Dtype::F32,
-        weights: a.weights.clone(),
+        weights: a.weights.as_str().to_string(),
         max_queue: 1,
         max_running: 1,
         // The whole prompt in one micro-batch, as a single sequence runs fastest.
         max_batch_tokens: prompt.len(),
-        kv_dim: config.kv_dim(),
         kv_block_size: block,
         kv_max_blocks: Some((prompt.len() + params.max_tokens).div_ceil(block).max(1)),
         kv_dtype: KvDtype::F32,
         prefix_caching: false,
+        ..PipelineConfig::new(path.display().to_string(), &config, eos_ids)
     };
     let opts = LocalStageOptions {
-        format: super::serve::weight_format(&a.weights, &files)?,
+        format: super::pipeline_args::weight_format(a.weights.as_str(), &files)?,
         threads: a
             .threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))

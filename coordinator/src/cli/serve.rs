@@ -13,16 +13,11 @@ use baton_coordinator::cluster;
 use baton_coordinator::generation::Generator;
 use baton_coordinator::local::{self, LocalStageOptions};
 use baton_coordinator::pipeline::PipelineConfig;
-use baton_coordinator::planner::SplitPolicy;
 use baton_shared::fetch::{DEFAULT_MODEL, HF_REPO};
-use baton_shared::model_files::ModelFiles;
 use baton_shared::model_source::LoadedModel;
-use baton_shared::proto::Dtype;
 use baton_shared::settings::ServeSettings;
-use baton_shared::wire::parse_dtype;
-use baton_worker::kv_cache::KvDtype;
-use baton_worker::model::{WeightFormat, resolve_format};
 
+use super::pipeline_args::{PipelineArgs, pipeline_config, weight_format};
 use super::{Ctx, ModelArg};
 
 /// Flags of `baton serve`; each overrides `[serve]` in baton.toml and `BATON_SERVE__*`
@@ -45,58 +40,10 @@ pub struct ServeArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub workers: Option<usize>,
-    /// Name clients pass as `model` (default: `smollm2-135m` for the default model, else the
-    /// model file or directory name).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub served_model_name: Option<String>,
-    /// Requests allowed to wait for a slot; more are answered with HTTP 429 [default: 64].
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_queue: Option<usize>,
-    /// Sequences the in-process engine generates at once [default: 8].
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_running: Option<usize>,
-    /// Tokens per pipeline step; longer prompts are prefilled in chunks [default: 128].
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_batch_tokens: Option<usize>,
-    /// Positions per paged-KV block [default: 16].
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub kv_block_size: Option<usize>,
-    /// Cap on KV blocks per pipeline [default: what every worker's --kv-cache-mib fits].
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub kv_max_blocks: Option<usize>,
-    /// How workers store keys and values: f32, or f16 for twice the tokens per KV budget [default: f32].
-    #[arg(long, value_parser = ["f32", "f16"])]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub kv_dtype: Option<String>,
-    /// How layers are split among workers: measured (from each worker's timed layer and head)
-    /// or even [default: measured].
-    #[arg(long, value_parser = ["measured", "even"])]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub split: Option<String>,
-    /// Reuse cached K/V of full blocks a new prompt starts with: true or false [default: true].
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub prefix_caching: Option<bool>,
-    /// Largest accepted request body in bytes (HTTP 413 beyond) [default: 4194304].
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_body_bytes: Option<usize>,
-    /// Wire type of hidden states between worker processes [default: f32].
-    #[arg(long, value_parser = ["f32", "bf16", "f16"])]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub activation_dtype: Option<String>,
-    /// Weight format the stages hold: auto (the file's own quantization, else q8_0), f32 (the
-    /// reference numerics), bf16 / f16, q8_0, q4_0 / q4_1 (fewer bytes) or native (each tensor
-    /// as the file stores it) [default: auto].
-    #[arg(long, value_parser = ["auto", "f32", "bf16", "f16", "q8_0", "q4_0", "q4_1", "native"])]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub weights: Option<String>,
+    /// The pipeline's flags (shared with `baton coordinator`).
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub pipeline: PipelineArgs,
     /// Most tokens (prompt + completion) per request; default and upper bound: the model's
     /// context length.
     #[arg(long)]
@@ -110,11 +57,10 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 pub fn run(ctx: &Ctx, args: ServeArgs) -> Result<()> {
     let a = &ctx.settings.serve;
     let name = a
+        .pipeline
         .served_model_name
         .clone()
         .unwrap_or_else(|| default_served_name(args.model.model.as_deref()));
-    kv_dtype(&a.kv_dtype)?;
-    split_policy(&a.split)?;
     // Bind before the slow model load so a taken port fails at once.
     let listener = std::net::TcpListener::bind((a.host.as_str(), a.port))
         .with_context(|| format!("listening on {}:{}", a.host, a.port))?;
@@ -154,7 +100,7 @@ pub fn run(ctx: &Ctx, args: ServeArgs) -> Result<()> {
         let shutdown = shutdown_signal()?;
         let (generator, mut workers) = build_generator(ctx, a, &model_path, model, max_context).await?;
         let state = AppState {
-            max_body_bytes: a.max_body_bytes,
+            max_body_bytes: a.pipeline.max_body_bytes,
             sampling_defaults,
             ..AppState::new(name.clone(), tokenizer, max_context, generator.clone())
         };
@@ -224,16 +170,6 @@ impl LocalWorkers {
     }
 }
 
-/// A `kv_dtype` setting, with an error naming the setting.
-pub(crate) fn kv_dtype(s: &str) -> Result<KvDtype> {
-    s.parse().with_context(|| format!("kv_dtype '{s}'"))
-}
-
-/// A `split` setting, with an error naming the setting.
-pub(crate) fn split_policy(s: &str) -> Result<SplitPolicy> {
-    s.parse().with_context(|| format!("split '{s}'"))
-}
-
 /// The token generator for the chosen mode, and the worker processes it drives.
 async fn build_generator(
     ctx: &Ctx,
@@ -242,41 +178,21 @@ async fn build_generator(
     model: LoadedModel,
     max_context: usize,
 ) -> Result<(Arc<dyn Generator>, LocalWorkers)> {
-    anyhow::ensure!(a.kv_block_size > 0, "kv_block_size must be at least 1");
-    anyhow::ensure!(a.kv_max_blocks != Some(0), "kv_max_blocks must be at least 1");
-    let config = PipelineConfig {
-        model: std::fs::canonicalize(model_path)
-            .unwrap_or_else(|_| model_path.to_path_buf())
-            .display()
-            .to_string(),
-        num_layers: model.config.num_layers,
-        vocab_size: model.config.vocab_size,
-        max_context,
-        eos_ids: model.tokenizer.eos_ids.clone(),
-        stages: a.workers.max(1),
-        cuts: None,
-        cluster_token: String::new(),
-        activation_dtype: parse_dtype(&a.activation_dtype).unwrap_or(Dtype::F32),
-        max_queue: a.max_queue,
-        max_running: a.max_running,
-        max_batch_tokens: a.max_batch_tokens.max(a.max_running),
-        weights: a.weights.clone(),
-        kv_dim: model.config.kv_dim(),
-        kv_block_size: a.kv_block_size,
-        kv_max_blocks: a.kv_max_blocks,
-        kv_dtype: kv_dtype(&a.kv_dtype)?,
-        split: split_policy(&a.split)?,
-        prefix_caching: a.prefix_caching,
-    };
+    let p = &a.pipeline;
+    let worker_model = std::fs::canonicalize(model_path)
+        .unwrap_or_else(|_| model_path.to_path_buf())
+        .display()
+        .to_string();
+    let config = pipeline_config(p, &model, worker_model, a.workers.max(1), max_context)?;
     if a.workers == 0 {
         // The whole model on one stage in this process, through the same step loop.
         let opts = LocalStageOptions {
-            format: weight_format(&a.weights, &model.files)?,
+            format: weight_format(p.weights.as_str(), &model.files)?,
             threads: cores(),
             check_finite: ctx.settings.check_weights,
             kv_budget_bytes: ctx.settings.worker.kv_cache_mib << 20,
-            kv_max_blocks: a.kv_max_blocks,
-            kv_block_size: a.kv_block_size,
+            kv_max_blocks: p.kv_max_blocks,
+            kv_block_size: p.kv_block_size,
             kv_dtype: config.kv_dtype,
         };
         let generator = tokio::task::block_in_place(|| local::start(config, model_path, &opts))?;
@@ -292,7 +208,6 @@ async fn build_generator(
         cluster_token: token.clone(),
         ..config
     };
-    weight_format(&a.weights, &model.files)?;
     let server = cluster::start(registry, config)?;
     let registry_url = format!("http://{}", server.registry_addr);
     // The workers share this machine: split its cores among them.
@@ -332,11 +247,6 @@ async fn build_generator(
 /// Cores of this machine (the thread budget split among local workers).
 fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
-}
-
-/// A weight format name (`auto`: the file's own quantization, else Q8_0) for `files`.
-pub(super) fn weight_format(name: &str, files: &ModelFiles) -> Result<WeightFormat> {
-    resolve_format(name, files).map_err(|e| anyhow::anyhow!("weights: {e}"))
 }
 
 /// `smollm2-135m` for the default model, else the file stem or directory name.

@@ -1,0 +1,186 @@
+//! The pipeline's flags, shared by `baton serve` and `baton coordinator` (flattened into both,
+//! as `PipelineSettings` is flattened into `[serve]` and `[coordinator]`), and the one place
+//! that turns the resolved settings into a [`PipelineConfig`].
+
+use anyhow::{Result, anyhow};
+use baton_coordinator::pipeline::PipelineConfig;
+use baton_coordinator::planner::SplitPolicy;
+use baton_shared::model_files::ModelFiles;
+use baton_shared::model_source::LoadedModel;
+use baton_shared::proto::Dtype;
+use baton_shared::settings::{ActivationDtypeSetting, KvDtypeSetting, PipelineSettings, SplitSetting, WeightsSetting};
+use baton_worker::kv_cache::KvDtype;
+use baton_worker::model::{WeightFormat, resolve_format};
+
+/// A clap parser for a settings enum: its names listed in `--help` and in errors.
+macro_rules! names {
+    ($t:ty) => {
+        clap::builder::TypedValueParser::map(clap::builder::PossibleValuesParser::new(<$t>::NAMES), |s| {
+            s.parse::<$t>().expect("a listed name parses")
+        })
+    };
+}
+pub(super) use names;
+
+/// Flags of the pipeline; each overrides the same key of `[serve]` / `[coordinator]` in
+/// baton.toml and `BATON_SERVE__*` / `BATON_COORDINATOR__*` (defaults in `PipelineSettings`).
+#[derive(Debug, Default, clap::Args, serde::Serialize)]
+pub struct PipelineArgs {
+    /// Name clients pass as `model` (default: `smollm2-135m` for the default model, else the
+    /// model file or directory name).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub served_model_name: Option<String>,
+    /// Requests allowed to wait for a slot; more are answered with HTTP 429 [default: 64].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_queue: Option<usize>,
+    /// Sequences generated at once (each holds KV on every stage); more wait in the queue
+    /// [default: 8].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_running: Option<usize>,
+    /// Tokens per pipeline step; longer prompts are prefilled in chunks [default: 128].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_batch_tokens: Option<usize>,
+    /// Positions per paged-KV block [default: 16].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_block_size: Option<usize>,
+    /// Cap on KV blocks per pipeline [default: what every worker's --kv-cache-mib fits].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_max_blocks: Option<usize>,
+    /// How workers store keys and values: f32, or f16 for twice the tokens per KV budget
+    /// [default: f32].
+    #[arg(long, value_parser = names!(KvDtypeSetting))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_dtype: Option<KvDtypeSetting>,
+    /// How layers are split among workers: measured (from each worker's timed layers and head)
+    /// or even [default: measured].
+    #[arg(long, value_parser = names!(SplitSetting))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub split: Option<SplitSetting>,
+    /// Reuse cached K/V of full blocks a new prompt starts with: true or false [default: true].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefix_caching: Option<bool>,
+    /// Largest accepted request body in bytes (HTTP 413 beyond) [default: 4194304].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_body_bytes: Option<usize>,
+    /// Wire type of hidden states between stages [default: f32].
+    #[arg(long, value_parser = names!(ActivationDtypeSetting))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub activation_dtype: Option<ActivationDtypeSetting>,
+    /// Weight format the stages hold: auto (the file's own quantization, else q8_0), f32 (the
+    /// reference numerics), bf16 / f16, q8_0, q4_0 / q4_1 (fewer bytes) or native (each tensor
+    /// as the file stores it) [default: auto].
+    #[arg(long, value_parser = names!(WeightsSetting))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub weights: Option<WeightsSetting>,
+}
+
+/// The KV storage a `kv_dtype` setting names.
+fn kv_dtype(s: KvDtypeSetting) -> KvDtype {
+    match s {
+        KvDtypeSetting::F32 => KvDtype::F32,
+        KvDtypeSetting::F16 => KvDtype::F16,
+    }
+}
+
+/// The split policy a `split` setting names.
+fn split_policy(s: SplitSetting) -> SplitPolicy {
+    match s {
+        SplitSetting::Measured => SplitPolicy::Measured,
+        SplitSetting::Even => SplitPolicy::Even,
+    }
+}
+
+/// The wire type an `activation_dtype` setting names.
+fn activation_dtype(s: ActivationDtypeSetting) -> Dtype {
+    match s {
+        ActivationDtypeSetting::F32 => Dtype::F32,
+        ActivationDtypeSetting::Bf16 => Dtype::Bf16,
+        ActivationDtypeSetting::F16 => Dtype::F16,
+    }
+}
+
+/// A weight format name (`auto`: the file's own quantization, else Q8_0) for `files`.
+pub(super) fn weight_format(name: &str, files: &ModelFiles) -> Result<WeightFormat> {
+    resolve_format(name, files).map_err(|e| anyhow!("weights: {e}"))
+}
+
+/// The pipeline configuration for `model` from resolved settings: `worker_model` is the model
+/// as workers resolve it, `stages` the pipeline's stage count and `max_context` the most
+/// tokens per request. Explicit cuts and the cluster token are the caller's.
+pub(super) fn pipeline_config(
+    p: &PipelineSettings,
+    model: &LoadedModel,
+    worker_model: String,
+    stages: usize,
+    max_context: usize,
+) -> Result<PipelineConfig> {
+    anyhow::ensure!(p.kv_block_size > 0, "kv_block_size must be at least 1");
+    anyhow::ensure!(p.kv_max_blocks != Some(0), "kv_max_blocks must be at least 1");
+    weight_format(p.weights.as_str(), &model.files)?;
+    Ok(PipelineConfig {
+        max_context,
+        stages,
+        split: split_policy(p.split),
+        activation_dtype: activation_dtype(p.activation_dtype),
+        weights: p.weights.as_str().to_string(),
+        max_queue: p.max_queue,
+        max_running: p.max_running,
+        max_batch_tokens: p.max_batch_tokens.max(p.max_running),
+        kv_block_size: p.kv_block_size,
+        kv_max_blocks: p.kv_max_blocks,
+        kv_dtype: kv_dtype(p.kv_dtype),
+        prefix_caching: p.prefix_caching,
+        ..PipelineConfig::new(worker_model, &model.config, model.tokenizer.eos_ids.clone())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        pipeline: PipelineArgs,
+    }
+
+    #[test]
+    fn flags_parse_to_settings_names_and_serialize_only_when_given() {
+        let cli = Cli::try_parse_from(["t", "--kv-dtype", "f16", "--weights", "q8_0", "--max-queue", "3"]).unwrap();
+        assert_eq!(
+            serde_json::to_value(&cli.pipeline).unwrap(),
+            serde_json::json!({"kv_dtype": "f16", "weights": "q8_0", "max_queue": 3})
+        );
+        let e = Cli::try_parse_from(["t", "--split", "random"]).unwrap_err().to_string();
+        assert!(e.contains("measured") && e.contains("even"), "{e}");
+        assert_eq!(
+            serde_json::to_value(PipelineArgs::default()).unwrap(),
+            serde_json::json!({})
+        );
+    }
+
+    #[test]
+    fn every_setting_converts() {
+        for s in KvDtypeSetting::ALL {
+            assert_eq!(kv_dtype(*s).to_string(), s.as_str());
+        }
+        for s in SplitSetting::ALL {
+            assert_eq!(split_policy(*s).to_string(), s.as_str());
+        }
+        for s in ActivationDtypeSetting::ALL {
+            assert_eq!(baton_shared::wire::parse_dtype(s.as_str()), Some(activation_dtype(*s)));
+        }
+        for s in WeightsSetting::ALL.iter().filter(|w| **w != WeightsSetting::Auto) {
+            assert_eq!(s.as_str().parse::<WeightFormat>().unwrap().name(), s.as_str());
+        }
+    }
+}
