@@ -125,11 +125,11 @@ setting_enum! {
 
 setting_enum! {
     /// Weight format the stages hold (`weights`); `auto` is resolved per model file by the
-    /// worker (the file's own block quantization where it has one, else `q8_0`).
+    /// worker (`q8_0`: a Q8_0 file's blocks as stored, anything else re-quantized).
     WeightsSetting, key = "weights",
     error = "unknown weight format {:?} (expected auto, f32, bf16, f16, q8_0, q4_0, q4_1 or native)",
     {
-        /// The file's own quantization where it has one, else Q8_0.
+        /// Q8_0: a Q8_0 file's blocks as stored, anything else re-quantized.
         Auto = "auto",
         /// The reference numerics.
         F32 = "f32",

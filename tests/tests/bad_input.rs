@@ -12,7 +12,7 @@ use baton_shared::model_source::{LoadedModel, ModelSourceError};
 use baton_shared::sampling::SamplingParams;
 use baton_tests::{default_model, fixtures, max_abs_diff};
 use baton_worker::engine::{Engine, EngineError};
-use baton_worker::model::{ForwardError, StageWeights};
+use baton_worker::model::{ForwardError, StageWeights, WeightFormat, auto_format, resolve_format};
 
 /// GGUF metadata entries in file order.
 type Metadata = Vec<(String, GgufValue)>;
@@ -92,19 +92,7 @@ fn gguf_built_from_safetensors_gives_the_same_logits() {
 
     // The same model with Q8_0 linear weights stays close: quantization error only (a misplaced
     // block or scale would be off by the logits' own magnitude).
-    let (meta, mut tensors) = tiny_as_gguf();
-    for t in tensors
-        .iter_mut()
-        .filter(|t| t.shape.len() == 2 && t.shape[1] % 32 == 0 && !t.name.starts_with("token_embd"))
-    {
-        let values: Vec<f32> = t
-            .data
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
-        t.data = quantize_q8_0(&values);
-        t.ggml_type = DType::Q8_0.ggml_id();
-    }
+    let (meta, tensors) = tiny_q8_gguf(|_| false);
     let p = write(tmp.path(), "tiny-q8.gguf", &to_bytes(&meta, &tensors));
     let mut q = Engine::new(load_full(&p).unwrap());
     let lq = q.prompt_logits(&tokens, true).unwrap();
@@ -114,6 +102,52 @@ fn gguf_built_from_safetensors_gives_the_same_logits() {
         err > 0.0 && err < 0.1 * scale,
         "Q8_0 error {err} vs logit scale {scale}"
     );
+}
+
+/// The tiny model as GGUF with its layer matrices as Q8_0, except those `keep` names.
+fn tiny_q8_gguf(keep: impl Fn(&str) -> bool) -> (Metadata, Vec<TensorToWrite>) {
+    let (meta, mut tensors) = tiny_as_gguf();
+    for t in tensors
+        .iter_mut()
+        .filter(|t| t.shape.len() == 2 && t.shape[1] % 32 == 0 && !t.name.starts_with("token_embd") && !keep(&t.name))
+    {
+        let values: Vec<f32> = t
+            .data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        t.data = quantize_q8_0(&values);
+        t.ggml_type = DType::Q8_0.ggml_id();
+    }
+    (meta, tensors)
+}
+
+#[test]
+fn auto_weights_keep_only_an_all_q8_0_file_as_stored() {
+    // `auto` (the default weight format) runs Q8_0: a file whose every layer matrix is Q8_0 as
+    // stored, anything else re-quantized, including a file that mixes block types by layer as
+    // llama.cpp's quantizer does.
+    let tmp = tempfile::tempdir().unwrap();
+    let auto = |p: &Path| auto_format(&ModelFiles::open(p).unwrap());
+    let (meta, tensors) = tiny_q8_gguf(|_| false);
+    let all_q8 = write(tmp.path(), "all-q8.gguf", &to_bytes(&meta, &tensors));
+    assert_eq!(auto(&all_q8), WeightFormat::Native);
+    let last = ModelFiles::open(&tiny_dir()).unwrap().config().unwrap().num_layers - 1;
+    let down = format!("blk.{last}.ffn_down.weight");
+    let (meta, tensors) = tiny_q8_gguf(|name| name == down);
+    let mixed = write(tmp.path(), "mixed.gguf", &to_bytes(&meta, &tensors));
+    assert_eq!(auto(&mixed), WeightFormat::Q8_0, "one f32 matrix in the last layer");
+    assert_eq!(auto(&tiny_dir()), WeightFormat::Q8_0, "f32 safetensors");
+    assert_eq!(
+        auto(&default_model()),
+        WeightFormat::Q8_0,
+        "the default model's Q4_1 file"
+    );
+    assert_eq!(
+        resolve_format("AUTO", &ModelFiles::open(&all_q8).unwrap()),
+        Ok(WeightFormat::Native)
+    );
+    assert!(resolve_format("q3", &ModelFiles::open(&all_q8).unwrap()).is_err());
 }
 
 #[test]

@@ -89,7 +89,7 @@ fn generate_default_model_text_and_json() {
     let fx = read_json(&fixtures().join("smollm2/greedy.json"));
     let case = &fx["cases"][0];
     let prompt: Vec<String> = ids(&case["ids"]).iter().map(u32::to_string).collect();
-    // The reference numerics (the default is the file's own quantization).
+    // The reference numerics (the default is Q8_0).
     let v = stdout_json(&[
         "generate",
         "--tokens",

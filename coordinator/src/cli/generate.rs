@@ -56,7 +56,7 @@ pub struct GenerateArgs {
     /// Keep generating past the end-of-sequence token.
     #[arg(long)]
     pub ignore_eos: bool,
-    /// Weight format: auto (the file's own quantization, else q8_0: about 4x faster decode than
+    /// Weight format: auto (q8_0, a Q8_0 file's blocks as stored: about 4x faster decode than
     /// f32), f32 (the reference numerics), bf16 / f16, q8_0, q4_0 / q4_1 (fewer bytes) or native
     /// (each tensor as the file stores it).
     #[arg(long, default_value = "auto", value_parser = names!(WeightsSetting))]

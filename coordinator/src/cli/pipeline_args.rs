@@ -74,7 +74,7 @@ pub struct PipelineArgs {
     #[arg(long, value_parser = names!(ActivationDtypeSetting))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub activation_dtype: Option<ActivationDtypeSetting>,
-    /// Weight format the stages hold: auto (the file's own quantization, else q8_0), f32 (the
+    /// Weight format the stages hold: auto (q8_0; a Q8_0 file's blocks as stored), f32 (the
     /// reference numerics), bf16 / f16, q8_0, q4_0 / q4_1 (fewer bytes) or native (each tensor
     /// as the file stores it) [default: auto].
     #[arg(long, value_parser = names!(WeightsSetting))]
@@ -107,7 +107,7 @@ fn activation_dtype(s: ActivationDtypeSetting) -> Dtype {
     }
 }
 
-/// A weight format name (`auto`: the file's own quantization, else Q8_0) for `files`.
+/// A weight format name (`auto`: Q8_0, a Q8_0 file's blocks as stored) for `files`.
 pub(super) fn weight_format(name: &str, files: &ModelFiles) -> Result<WeightFormat> {
     resolve_format(name, files).map_err(|e| anyhow!("weights: {e}"))
 }

@@ -16,16 +16,23 @@ use crate::kernels::cpu::matmul::{UnknownFormat, WeightFormat};
 /// The name that picks a format from the model file.
 pub const AUTO: &str = "auto";
 
-/// The format `auto` means for `files`: `native` when the first layer's matrices are stored in
-/// a block format (a quantized GGUF), else `q8_0` (float files: f32, bf16, f16).
+/// The format `auto` means for `files`: `native` when every layer's matrices are stored as
+/// Q8_0 (no second rounding), else `q8_0` (float and 4-bit files re-quantized; quantized GGUF
+/// files often mix block types across layers, so every layer is looked at).
 pub fn auto_format(files: &ModelFiles) -> WeightFormat {
     use TensorRole::*;
-    let quantized = [Q, K, V, O, Gate, Up, Down].into_iter().any(|role| {
-        files
-            .stored(role, Some(0))
-            .is_some_and(|t| matches!(t.dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1))
-    });
-    if quantized {
+    let roles = [Q, K, V, O, Gate, Up, Down];
+    let mut layers = 0;
+    let mut all_q8 = true;
+    for layer in 0.. {
+        let stored: Vec<_> = roles.iter().map(|&r| files.stored(r, Some(layer))).collect();
+        if stored.iter().all(Option::is_none) {
+            break;
+        }
+        layers += 1;
+        all_q8 &= stored.iter().all(|t| t.is_some_and(|t| t.dtype == DType::Q8_0));
+    }
+    if layers > 0 && all_q8 {
         WeightFormat::Native
     } else {
         WeightFormat::Q8_0
