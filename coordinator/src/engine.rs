@@ -35,6 +35,7 @@ impl Requests {
 
     /// Requests whose receiver is gone (the client left).
     fn gone(&self) -> Vec<u64> {
+        // Only live requests are here: stopped ones are forgotten (`forget`).
         self.senders
             .iter()
             .filter(|(_, tx)| tx.is_closed())
@@ -42,8 +43,16 @@ impl Requests {
             .collect()
     }
 
-    /// Deliver the outbox's events without waiting (each channel has room for a whole
-    /// request); returns the sequences whose client could not take a token.
+    /// Drop the channels of requests the scheduler stopped without an end event: their
+    /// receivers (if still there) see the stream end.
+    fn forget(&mut self, ids: &[u64]) {
+        for id in ids {
+            self.senders.remove(id);
+        }
+    }
+
+    /// Deliver the outbox's events without waiting; returns the sequences whose client could
+    /// not take a token (it left, or stopped reading and filled its channel).
     fn deliver(&mut self, out: &mut Outbox) -> Vec<u64> {
         let mut undelivered = Vec::new();
         for (id, event) in out.events.drain(..) {
@@ -89,7 +98,8 @@ pub(crate) async fn run<E: Executor>(
         // Requests stay in the submission channel (whose capacity bounds the queue, beyond
         // which submissions get 429) until the scheduler can admit them.
         sched.admit(|| submit_rx.try_recv().ok().map(|s| requests.accept(s)), &mut out);
-        sched.abort(&requests.gone(), &mut out);
+        let stopped = sched.abort(&requests.gone(), &mut out);
+        requests.forget(&stopped);
         metrics::gauge!("baton_queue_depth").set(submit_rx.len() as f64);
         sched.schedule(&mut out);
         if let Err(failure) = carry_out(exec, &mut sched, &mut requests, &mut out).await {
@@ -112,7 +122,8 @@ pub(crate) async fn run<E: Executor>(
 }
 
 /// Deliver the outbox's events, free what it frees and send its micro-batches; a client that
-/// could not take its token is aborted (its KV freed with the next outbox).
+/// could not take its token is aborted (its KV freed in this same outbox, or once its
+/// micro-batch is back).
 async fn carry_out<E: Executor>(
     exec: &mut E,
     sched: &mut Scheduler<'_>,
@@ -120,7 +131,8 @@ async fn carry_out<E: Executor>(
     out: &mut Outbox,
 ) -> Result<(), StageFailure> {
     let undelivered = requests.deliver(out);
-    sched.abort(&undelivered, out);
+    let stopped = sched.abort(&undelivered, out);
+    requests.forget(&stopped);
     exec.free(std::mem::take(&mut out.free));
     for batch in out.batches.drain(..) {
         exec.submit(batch).await?;

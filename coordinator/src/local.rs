@@ -1,5 +1,5 @@
 //! The whole model as one stage in this process (`baton serve --workers 0`, `baton generate`),
-//! served by the same step loop as a pipeline of workers: continuous batching, paged KV, the
+//! served by the same scheduler and engine as a pipeline of workers: continuous batching, paged KV, the
 //! prefix cache and the pipeline's metrics all apply. [`start`] is the entry point.
 
 use std::path::{Path, PathBuf};
@@ -108,7 +108,7 @@ pub fn load_stage(path: &Path, opts: &LocalStageOptions) -> Result<Stage, LocalE
     Ok(Stage::new(backend, 0, Dtype::F32))
 }
 
-/// Load the model at `path` as one in-process stage and serve it with the step loop (call
+/// Load the model at `path` as one in-process stage and serve it with the engine (call
 /// inside a tokio runtime). `config.stages` is taken as 1; if the stage ever fails it is
 /// loaded again from the same files.
 pub fn start(config: PipelineConfig, path: &Path, opts: &LocalStageOptions) -> Result<PipelineGenerator, LocalError> {

@@ -338,6 +338,10 @@ fn serving_commands_explain_missing_settings() {
             "[serve]\nport = 0\nworkers = 0\nweights = \"q2\"\n",
             "unknown weight format \"q2\"",
         ),
+        (
+            "[serve]\nport = 0\nworkers = 0\nmax_running = 0\n",
+            "max_running must be at least 1",
+        ),
     ] {
         std::fs::write(&cfg, toml).unwrap();
         let e = stderr_of_failure(&[

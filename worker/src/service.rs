@@ -370,8 +370,6 @@ impl Worker for WorkerService {
     }
 }
 
-/// The span of one micro-batch on this stage, a child of the sender's span when it came with
-/// a trace context. Stage fields are filled in once the stage is known.
 /// Open the Forward stream to the next stage; its results are relayed into `up_tx`.
 async fn open_downstream(
     url: &str,

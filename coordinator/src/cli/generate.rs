@@ -71,7 +71,6 @@ pub struct GenerateArgs {
 
 pub fn run(ctx: &Ctx, a: GenerateArgs) -> Result<()> {
     let path = ctx.model_path(&a.model)?;
-    // Token ids in and out need no tokenizer, so checkpoints without tokenizer files work too.
     let files = ModelFiles::open(&path).with_context(|| format!("loading model {}", path.display()))?;
     let config = files.config()?;
     // Token ids in and out need no tokenizer, so checkpoints without tokenizer files work too.

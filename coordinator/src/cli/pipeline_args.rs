@@ -122,6 +122,9 @@ pub(super) fn pipeline_config(
     stages: usize,
     max_context: usize,
 ) -> Result<PipelineConfig> {
+    // With no running or queued slot every request would wait forever.
+    anyhow::ensure!(p.max_running > 0, "max_running must be at least 1");
+    anyhow::ensure!(p.max_queue > 0, "max_queue must be at least 1");
     anyhow::ensure!(p.kv_block_size > 0, "kv_block_size must be at least 1");
     anyhow::ensure!(p.kv_max_blocks != Some(0), "kv_max_blocks must be at least 1");
     weight_format(p.weights.as_str(), &model.files)?;

@@ -185,7 +185,7 @@ async fn build_generator(
         .to_string();
     let config = pipeline_config(p, &model, worker_model, a.workers.max(1), max_context)?;
     if a.workers == 0 {
-        // The whole model on one stage in this process, through the same step loop.
+        // The whole model on one stage in this process, through the same engine.
         let opts = LocalStageOptions {
             format: weight_format(p.weights.as_str(), &model.files)?,
             threads: cores(),

@@ -1,6 +1,6 @@
 //! The executor over one stage in this process (`baton serve --workers 0`, `baton generate`):
 //! the whole model's [`Stage`] on its own OS thread, fed micro-batches through a channel, so
-//! the async runtime never waits on compute and the step loop is the same as for workers.
+//! the async runtime never waits on compute and the engine is the same as for workers.
 
 use std::sync::Arc;
 use std::sync::mpsc as std_mpsc;
@@ -60,7 +60,10 @@ fn serve(
             Command::Run(batch) => {
                 let batch_id = batch.batch_id;
                 let span = forward_span(LOCAL_WORKER, &batch);
-                let result = match stage.run_observed(batch, &span) {
+                // A panic in the stage fails its micro-batch (the scheduler frees its sequences)
+                // instead of every request and a reload of the whole model.
+                let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| stage.run_observed(batch, &span)));
+                let result = match run.unwrap_or_else(|p| Err(format!("the stage panicked: {}", panic_text(&p)))) {
                     Ok(StageOutput::Sampled(r)) => r,
                     Ok(StageOutput::Forward(_)) => BatchResult {
                         batch_id,
@@ -87,6 +90,15 @@ fn serve(
     }
 }
 
+/// A panic's message, where it has one.
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> &str {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("no message")
+}
+
 /// The stage's load numbers, where `/admin/cluster` reads them.
 fn publish(stage: &Stage, status: &PipelineStatus) {
     let mut health = stage.health();
@@ -101,7 +113,8 @@ fn publish(stage: &Stage, status: &PipelineStatus) {
 
 impl LocalExecutor {
     fn stopped(&mut self) -> StageFailure {
-        // The thread only ends early by panicking: say so rather than a bare "closed".
+        // Panics in a micro-batch are caught; one outside it (freeing sequences, publishing
+        // numbers) ends the thread. Joined only once finished, so this never blocks.
         let finished = self.thread.take_if(|t| t.is_finished());
         let panicked = finished.is_some_and(|t| t.join().is_err());
         StageFailure::new(if panicked {
@@ -140,14 +153,5 @@ impl Executor for LocalExecutor {
 
     async fn watch(&mut self) -> StageFailure {
         std::future::pending().await
-    }
-}
-
-impl Drop for LocalExecutor {
-    fn drop(&mut self) {
-        // Closing the channel ends the thread after the micro-batch it is on (if any); not
-        // joined, so dropping never blocks the async runtime on compute.
-        let (closed, _) = std_mpsc::channel();
-        self.commands = closed;
     }
 }

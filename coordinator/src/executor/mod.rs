@@ -1,6 +1,6 @@
-//! Executors run micro-batches for the step loop: [`grpc::GrpcExecutor`] through a chain of
-//! worker processes, [`local::LocalExecutor`] on a stage in this process. The step loop
-//! (`pipeline::steps`) talks only to [`Executor`], so `baton serve --workers 0` gets the same
+//! Executors run micro-batches for the engine: [`grpc::GrpcExecutor`] through a chain of
+//! worker processes, [`local::LocalExecutor`] on a stage in this process. The engine
+//! (`crate::engine`) talks only to [`Executor`], so `baton serve --workers 0` gets the same
 //! continuous batching, paged KV and prefix cache as a pipeline of workers.
 
 pub(crate) mod grpc;
@@ -8,7 +8,7 @@ pub(crate) mod local;
 
 use baton_shared::proto::{BatchResult, MicroBatch};
 
-/// A stage that can no longer serve: the step loop fails its sequences and the supervisor
+/// A stage that can no longer serve: the engine fails its sequences and the supervisor
 /// rebuilds.
 #[derive(Debug, Clone)]
 pub(crate) struct StageFailure {
@@ -29,7 +29,7 @@ impl StageFailure {
 
 /// Runs micro-batches through every stage and hands back what the last stage sampled.
 pub(crate) trait Executor {
-    /// Stages a micro-batch passes through: the step loop keeps up to this many in flight.
+    /// Stages a micro-batch passes through: the scheduler keeps up to this many in flight.
     fn depth(&self) -> usize;
 
     /// Send a micro-batch into the first stage.
@@ -43,7 +43,7 @@ pub(crate) trait Executor {
     /// micro-batch in flight are freed, so this never overtakes their last batch.
     fn free(&self, ids: Vec<u64>);
 
-    /// Resolves when a stage is known to be dead while nothing is in flight (the step loop
+    /// Resolves when a stage is known to be dead while nothing is in flight (the engine
     /// waits on this beside new requests); never resolves while every stage lives.
     async fn watch(&mut self) -> StageFailure;
 }

@@ -208,7 +208,7 @@ impl PipelineGenerator {
     }
 
     /// Serve on `stage`, the whole model loaded in this process (`baton serve --workers 0`,
-    /// `baton generate`), with the same step loop as a pipeline of workers; `reload` builds a
+    /// `baton generate`), with the same engine as a pipeline of workers; `reload` builds a
     /// new stage if the running one fails.
     pub fn start_local(mut config: PipelineConfig, stage: Stage, reload: StageLoader) -> Self {
         config.stages = 1;

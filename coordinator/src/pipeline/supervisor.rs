@@ -1,5 +1,5 @@
 //! Builds the pipeline from registered workers (layer ranges from `split`, LoadStage on each, a
-//! Forward stream into stage 0), runs the step loop, and starts over when a stage fails or
+//! Forward stream into stage 0), runs the engine on it, and starts over when a stage fails or
 //! leaves. [`run_local`] does the same for the one in-process stage of `--workers 0`.
 
 use std::ops::Range;
@@ -208,7 +208,7 @@ fn broke(failure: &StageFailure, status: &PipelineStatus) {
 /// Builds the whole model's stage again after the in-process one failed.
 pub type StageLoader = Arc<dyn Fn() -> Result<Stage, String> + Send + Sync>;
 
-/// Supervise the one in-process stage: serve on `stage` with the step loop, and after a
+/// Supervise the one in-process stage: serve on `stage` with the engine, and after a
 /// failure (a panic in the stage thread) load a new one with `reload` and serve again.
 pub(crate) async fn run_local(
     config: PipelineConfig,

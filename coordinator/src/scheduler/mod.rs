@@ -299,7 +299,7 @@ impl<'a> Scheduler<'a> {
         let alloc = BlockAllocator::new(kv_blocks, config.kv_block_size, config.prefix_caching);
         status.kv_blocks_total.store(alloc.total() as u64, Ordering::Relaxed);
         metrics::gauge!("baton_kv_blocks_total").set(alloc.total() as f64);
-        Self {
+        let sched = Self {
             config,
             status,
             active: Vec::new(),
@@ -308,7 +308,10 @@ impl<'a> Scheduler<'a> {
             in_flight: VecDeque::new(),
             depth,
             batch_id: 0,
-        }
+        };
+        // A rebuilt pipeline starts empty: no figures left over from the one before.
+        sched.publish_blocks();
+        sched
     }
 
     /// Nothing running and nothing waiting for admission.
@@ -373,15 +376,18 @@ impl<'a> Scheduler<'a> {
         self.publish_blocks();
     }
 
-    /// Stop sequences whose requests went away and free their KV. One with a micro-batch in
-    /// flight stays until that batch returns (so Free cannot overtake it): abort it again then.
-    pub fn abort(&mut self, ids: &[u64], out: &mut Outbox) {
+    /// Stop sequences whose requests went away and free their KV; returns the ids it stopped.
+    /// One with a micro-batch in flight stays until that batch returns (so Free cannot overtake
+    /// it): abort it again then.
+    pub fn abort(&mut self, ids: &[u64], out: &mut Outbox) -> Vec<u64> {
         if ids.is_empty() {
-            return;
+            return Vec::new();
         }
+        let mut stopped = Vec::new();
         if self.next_up.as_ref().is_some_and(|s| ids.contains(&s.id)) {
             let seq = new_seq(self.next_up.take().expect("checked"));
             record_outcome(&seq, "cancelled");
+            stopped.push(seq.id);
         }
         let (mut gone, kept): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut self.active)
             .into_iter()
@@ -390,9 +396,11 @@ impl<'a> Scheduler<'a> {
         for s in &mut gone {
             record_outcome(s, "cancelled");
             self.alloc.release(&mut s.blocks);
+            stopped.push(s.id);
         }
         out.free.extend(gone.iter().filter(|s| s.holds_kv()).map(|s| s.id));
         self.publish_blocks();
+        stopped
     }
 
     /// Fill the free micro-batch slots: up to one micro-batch per stage in flight, over disjoint
@@ -730,7 +738,7 @@ mod tests {
         }
     }
 
-    /// Send micro-batches over `active` as the step loop does, returning the oldest in flight
+    /// Send micro-batches over `active` as the scheduler does, returning the oldest in flight
     /// whenever all `depth` slots are taken; the sizes of the micro-batches sent.
     fn ring(active: &mut [Seq], depth: usize, in_flight: &mut VecDeque<Vec<u64>>, sends: usize) -> Vec<usize> {
         let mut sizes = Vec::new();
@@ -891,12 +899,15 @@ mod tests {
         sched.admit(|| queue.pop(), &mut out);
         sched.schedule(&mut out);
         let batch = out.batches.pop().unwrap();
-        sched.abort(&[7], &mut out);
-        assert!(out.free.is_empty(), "its micro-batch is still in flight");
+        assert!(
+            sched.abort(&[7], &mut out).is_empty(),
+            "its micro-batch is still in flight"
+        );
+        assert!(out.free.is_empty());
         assert_eq!(sched.running(), 1);
         sched.on_result(answer(&batch, |_, p| p), &mut out).unwrap();
         out.events.clear();
-        sched.abort(&[7], &mut out);
+        assert_eq!(sched.abort(&[7], &mut out), [7]);
         assert_eq!(out.free, [7]);
         assert!(sched.is_idle());
         assert_eq!(status.kv_blocks_used.load(Ordering::Relaxed), 0);
@@ -954,7 +965,7 @@ mod tests {
         assert_eq!(picked, [1, 2, 3, 4, 5, 6, 7, 15]);
     }
 
-    /// Compose over every sequence, as the step loop does when nothing is in flight.
+    /// Compose over every sequence, as the scheduler does when nothing is in flight.
     fn compose_all(active: &mut [Seq], budget: usize) -> (Vec<SequenceChunk>, usize) {
         let mut alloc = BlockAllocator::new(1 << 20, 16, true);
         let mut all: Vec<&mut Seq> = active.iter_mut().collect();
