@@ -71,17 +71,17 @@ pub struct GenerateArgs {
 
 pub fn run(ctx: &Ctx, a: GenerateArgs) -> Result<()> {
     let path = ctx.model_path(&a.model)?;
-    let files = ModelFiles::open(&path).with_context(|| format!("loading model {}", path.display()))?;
-    let config = files.config()?;
     // Token ids in and out need no tokenizer, so checkpoints without tokenizer files work too.
-    let tokenizer = match super::open_model_at(&path) {
-        Ok(m) => Some(m.tokenizer),
+    let (files, tokenizer) = match super::open_model_at(&path) {
+        Ok(m) => (m.files, Some(m.tokenizer)),
         Err(e) if a.prompt.is_none() && a.stop.is_empty() => {
             tracing::info!("no tokenizer ({e:#}); printing token ids");
-            None
+            let files = ModelFiles::open(&path).with_context(|| format!("loading model {}", path.display()))?;
+            (files, None)
         }
         Err(e) => return Err(e),
     };
+    let config = files.config()?;
     let prompt = match (&a.prompt, &a.tokens, &tokenizer) {
         (Some(p), _, _) if p.is_empty() => bail!("empty prompt: pass some text with --prompt"),
         (Some(p), _, Some(tok)) if a.chat => tok.encode(&apply_chat_with(tok, p)?, false)?,

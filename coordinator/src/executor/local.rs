@@ -99,16 +99,19 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> &str {
         .unwrap_or("no message")
 }
 
-/// The stage's load numbers, where `/admin/cluster` reads them.
+/// The stage's load numbers, where `/admin/cluster` reads them. Written in place: this runs
+/// after every micro-batch, so it allocates nothing once the slot exists.
 fn publish(stage: &Stage, status: &PipelineStatus) {
-    let mut health = stage.health();
-    health.worker_id = LOCAL_WORKER.into();
     let live = StageLive {
-        health: Some(health),
+        health: Some(stage.health()),
         answered: Some(Instant::now()),
         error: None,
     };
-    *status.stage_live.lock().unwrap_or_else(|e| e.into_inner()) = vec![live];
+    let mut slots = status.stage_live.lock().unwrap_or_else(|e| e.into_inner());
+    match slots.first_mut() {
+        Some(slot) => *slot = live,
+        None => slots.push(live),
+    }
 }
 
 impl LocalExecutor {

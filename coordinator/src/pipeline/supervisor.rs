@@ -140,10 +140,7 @@ pub(crate) async fn run(
     mut submit_rx: mpsc::Receiver<NewSequence>,
     status: Arc<PipelineStatus>,
 ) {
-    // Counters exist from the start (at 0), so dashboards can rate() them before any failure.
-    metrics::counter!("baton_pipeline_failures_total").increment(0);
-    metrics::counter!("baton_preemptions_total").increment(0);
-    metrics::gauge!("baton_pipeline_ready").set(0.0);
+    zero_counters();
     let mut profiles = ProfileCache::default();
     loop {
         status.ready.store(false, Ordering::Release);
@@ -168,18 +165,11 @@ pub(crate) async fn run(
             };
         let assignment: Vec<_> = pipeline.stages.iter().map(|(a, _)| a.clone()).collect();
         tracing::info!(?assignment, "pipeline ready");
-        *status.assignment.lock().unwrap_or_else(|e| e.into_inner()) = assignment;
         for (i, secs) in split.predicted_seconds.iter().enumerate() {
             metrics::gauge!("baton_stage_predicted_seconds", "stage" => i.to_string()).set(*secs);
         }
         *status.split.lock().unwrap_or_else(|e| e.into_inner()) = Some(split);
-        // Published before `ready`, so anyone who sees the pipeline ready also sees its pool size.
-        status
-            .kv_blocks_total
-            .store(pipeline.kv_blocks as u64, Ordering::Relaxed);
-        status.ready.store(true, Ordering::Release);
-        metrics::gauge!("baton_pipeline_ready").set(1.0);
-        metrics::gauge!("baton_pipeline_stages").set(pipeline.stages.len() as f64);
+        publish_ready(&status, assignment, pipeline.kv_blocks);
         let _poller = stage_stats::start(&pipeline, &status);
         let end = match GrpcExecutor::open(&pipeline, &cluster).await {
             Ok(mut exec) => engine::run(&config, &mut exec, pipeline.kv_blocks, &mut submit_rx, &status).await,
@@ -195,6 +185,24 @@ pub(crate) async fn run(
             }
         }
     }
+}
+
+/// Counters exist from the start (at 0), so dashboards can rate() them before any failure.
+fn zero_counters() {
+    metrics::counter!("baton_pipeline_failures_total").increment(0);
+    metrics::counter!("baton_preemptions_total").increment(0);
+    metrics::gauge!("baton_pipeline_ready").set(0.0);
+}
+
+/// A pipeline stands: its stages and pool size, then `ready`, so anyone who sees it ready
+/// also sees them.
+fn publish_ready(status: &PipelineStatus, assignment: Vec<StageAssignment>, kv_blocks: usize) {
+    let stages = assignment.len();
+    *status.assignment.lock().unwrap_or_else(|e| e.into_inner()) = assignment;
+    status.kv_blocks_total.store(kv_blocks as u64, Ordering::Relaxed);
+    status.ready.store(true, Ordering::Release);
+    metrics::gauge!("baton_pipeline_ready").set(1.0);
+    metrics::gauge!("baton_pipeline_stages").set(stages as f64);
 }
 
 /// Count and log a pipeline that broke.
@@ -217,8 +225,7 @@ pub(crate) async fn run_local(
     mut submit_rx: mpsc::Receiver<NewSequence>,
     status: Arc<PipelineStatus>,
 ) {
-    metrics::counter!("baton_pipeline_failures_total").increment(0);
-    metrics::counter!("baton_preemptions_total").increment(0);
+    zero_counters();
     let mut next = Some(stage);
     loop {
         status.ready.store(false, Ordering::Release);
@@ -241,12 +248,11 @@ pub(crate) async fn run_local(
         };
         let info = stage.info();
         let kv_blocks = stage.backend().kv().blocks;
-        *status.assignment.lock().unwrap_or_else(|e| e.into_inner()) = vec![StageAssignment {
+        let assignment = StageAssignment {
             worker_id: LOCAL_WORKER.into(),
             address: "in-process".into(),
             layers: info.layer_start as usize..info.layer_end as usize,
-        }];
-        status.kv_blocks_total.store(kv_blocks as u64, Ordering::Relaxed);
+        };
         let mut exec = match LocalExecutor::start(stage, status.clone()) {
             Ok(e) => e,
             Err(failure) => {
@@ -255,9 +261,7 @@ pub(crate) async fn run_local(
                 continue;
             }
         };
-        status.ready.store(true, Ordering::Release);
-        metrics::gauge!("baton_pipeline_ready").set(1.0);
-        metrics::gauge!("baton_pipeline_stages").set(1.0);
+        publish_ready(&status, vec![assignment], kv_blocks);
         match engine::run(&config, &mut exec, kv_blocks, &mut submit_rx, &status).await {
             EngineEnd::Shutdown => return,
             EngineEnd::StageFailed(failure) => broke(&failure, &status),
