@@ -14,6 +14,7 @@ use baton_worker::engine::Engine;
 use baton_worker::kernels::cpu::dispatch::{KernelPath, Kernels};
 use baton_worker::kernels::cpu::matmul::WeightFormat;
 use baton_worker::model::{LoadOptions, StageWeights};
+use baton_worker::ops::cpu::CpuOps;
 use baton_worker::roofline;
 use baton_worker::threads::ThreadPool;
 use clap::{Parser, Subcommand};
@@ -250,8 +251,7 @@ fn reference(
     for _ in 0..reps.max(1) {
         for c in &mut configs {
             let engine = &mut engines[c.engine];
-            engine.weights.kernels = c.kernels;
-            engine.weights.pool = Arc::clone(&c.pool);
+            engine.weights.ops = CpuOps::with_pool(c.kernels, Arc::clone(&c.pool));
             let t = Instant::now();
             engine.prompt_logits(&prompt, false)?;
             c.prefill.push(prompt_tokens as f64 / t.elapsed().as_secs_f64());

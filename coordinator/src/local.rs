@@ -90,8 +90,7 @@ pub fn load_stage(path: &Path, opts: &LocalStageOptions) -> Result<Stage, LocalE
     let backend_opts = BackendOptions {
         device: Device::Cpu { threads: None },
         format: opts.format,
-        threads: opts.threads.max(1),
-        kernels: None,
+        cpu: baton_worker::backend::CpuOptions::threads(opts.threads.max(1)),
         check_finite: opts.check_finite,
         kv_blocks,
         kv_block_size: opts.kv_block_size,

@@ -145,10 +145,11 @@ pub enum PlanError {
 }
 
 /// Seconds and weight bytes of stage `i` of `n` holding `layers` layers on worker `w`.
-fn stage_cost(w: &WorkerCosts, i: usize, n: usize, layers: usize, load: Workload) -> (f64, u64) {
-    // Bytes come from the network: saturate rather than wrap past a budget.
-    let mut secs = layers as f64 * w.layer.at(load.tokens);
-    let mut bytes = (layers as u64).saturating_mul(w.layer_bytes);
+fn stage_cost(w: &WorkerCosts, i: usize, n: usize, layers: f64, load: Workload) -> (f64, u64) {
+    // Bytes come from the network: saturate rather than wrap past a budget (a float-to-integer
+    // cast saturates too).
+    let mut secs = layers * w.layer.at(load.tokens);
+    let mut bytes = (layers * w.layer_bytes as f64) as u64;
     if i == 0 {
         secs += w.embed.at(load.tokens);
         bytes = bytes.saturating_add(w.embed_bytes);
@@ -165,6 +166,22 @@ fn stage_cost(w: &WorkerCosts, i: usize, n: usize, layers: usize, load: Workload
 /// slow splits, the one with the least total time (latency). Exact: two dynamic programs over
 /// (stage, layers so far), O(stages × layers²).
 pub fn plan(num_layers: usize, workers: &[WorkerCosts], workload: Workload) -> Result<Plan, PlanError> {
+    plan_layers(&vec![1.0; num_layers], workers, workload)
+}
+
+/// [`plan`] for layers that differ: `layer_costs[l]` is layer `l`'s time and weight bytes
+/// relative to the profiled layer (the model's declared weights, see
+/// `baton_worker::model::spec::relative_costs`), so 1.0 for every layer of a uniform model.
+pub fn plan_layers(layer_costs: &[f64], workers: &[WorkerCosts], workload: Workload) -> Result<Plan, PlanError> {
+    let num_layers = layer_costs.len();
+    // prefix[b] - prefix[a]: the layers a..b in units of the profiled layer (exact integers
+    // for a uniform model, so its plans are what they were).
+    let mut prefix = Vec::with_capacity(num_layers + 1);
+    prefix.push(0.0);
+    for c in layer_costs {
+        prefix.push(prefix[prefix.len() - 1] + c);
+    }
+    let weight = |a: usize, b: usize| prefix[b] - prefix[a];
     let n = workers.len();
     if n == 0 || n > num_layers {
         return Err(PlanError::Shape {
@@ -178,7 +195,7 @@ pub fn plan(num_layers: usize, workers: &[WorkerCosts], workload: Workload) -> R
     };
     // cost(i, a, b): stage i holding layers a..b, or None when its weights do not fit.
     let cost = |i: usize, a: usize, b: usize| {
-        let (secs, bytes) = stage_cost(&workers[i], i, n, b - a, batch);
+        let (secs, bytes) = stage_cost(&workers[i], i, n, weight(a, b), batch);
         let fits = workers[i].weight_budget.is_none_or(|budget| bytes <= budget);
         fits.then_some(secs)
     };
@@ -249,7 +266,7 @@ pub fn plan(num_layers: usize, workers: &[WorkerCosts], workload: Workload) -> R
     let stage_seconds = ranges
         .iter()
         .enumerate()
-        .map(|(i, r)| stage_cost(&workers[i], i, n, r.len(), batch).0)
+        .map(|(i, r)| stage_cost(&workers[i], i, n, weight(r.start, r.end), batch).0)
         .collect();
     Ok(Plan {
         ranges,
@@ -334,7 +351,7 @@ mod tests {
                 if i + 1 == n && end != layers {
                     continue;
                 }
-                let (secs, bytes) = stage_cost(&workers[i], i, n, end - start, batch);
+                let (secs, bytes) = stage_cost(&workers[i], i, n, (end - start) as f64, batch);
                 if workers[i].weight_budget.is_some_and(|b| bytes > b) {
                     continue;
                 }
@@ -481,6 +498,20 @@ mod tests {
                 .to_string()
                 .contains("'fastest'")
         );
+    }
+
+    #[test]
+    fn layers_that_cost_more_go_to_fewer_per_stage() {
+        let same = [linear(1.0, 0.0, 0.0), linear(1.0, 0.0, 0.0)];
+        let one = Workload { tokens: 1, sampled: 1 };
+        let uniform = plan_layers(&[1.0; 6], &same, one).unwrap();
+        assert_eq!(uniform, plan(6, &same, one).unwrap());
+        assert_eq!(uniform.ranges, vec![0..3, 3..6]);
+        // The last two layers weigh three times as much: 1+1+1+1 against 3+3 is no better
+        // than 1+1+1+1+3 against 3, and 4 against 6 beats 7 against 3.
+        let p = plan_layers(&[1.0, 1.0, 1.0, 1.0, 3.0, 3.0], &same, one).unwrap();
+        assert_eq!(p.ranges, vec![0..5, 5..6]);
+        assert!((p.bottleneck() - 7.0).abs() > 0.5, "{p:?}");
     }
 
     #[test]

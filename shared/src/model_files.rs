@@ -1,10 +1,10 @@
 //! One view over a model on disk, whichever format it is in: a Hugging Face directory
-//! (config.json + safetensors) or a GGUF file. Tensors are named by [`TensorRole`] and layer,
-//! so the layer code never sees format-specific names or GGUF's q/k row permutation.
+//! (config.json + safetensors) or a GGUF file. Tensors are looked up by [`TensorSpec`] (both
+//! names and the shape), so layer code never sees format-specific names or GGUF's q/k row
+//! permutation.
 
 use crate::sampling::{SamplingDefaults, SamplingDefaultsError};
 use std::collections::BTreeSet;
-use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use crate::dtype::{DType, dequantize};
@@ -12,114 +12,37 @@ use crate::gguf::{GgufError, GgufFile};
 use crate::model_config::{Architecture, ConfigError, ModelConfig};
 use crate::safetensors_dir::{SafetensorsDir, SafetensorsError};
 
-/// What a weight tensor is for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum TensorRole {
-    Embedding,
-    AttnNorm,
-    Q,
-    K,
-    V,
-    QBias,
-    KBias,
-    VBias,
-    QNorm,
-    KNorm,
-    O,
-    FfnNorm,
-    Gate,
-    Up,
-    Down,
-    FinalNorm,
-    LmHead,
+/// One weight tensor as a model architecture names it in both file formats, with the shape its
+/// config implies. Architecture modules (`baton_worker::model::arch`) build these; this module
+/// only looks them up, so a new architecture or a per-expert tensor needs no change here.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// Hugging Face (safetensors) name.
+    pub hf: String,
+    /// GGUF (llama.cpp) name.
+    pub gguf: String,
+    /// Row-major shape.
+    pub shape: Vec<usize>,
+    /// llama.cpp stores this matrix's rows interleaved within each of this many heads (Llama's
+    /// q/k in GGUF files); they are put back in Hugging Face order on load.
+    pub gguf_heads_permuted: Option<usize>,
 }
 
-impl TensorRole {
-    /// Roles inside each decoder layer for an architecture.
-    pub fn layer_roles(cfg: &ModelConfig) -> Vec<TensorRole> {
-        use TensorRole::*;
-        let mut roles = vec![AttnNorm, Q, K, V, O, FfnNorm, Gate, Up, Down];
-        if cfg.qkv_bias {
-            roles.extend([QBias, KBias, VBias]);
-        }
-        if cfg.qk_norm {
-            roles.extend([QNorm, KNorm]);
-        }
-        roles
-    }
-
-    /// Hugging Face tensor name.
-    pub fn hf_name(self, layer: Option<usize>) -> String {
-        let l = layer.unwrap_or(0);
-        let p = format!("model.layers.{l}");
-        match self {
-            Self::Embedding => "model.embed_tokens.weight".into(),
-            Self::FinalNorm => "model.norm.weight".into(),
-            Self::LmHead => "lm_head.weight".into(),
-            Self::AttnNorm => format!("{p}.input_layernorm.weight"),
-            Self::Q => format!("{p}.self_attn.q_proj.weight"),
-            Self::K => format!("{p}.self_attn.k_proj.weight"),
-            Self::V => format!("{p}.self_attn.v_proj.weight"),
-            Self::QBias => format!("{p}.self_attn.q_proj.bias"),
-            Self::KBias => format!("{p}.self_attn.k_proj.bias"),
-            Self::VBias => format!("{p}.self_attn.v_proj.bias"),
-            Self::QNorm => format!("{p}.self_attn.q_norm.weight"),
-            Self::KNorm => format!("{p}.self_attn.k_norm.weight"),
-            Self::O => format!("{p}.self_attn.o_proj.weight"),
-            Self::FfnNorm => format!("{p}.post_attention_layernorm.weight"),
-            Self::Gate => format!("{p}.mlp.gate_proj.weight"),
-            Self::Up => format!("{p}.mlp.up_proj.weight"),
-            Self::Down => format!("{p}.mlp.down_proj.weight"),
+impl TensorSpec {
+    /// A tensor named `hf` / `gguf` with `shape`, stored in the same row order by both.
+    pub fn new(hf: impl Into<String>, gguf: impl Into<String>, shape: Vec<usize>) -> Self {
+        Self {
+            hf: hf.into(),
+            gguf: gguf.into(),
+            shape,
+            gguf_heads_permuted: None,
         }
     }
 
-    /// GGUF (llama.cpp) tensor name.
-    pub fn gguf_name(self, layer: Option<usize>) -> String {
-        let l = layer.unwrap_or(0);
-        let p = format!("blk.{l}");
-        match self {
-            Self::Embedding => "token_embd.weight".into(),
-            Self::FinalNorm => "output_norm.weight".into(),
-            Self::LmHead => "output.weight".into(),
-            Self::AttnNorm => format!("{p}.attn_norm.weight"),
-            Self::Q => format!("{p}.attn_q.weight"),
-            Self::K => format!("{p}.attn_k.weight"),
-            Self::V => format!("{p}.attn_v.weight"),
-            Self::QBias => format!("{p}.attn_q.bias"),
-            Self::KBias => format!("{p}.attn_k.bias"),
-            Self::VBias => format!("{p}.attn_v.bias"),
-            Self::QNorm => format!("{p}.attn_q_norm.weight"),
-            Self::KNorm => format!("{p}.attn_k_norm.weight"),
-            Self::O => format!("{p}.attn_output.weight"),
-            Self::FfnNorm => format!("{p}.ffn_norm.weight"),
-            Self::Gate => format!("{p}.ffn_gate.weight"),
-            Self::Up => format!("{p}.ffn_up.weight"),
-            Self::Down => format!("{p}.ffn_down.weight"),
-        }
-    }
-
-    /// Expected row-major shape.
-    pub fn shape(self, c: &ModelConfig) -> Vec<usize> {
-        let (h, q, kv, f, v, d) = (
-            c.hidden_size,
-            c.q_dim(),
-            c.kv_dim(),
-            c.intermediate_size,
-            c.vocab_size,
-            c.head_dim,
-        );
-        match self {
-            Self::Embedding | Self::LmHead => vec![v, h],
-            Self::AttnNorm | Self::FfnNorm | Self::FinalNorm => vec![h],
-            Self::Q => vec![q, h],
-            Self::K | Self::V => vec![kv, h],
-            Self::QBias => vec![q],
-            Self::KBias | Self::VBias => vec![kv],
-            Self::QNorm | Self::KNorm => vec![d],
-            Self::O => vec![h, q],
-            Self::Gate | Self::Up => vec![f, h],
-            Self::Down => vec![h, f],
-        }
+    /// The same tensor, stored by GGUF with rows interleaved within each of `heads` heads.
+    pub fn permuted_in_gguf(mut self, heads: usize) -> Self {
+        self.gguf_heads_permuted = Some(heads);
+        self
     }
 }
 
@@ -239,23 +162,23 @@ impl ModelFiles {
     }
 
     /// The tensor's name in this file's naming scheme (GGUF or Hugging Face).
-    pub fn name_of(&self, role: TensorRole, layer: Option<usize>) -> String {
+    pub fn name_of<'s>(&self, spec: &'s TensorSpec) -> &'s str {
         match self {
-            Self::HfDir { .. } => role.hf_name(layer),
-            Self::Gguf(_) => role.gguf_name(layer),
+            Self::HfDir { .. } => &spec.hf,
+            Self::Gguf(_) => &spec.gguf,
         }
     }
 
-    /// The stored tensor for a role, or None if the file has no such tensor.
-    pub fn stored(&self, role: TensorRole, layer: Option<usize>) -> Option<StoredTensor<'_>> {
-        let name = self.name_of(role, layer);
+    /// The stored tensor, or None if the file has no such tensor.
+    pub fn stored(&self, spec: &TensorSpec) -> Option<StoredTensor<'_>> {
+        let name = self.name_of(spec);
         match self {
-            Self::HfDir { weights, .. } => weights.tensors.get(&name).map(|t| StoredTensor {
+            Self::HfDir { weights, .. } => weights.tensors.get(name).map(|t| StoredTensor {
                 dtype: t.dtype,
                 shape: &t.shape,
                 data: weights.tensor_data(t),
             }),
-            Self::Gguf(g) => g.tensors.get(&name).map(|t| StoredTensor {
+            Self::Gguf(g) => g.tensors.get(name).map(|t| StoredTensor {
                 dtype: t.dtype,
                 shape: &t.shape,
                 data: g.tensor_data(t),
@@ -271,44 +194,25 @@ impl ModelFiles {
         }
     }
 
-    /// Which (role, layer) pairs a stage holding `layers` needs; the embedding and head on request.
-    pub fn required(
+    /// Check that the files hold exactly the tensors `expected` (an architecture's whole list),
+    /// with the right shapes; `tolerated` may be present too (a tied checkpoint may still carry
+    /// its identical head).
+    pub fn validate_complete(
+        &self,
         cfg: &ModelConfig,
-        layers: Range<usize>,
-        embedding: bool,
-        head: bool,
-    ) -> Vec<(TensorRole, Option<usize>)> {
-        let mut out = Vec::new();
-        if embedding || (head && cfg.tie_word_embeddings) {
-            out.push((TensorRole::Embedding, None));
-        }
-        for l in layers {
-            out.extend(TensorRole::layer_roles(cfg).into_iter().map(|r| (r, Some(l))));
-        }
-        if head {
-            out.push((TensorRole::FinalNorm, None));
-            if !cfg.tie_word_embeddings {
-                out.push((TensorRole::LmHead, None));
-            }
-        }
-        out
-    }
-
-    /// Check that the files hold exactly the tensors the config implies, with the right shapes.
-    pub fn validate_complete(&self, cfg: &ModelConfig) -> Result<(), LoadError> {
+        expected: &[TensorSpec],
+        tolerated: &[TensorSpec],
+    ) -> Result<(), LoadError> {
         let source_name = self.source_name();
         let mut unexpected = self.tensor_names();
-        for (role, layer) in Self::required(cfg, 0..cfg.num_layers, true, true) {
-            let name = self.name_of(role, layer);
-            let t = self.stored(role, layer).ok_or_else(|| LoadError::MissingTensor {
-                source_name: source_name.clone(),
-                name: name.clone(),
-            })?;
-            check_shape(&source_name, &name, t.shape, &role.shape(cfg))?;
-            unexpected.remove(&name);
+        for spec in expected {
+            self.checked(spec)?;
+            unexpected.remove(self.name_of(spec));
         }
-        // A tied checkpoint may still carry its (identical) head; rotary caches are derived data.
-        unexpected.remove(&self.name_of(TensorRole::LmHead, None));
+        for spec in tolerated {
+            unexpected.remove(self.name_of(spec));
+        }
+        // Rotary caches are derived data.
         unexpected.retain(|n| !n.ends_with("rotary_emb.inv_freq"));
         if !unexpected.is_empty() {
             let names: Vec<_> = unexpected.into_iter().take(8).collect();
@@ -321,76 +225,56 @@ impl ModelFiles {
         Ok(())
     }
 
-    /// The stored tensor for a role, checked to exist with the shape `cfg` implies.
-    fn checked(
-        &self,
-        cfg: &ModelConfig,
-        role: TensorRole,
-        layer: Option<usize>,
-    ) -> Result<(StoredTensor<'_>, Vec<usize>), LoadError> {
+    /// The stored tensor, checked to exist with the shape the spec gives.
+    fn checked(&self, spec: &TensorSpec) -> Result<StoredTensor<'_>, LoadError> {
         let source_name = self.source_name();
-        let name = self.name_of(role, layer);
-        let t = self.stored(role, layer).ok_or_else(|| LoadError::MissingTensor {
+        let name = self.name_of(spec);
+        let t = self.stored(spec).ok_or_else(|| LoadError::MissingTensor {
             source_name: source_name.clone(),
-            name: name.clone(),
+            name: name.to_string(),
         })?;
-        let expected = role.shape(cfg);
-        check_shape(&source_name, &name, t.shape, &expected)?;
-        Ok((t, expected))
+        check_shape(&source_name, name, t.shape, &spec.shape)?;
+        Ok(t)
     }
 
-    /// One tensor's stored bytes in Hugging Face row order (GGUF llama q/k rows un-permuted),
-    /// for a matrix kept in the file's own block format. Shape-checked; `None` for tensors that
-    /// are not 2-D block formats (Q8_0, Q4_0, Q4_1).
-    pub fn load_blocks(
-        &self,
-        cfg: &ModelConfig,
-        role: TensorRole,
-        layer: Option<usize>,
-    ) -> Result<Option<(DType, Vec<u8>)>, LoadError> {
-        let (t, expected) = self.checked(cfg, role, layer)?;
-        if !matches!(t.dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1) || expected.len() != 2 {
+    /// GGUF's head permutation of this tensor's rows, if this file applies one.
+    fn gguf_heads(&self, spec: &TensorSpec) -> Option<usize> {
+        spec.gguf_heads_permuted.filter(|_| matches!(self, Self::Gguf(_)))
+    }
+
+    /// One tensor's stored bytes in Hugging Face row order, for a matrix kept in the file's own
+    /// block format. Shape-checked; `None` for tensors that are not 2-D block formats (Q8_0,
+    /// Q4_0, Q4_1).
+    pub fn load_blocks(&self, spec: &TensorSpec) -> Result<Option<(DType, Vec<u8>)>, LoadError> {
+        let t = self.checked(spec)?;
+        if !matches!(t.dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1) || spec.shape.len() != 2 {
             return Ok(None);
         }
         let mut data = t.data.to_vec();
-        if matches!(self, Self::Gguf(_)) && cfg.architecture == Architecture::Llama {
-            let row_bytes = t.dtype.n_bytes(expected[1]);
-            match role {
-                TensorRole::Q => data = move_rows(&data, cfg.num_heads, row_bytes, |gguf, hf| (gguf, hf)),
-                TensorRole::K => data = move_rows(&data, cfg.num_kv_heads, row_bytes, |gguf, hf| (gguf, hf)),
-                _ => {}
-            }
+        if let Some(heads) = self.gguf_heads(spec) {
+            let row_bytes = t.dtype.n_bytes(spec.shape[1]);
+            data = move_rows(&data, heads, row_bytes, |gguf, hf| (gguf, hf));
         }
         Ok(Some((t.dtype, data)))
     }
 
-    /// Load one tensor as f32 in Hugging Face layout (GGUF llama q/k rows un-permuted).
+    /// Load one tensor as f32 in Hugging Face layout.
     ///
     /// With `check_finite`, a NaN or infinity anywhere is an error naming the tensor.
-    pub fn load_f32(
-        &self,
-        cfg: &ModelConfig,
-        role: TensorRole,
-        layer: Option<usize>,
-        check_finite: bool,
-    ) -> Result<Vec<f32>, LoadError> {
-        let (t, expected) = self.checked(cfg, role, layer)?;
-        let mut out = vec![0f32; expected.iter().product()];
+    pub fn load_f32(&self, spec: &TensorSpec, check_finite: bool) -> Result<Vec<f32>, LoadError> {
+        let t = self.checked(spec)?;
+        let mut out = vec![0f32; spec.shape.iter().product()];
         dequantize(t.dtype, t.data, &mut out);
         if check_finite && let Some((index, &value)) = out.iter().enumerate().find(|(_, v)| !v.is_finite()) {
             return Err(LoadError::NonFinite {
                 source_name: self.source_name(),
-                name: self.name_of(role, layer),
+                name: self.name_of(spec).to_string(),
                 index,
                 value,
             });
         }
-        if matches!(self, Self::Gguf(_)) && cfg.architecture == Architecture::Llama {
-            match role {
-                TensorRole::Q => out = unpermute_rows(&out, cfg.num_heads, cfg.hidden_size),
-                TensorRole::K => out = unpermute_rows(&out, cfg.num_kv_heads, cfg.hidden_size),
-                _ => {}
-            }
+        if let Some(heads) = self.gguf_heads(spec) {
+            out = unpermute_rows(&out, heads, spec.shape[1]);
         }
         Ok(out)
     }

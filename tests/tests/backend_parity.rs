@@ -8,7 +8,7 @@ use std::ops::Range;
 
 use baton_shared::model_files::ModelFiles;
 use baton_tests::{f32s, fixtures, ids, max_abs_diff, read_json};
-use baton_worker::backend::{self, Backend, BackendOptions, Device, SeqChunk};
+use baton_worker::backend::{self, Backend, BackendOptions, CpuOptions, Device, SeqChunk};
 use baton_worker::kv_cache::KvDtype;
 use baton_worker::model::WeightFormat;
 
@@ -33,8 +33,7 @@ fn load(files: &ModelFiles, layers: Range<usize>, device: Device) -> Box<dyn Bac
     let opts = BackendOptions {
         device,
         format: WeightFormat::F32,
-        threads: 1,
-        kernels: None,
+        cpu: CpuOptions::threads(1),
         check_finite: true,
         kv_blocks: 64,
         kv_block_size: BLOCK,
@@ -157,5 +156,60 @@ fn smollm2_matches_transformers_through_the_backend() {
         let got = &all[all.len() - cfg.vocab_size..];
         let err = max_abs_diff(got, &want);
         assert!(err < TOL, "{:?}: max |logit error| {err}", p["text"]);
+    }
+}
+
+#[test]
+fn sampling_on_the_backend_equals_sampling_its_logits_on_the_host() {
+    use baton_shared::sampling::SamplingParams;
+    use baton_worker::backend::SampleSlot;
+    use baton_worker::sampler::{Sampler, log_softmax_top};
+    for device in devices() {
+        let files = ModelFiles::open(&fixtures().join("tiny").join("qwen3")).unwrap();
+        let cfg = files.config().unwrap();
+        let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
+        let mut b = load(&files, 0..cfg.num_layers, device);
+        let tokens = [5u32, 17, 200, 3];
+        let mut rows = vec![0f32; tokens.len() * h];
+        b.embed(&tokens, &mut rows).unwrap();
+        let table: Vec<u32> = (0..4).collect();
+        let chunk = [SeqChunk {
+            pos0: 0,
+            len: tokens.len(),
+            stored: 0,
+            table: &table,
+        }];
+        b.forward(&mut rows, &chunk).unwrap();
+        let mut logits = vec![0f32; tokens.len() * vocab];
+        b.logits(&rows, &mut logits).unwrap();
+        let params = [
+            SamplingParams::greedy(1),
+            SamplingParams {
+                temperature: 0.8,
+                top_p: 0.9,
+                seed: Some(7),
+                ..SamplingParams::default()
+            },
+        ];
+        for p in &params {
+            let mut slots: Vec<SampleSlot> = (0..tokens.len())
+                .map(|i| SampleSlot::new(Sampler::new(p), (i % 2 == 0).then_some(3)))
+                .collect();
+            // Two draws each, so the random stream each slot carries is checked too.
+            let mut host: Vec<Sampler> = (0..tokens.len()).map(|_| Sampler::new(p)).collect();
+            for draw in 0..2 {
+                b.sample(&rows, &mut slots).unwrap();
+                for (i, (slot, row)) in slots.iter().zip(logits.chunks_exact(vocab)).enumerate() {
+                    let want = host[i].sample(row);
+                    assert_eq!(slot.token, want, "{device} {p:?} row {i} draw {draw}");
+                    if let Some(k) = slot.top_logprobs {
+                        let (lp, top) = log_softmax_top(row, want, k);
+                        assert_eq!((slot.logprob, &slot.top), (lp, &top), "{device} row {i}");
+                    }
+                }
+            }
+        }
+        let mut one = [SampleSlot::new(Sampler::new(&params[0]), None)];
+        assert!(b.sample(&rows, &mut one).is_err(), "{device}: rows and slots disagree");
     }
 }

@@ -7,12 +7,13 @@ use baton_shared::dtype::{DType, quantize_q8_0};
 use baton_shared::gguf::writer::{TensorToWrite, to_bytes};
 use baton_shared::gguf::{GgufError, GgufFile, GgufValue};
 use baton_shared::model_config::ModelConfig;
-use baton_shared::model_files::{LoadError, ModelFiles, TensorRole, permute_rows};
+use baton_shared::model_files::{LoadError, ModelFiles, permute_rows};
 use baton_shared::model_source::{LoadedModel, ModelSourceError};
 use baton_shared::sampling::SamplingParams;
 use baton_tests::{default_model, fixtures, max_abs_diff};
 use baton_worker::engine::{Engine, EngineError};
 use baton_worker::model::{ForwardError, StageWeights, WeightFormat, auto_format, resolve_format};
+use baton_worker::model::{arch, registry};
 
 /// GGUF metadata entries in file order.
 type Metadata = Vec<(String, GgufValue)>;
@@ -42,16 +43,15 @@ fn tiny_as_gguf() -> (Metadata, Vec<TensorToWrite>) {
         ("llama.context_length".into(), u(c.max_position_embeddings)),
     ];
     let mut tensors = Vec::new();
-    for (role, layer) in ModelFiles::required(&c, 0..c.num_layers, true, true) {
-        let mut w = files.load_f32(&c, role, layer, true).unwrap();
-        match role {
-            TensorRole::Q => w = permute_rows(&w, c.num_heads, c.hidden_size),
-            TensorRole::K => w = permute_rows(&w, c.num_kv_heads, c.hidden_size),
-            _ => {}
+    let arch = registry::for_config(&c);
+    for spec in arch::stage_tensors(arch, &c, 0..c.num_layers, true, true) {
+        let mut w = files.load_f32(&spec, true).unwrap();
+        if let Some(heads) = spec.gguf_heads_permuted {
+            w = permute_rows(&w, heads, spec.shape[1]);
         }
         tensors.push(TensorToWrite {
-            name: role.gguf_name(layer),
-            shape: role.shape(&c),
+            name: spec.gguf.clone(),
+            shape: spec.shape.clone(),
             ggml_type: 0,
             data: w.iter().flat_map(|v| v.to_le_bytes()).collect(),
         });

@@ -10,7 +10,7 @@ use baton_shared::model_source::LoadedModel;
 use baton_shared::sampling::SamplingParams;
 use baton_tests::cluster::{Limits, TestCluster};
 use baton_tests::{default_model, fixtures};
-use baton_worker::backend::{self, Backend, BackendOptions, Device, SeqChunk};
+use baton_worker::backend::{self, Backend, BackendOptions, CpuOptions, Device, SeqChunk};
 use baton_worker::engine::Engine;
 use baton_worker::kv_cache::SequenceKv;
 use baton_worker::kv_cache::{BatchSeq, KvDtype};
@@ -173,8 +173,7 @@ fn backends_split_across_layers_give_each_sequence_its_solo_logits() {
                 let o = BackendOptions {
                     device: Device::Cpu { threads: Some(2) },
                     format,
-                    threads: 1,
-                    kernels: None,
+                    cpu: CpuOptions::threads(1),
                     check_finite: true,
                     kv_blocks: 12,
                     kv_block_size: 4,

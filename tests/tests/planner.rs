@@ -8,7 +8,7 @@ use baton_shared::proto::ProfileRequest;
 use baton_shared::sampling::SamplingParams;
 use baton_tests::cluster::{Limits, TestCluster};
 use baton_tests::{default_model, fixtures};
-use baton_worker::backend::{self, BackendOptions, Device};
+use baton_worker::backend::{self, BackendOptions, CpuOptions, Device};
 use baton_worker::engine::Engine;
 use baton_worker::kv_cache::KvDtype;
 use baton_worker::model::{StageWeights, WeightFormat};
@@ -19,8 +19,7 @@ fn opts(format: WeightFormat) -> BackendOptions {
     BackendOptions {
         device: Device::Cpu { threads: Some(1) },
         format,
-        threads: 1,
-        kernels: None,
+        cpu: CpuOptions::threads(1),
         check_finite: true,
         kv_blocks: 4,
         kv_block_size: 16,

@@ -34,7 +34,7 @@ fn reference(model: &LoadedModel) -> Engine {
         kernels: Some(Kernels::with_path(KernelPath::Scalar).unwrap()),
     };
     let e = Engine::new(StageWeights::load_full_with(&model.files, &model.config, true, &opts).unwrap());
-    assert_eq!(e.weights.kernels.path(), KernelPath::Scalar);
+    assert_eq!(e.weights.ops.kernels().path(), KernelPath::Scalar);
     e
 }
 
@@ -101,7 +101,7 @@ fn f32_fast_path_equals_the_reference_for_any_thread_count() {
     let model = LoadedModel::open(&default_model()).unwrap();
     let mut reference = reference(&model);
     let mut fast = engine(&model, WeightFormat::F32, 2);
-    let path = fast.weights.kernels.path();
+    let path = fast.weights.ops.kernels().path();
     assert_eq!(path, Kernels::detect().path(), "the fast engine runs the fastest path");
     if path == KernelPath::Scalar {
         baton_shared::skip_report::skip(
@@ -166,15 +166,10 @@ fn native_load_keeps_the_files_blocks_with_the_values_the_f32_path_decodes() {
     let native = engine(&model, WeightFormat::Native, 1);
     let fp32 = engine(&model, WeightFormat::F32, 1);
     // SmolLM2's GGUF: Q4_1 linears (q/k rows stored permuted), a Q8_0 tied embedding/head.
-    let head = native.weights.lm_head.as_ref().expect("a Q8_0 head");
+    let head = native.weights.head().expect("a Q8_0 head");
     assert!(matches!(head, Matrix::Q8_0(_)), "head kept as Q8_0");
-    for (l, (n, f)) in native
-        .weights
-        .layer_weights
-        .iter()
-        .zip(&fp32.weights.layer_weights)
-        .enumerate()
-    {
+    for l in 0..model.config.num_layers {
+        let (n, f) = (native.weights.block(l), fp32.weights.block(l));
         for (mn, mf) in n.matrices().into_iter().zip(f.matrices()) {
             let Matrix::Q4(q) = mn else {
                 panic!("layer {l}: expected Q4_1, got {mn:?}")
@@ -191,10 +186,8 @@ fn native_load_keeps_the_files_blocks_with_the_values_the_f32_path_decodes() {
     // 1.5x fewer bytes than Q8_0 for the layers.
     let q8 = engine(&model, WeightFormat::Q8_0, 1);
     let layer_bytes = |e: &Engine| -> usize {
-        e.weights
-            .layer_weights
-            .iter()
-            .flat_map(|l| l.matrices())
+        (0..model.config.num_layers)
+            .flat_map(|l| e.weights.block(l).matrices())
             .map(|m| m.bytes())
             .sum()
     };
@@ -268,7 +261,7 @@ fn compressed_formats_stay_close_to_fp32_and_keep_clear_greedy_tokens() {
 /// step per greedy token, through the backend a pipeline stage uses).
 #[test]
 fn an_f16_kv_cache_stays_close_to_f32_and_keeps_clear_greedy_tokens() {
-    use baton_worker::backend::{self, BackendOptions, Device, SeqChunk};
+    use baton_worker::backend::{self, BackendOptions, CpuOptions, Device, SeqChunk};
     use baton_worker::kv_cache::KvDtype;
 
     /// Measured on these prompts: at most 0.1% of the spread (see the eprintln output).
@@ -279,8 +272,7 @@ fn an_f16_kv_cache_stays_close_to_f32_and_keeps_clear_greedy_tokens() {
     let opts = BackendOptions {
         device: Device::Cpu { threads: Some(2) },
         format: WeightFormat::F32,
-        threads: 1,
-        kernels: None,
+        cpu: CpuOptions::threads(1),
         check_finite: true,
         kv_blocks: 8,
         kv_block_size: 16,

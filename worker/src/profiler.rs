@@ -4,10 +4,12 @@
 //! layers given to the others.
 //!
 //! The profile loads its own copy of a few layers (with the embedding and the head) rather than
-//! timing the stage a worker serves: it runs before any stage is assigned, and every decoder
-//! layer of a model has the same shape and cost. It times a pass over enough layers that their
-//! weights come from memory, not from the cache the previous repetition filled, and the head
-//! after them, as a serving stage runs them.
+//! timing the stage a worker serves: it runs before any stage is assigned. It times a pass over
+//! enough layers that their weights come from memory, not from the cache the previous
+//! repetition filled, and the head after them, as a serving stage runs them. The pass's time
+//! and bytes are reported for the model's layer 0, each timed layer weighted by the weights it
+//! declares ([`crate::model::spec::LayerSpec`]); the planner scales them to every other layer
+//! the same way, so a model whose layers differ is not planned as if they were alike.
 
 use std::time::Instant;
 
@@ -15,6 +17,7 @@ use baton_shared::model_config::ModelConfig;
 use baton_shared::model_files::ModelFiles;
 
 use crate::backend::{self, BackendError, BackendOptions, SeqChunk, StageShape};
+use crate::model::spec::relative_costs;
 use crate::model::{ForwardError, PartBytes};
 
 /// Largest batch a profile times.
@@ -75,7 +78,8 @@ pub struct CostPoint {
 /// A worker's measured costs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Profile {
-    /// One decoder layer, attention over the context included.
+    /// The model's layer 0, attention over the context included (other layers scale by their
+    /// declared weights).
     pub layer: Vec<CostPoint>,
     /// Final norm, head and a greedy pick per row (what only the last stage does).
     pub head: Vec<CostPoint>,
@@ -198,7 +202,7 @@ pub fn profile(
         kv_block_size: BLOCK,
         ..opts.clone()
     };
-    let need = opts.kv_bytes(config, 1);
+    let need = opts.kv_bytes(config, 0..1);
     if need > kv_budget as u128 {
         return Err(ProfileError::KvBudget {
             tokens: max_t,
@@ -230,6 +234,13 @@ pub fn profile(
     let mut hidden = vec![0f32; max_t * h];
     let mut logits = vec![0f32; max_t * vocab];
     let info = b.info();
+    // Layer 0's share of the pass: by weights, relative to the layers timed.
+    let specs = b.layer_specs();
+    let scale: f64 = relative_costs(specs, &specs[0]).iter().sum();
+    let weights = (
+        specs[0].weight_params,
+        specs.iter().map(|s| s.weight_params).sum::<usize>(),
+    );
     let mut out = Profile {
         layer: Vec::new(),
         head: Vec::new(),
@@ -266,7 +277,7 @@ pub fn profile(
             std::hint::black_box(picked);
             Ok([embed, layers, start.elapsed().as_secs_f64()])
         })?;
-        let layer = layers / shape.layers.len() as f64;
+        let layer = layers / scale;
         out.embed.push(CostPoint {
             tokens: t,
             seconds: embed,
@@ -280,7 +291,7 @@ pub fn profile(
             seconds: head,
         });
     }
-    out.bytes.layers /= shape.layers.len();
+    out.bytes.layers = (out.bytes.layers as u128 * weights.0 as u128 / weights.1.max(1) as u128) as usize;
     Ok(out)
 }
 

@@ -109,8 +109,7 @@ impl WorkerState {
         BackendOptions {
             device: self.device,
             format,
-            threads: self.threads,
-            kernels: None,
+            cpu: crate::backend::CpuOptions::threads(self.threads),
             check_finite: self.check_weights,
             kv_blocks: 0,
             kv_block_size: 0,
@@ -172,7 +171,7 @@ impl Worker for WorkerService {
                 kv_dtype: parse_kv_dtype(&r.kv_dtype)?,
                 ..state.backend_options(format)
             };
-            let pool_bytes = opts.kv_bytes(&cfg, end - start);
+            let pool_bytes = opts.kv_bytes(&cfg, start..end);
             if pool_bytes > state.kv_cache_bytes as u128 {
                 return Err(Status::resource_exhausted(format!(
                     "{} KV blocks of {} positions for layers {start}..{end} take {pool_bytes} bytes, \

@@ -10,9 +10,9 @@ use baton_shared::proto::{
 use baton_shared::sampling::SamplingParams;
 use baton_shared::wire;
 
-use crate::backend::{Backend, SeqChunk};
+use crate::backend::{Backend, SampleSlot, SeqChunk};
 use crate::model::ForwardError;
-use crate::sampler::{Sampler, log_softmax_top};
+use crate::sampler::Sampler;
 
 /// What a micro-batch becomes after this stage.
 #[derive(Debug)]
@@ -76,9 +76,10 @@ pub struct Stage {
     activation_dtype: Dtype,
     seqs: HashMap<u64, SeqState>,
     hidden: Vec<f32>,
-    logits: Vec<f32>,
     /// Last rows of the sequences sampled in a batch (reused).
     sample_rows: Vec<f32>,
+    /// One slot per sampled row (reused).
+    slots: Vec<SampleSlot>,
 }
 
 /// Bounds on what one micro-batch may ask for, so a bad message cannot exhaust memory.
@@ -95,8 +96,8 @@ impl Stage {
             activation_dtype,
             seqs: HashMap::new(),
             hidden: Vec::new(),
-            logits: Vec::new(),
             sample_rows: Vec::new(),
+            slots: Vec::new(),
         }
     }
 
@@ -334,58 +335,62 @@ impl Stage {
     }
 
     /// Sample the next token of every chunk that asks for one, with one head product over all
-    /// their last rows.
+    /// their last rows, on the backend's device. Each sequence's sampler goes to the backend
+    /// and comes back advanced.
     fn sample(&mut self, batch: &MicroBatch, hidden: &[f32]) -> Result<BatchResult, String> {
-        let config = &self.backend.shape().config;
-        let (h, vocab) = (config.hidden_size, config.vocab_size);
+        let h = self.backend.shape().config.hidden_size;
         let rows = &mut self.sample_rows;
         rows.clear();
+        self.slots.clear();
         let mut offset = 0;
         for chunk in &batch.seqs {
             offset += chunk.tokens.len();
-            if chunk.sample {
-                rows.extend_from_slice(&hidden[(offset - 1) * h..offset * h]);
+            if !chunk.sample {
+                continue;
             }
-        }
-        let mut results = Vec::new();
-        if rows.is_empty() {
-            return Ok(BatchResult {
-                batch_id: batch.batch_id,
-                results,
-                error: String::new(),
-            });
-        }
-        self.logits.resize(rows.len() / h * vocab, 0.0);
-        self.backend
-            .logits(&self.sample_rows, &mut self.logits)
-            .map_err(|e| self.err(e))?;
-        for (chunk, logits) in batch
-            .seqs
-            .iter()
-            .filter(|c| c.sample)
-            .zip(self.logits.chunks_exact(vocab))
-        {
+            rows.extend_from_slice(&hidden[(offset - 1) * h..offset * h]);
             let seq = self
                 .seqs
                 .get_mut(&chunk.seq_id)
                 .ok_or_else(|| format!("sequence {} vanished", chunk.seq_id))?;
             let sampler = seq
                 .sampler
-                .as_mut()
+                .take()
                 .ok_or_else(|| format!("sequence {} has no sampler", chunk.seq_id))?;
-            let token = sampler.sample(logits);
+            let top = seq.logprobs.then_some(seq.top_logprobs);
+            self.slots.push(SampleSlot::new(sampler, top));
+        }
+        let mut results = Vec::with_capacity(self.slots.len());
+        let sampled = match self.slots.is_empty() {
+            true => Ok(()),
+            false => self.backend.sample(&self.sample_rows, &mut self.slots),
+        };
+        // Samplers go back whatever happened, so a failed batch leaves every sequence whole.
+        let picked = batch.seqs.iter().filter(|c| c.sample);
+        for (chunk, slot) in picked.zip(self.slots.drain(..)) {
+            let SampleSlot {
+                sampler,
+                top_logprobs,
+                token,
+                logprob,
+                top,
+            } = slot;
+            if let Some(seq) = self.seqs.get_mut(&chunk.seq_id) {
+                seq.sampler = Some(sampler);
+            }
             let mut r = SequenceResult {
                 seq_id: chunk.seq_id,
                 token,
                 ..Default::default()
             };
-            if seq.logprobs {
-                let lp = log_softmax_top(logits, token, seq.top_logprobs);
-                r.logprob = lp.0;
-                (r.top_ids, r.top_logprobs) = lp.1.into_iter().unzip();
+            if top_logprobs.is_some() {
+                r.logprob = logprob;
+                (r.top_ids, r.top_logprobs) = top.into_iter().unzip();
             }
             results.push(r);
         }
+        let l = &self.backend.shape().layers;
+        sampled.map_err(|e| format!("stage {} (layers {}..{}): {e}", self.stage_index, l.start, l.end))?;
         Ok(BatchResult {
             batch_id: batch.batch_id,
             results,

@@ -10,6 +10,7 @@ use baton_shared::sampling::SamplingParams;
 use baton_worker::engine::Engine;
 use baton_worker::kernels::cpu::dispatch::{KernelPath, Kernels};
 use baton_worker::model::{LoadOptions, StageWeights, WeightFormat};
+use baton_worker::ops::cpu::CpuOps;
 use baton_worker::roofline::stream_read_gb_per_s;
 use baton_worker::threads::ThreadPool;
 use clap::Subcommand;
@@ -140,7 +141,7 @@ pub fn run(ctx: &Ctx, args: BenchArgs) -> Result<()> {
     for _ in 0..opts.reps {
         for c in &mut configs {
             let engine = &mut engines[c.engine];
-            engine.weights.pool = Arc::clone(&c.pool);
+            engine.weights.ops = CpuOps::with_pool(kernels, Arc::clone(&c.pool));
             let t = Instant::now();
             let done = if kind == "decode" {
                 engine.generate(&prompt[..8], &params, None, |_| {})?.tokens.len()
@@ -177,7 +178,7 @@ pub fn run(ctx: &Ctx, args: BenchArgs) -> Result<()> {
                     "bench": kind,
                     "model": model.files.source_name(),
                     "weights": w.format.name(),
-                    "kernel_path": w.kernels.path().name(),
+                    "kernel_path": w.ops.kernels().path().name(),
                     "threads": c.pool.threads(),
                     "tokens": tokens,
                     "reps": opts.reps,
@@ -199,7 +200,7 @@ pub fn run(ctx: &Ctx, args: BenchArgs) -> Result<()> {
                 "{:<8} {:>7} {:>12} {:>10.1} {:>12.1} {:>14.1} {:>10}",
                 w.format.name(),
                 c.pool.threads(),
-                w.kernels.path().name(),
+                w.ops.kernels().path().name(),
                 rate,
                 bytes as f64 / 1e6,
                 roofline,

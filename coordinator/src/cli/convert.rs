@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
-use baton_shared::model_files::{ModelFiles, TensorRole};
+use baton_worker::model::{StageWeights, arch, registry};
 use half::bf16;
 use indicatif::{ProgressBar, ProgressStyle};
 use safetensors::{Dtype, tensor::TensorView};
@@ -30,8 +30,9 @@ pub fn run(ctx: &Ctx, a: ConvertArgs) -> Result<()> {
     }
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let cfg = &model.config;
-    model.files.validate_complete(cfg)?;
-    let wanted = ModelFiles::required(cfg, 0..cfg.num_layers, true, true);
+    StageWeights::validate_files(&model.files, cfg)?;
+    let arch = registry::for_config(cfg);
+    let wanted = arch::stage_tensors(arch, cfg, 0..cfg.num_layers, true, true);
     let pb = if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         ProgressBar::new(wanted.len() as u64)
     } else {
@@ -42,16 +43,16 @@ pub fn run(ctx: &Ctx, a: ConvertArgs) -> Result<()> {
     );
     let bf = a.dtype == "bf16";
     let mut blobs: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(wanted.len());
-    for (role, layer) in wanted {
-        let name = role.hf_name(layer);
+    for spec in wanted {
+        let name = spec.hf.clone();
         pb.set_message(name.clone());
-        let values = model.files.load_f32(cfg, role, layer, ctx.settings.check_weights)?;
+        let values = model.files.load_f32(&spec, ctx.settings.check_weights)?;
         let bytes: Vec<u8> = if bf {
             values.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect()
         } else {
             values.iter().flat_map(|v| v.to_le_bytes()).collect()
         };
-        blobs.push((name, TensorRole::shape(role, cfg), bytes));
+        blobs.push((name, spec.shape, bytes));
         pb.inc(1);
     }
     let dtype = if bf { Dtype::BF16 } else { Dtype::F32 };

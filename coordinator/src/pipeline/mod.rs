@@ -30,6 +30,9 @@ pub struct PipelineConfig {
     /// Model as workers should resolve it (path or known name).
     pub model: String,
     pub num_layers: usize,
+    /// Each layer's cost relative to layer 0 (what a worker's profile times), from the
+    /// layers the model declares; empty: every layer alike.
+    pub layer_costs: Vec<f64>,
     pub vocab_size: usize,
     pub max_context: usize,
     pub eos_ids: Vec<u32>,
@@ -64,6 +67,16 @@ pub struct PipelineConfig {
     pub prefix_caching: bool,
 }
 
+/// Each layer's cost relative to layer 0, by the weights its architecture module declares.
+pub fn layer_costs(config: &ModelConfig) -> Vec<f64> {
+    let arch = baton_worker::model::registry::for_config(config);
+    let specs: Vec<_> = (0..config.num_layers).map(|l| arch.layer(config, l).spec()).collect();
+    match specs.first() {
+        Some(first) => baton_worker::model::spec::relative_costs(&specs, first),
+        None => Vec::new(),
+    }
+}
+
 impl PipelineConfig {
     /// A configuration for `model` (as workers should resolve it) with the defaults of
     /// `baton serve`: one stage per worker is set by the caller through `stages`; f32 weights,
@@ -73,6 +86,7 @@ impl PipelineConfig {
         Self {
             model: model.into(),
             num_layers: config.num_layers,
+            layer_costs: layer_costs(config),
             vocab_size: config.vocab_size,
             max_context: config.max_position_embeddings,
             eos_ids,

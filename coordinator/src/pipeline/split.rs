@@ -155,7 +155,11 @@ async fn measured(
     workload: Workload,
 ) -> Result<Plan, String> {
     let costs = profiles(config, workers, clients, cache).await?;
-    planner::plan(config.num_layers, &costs, workload).map_err(|e| e.to_string())
+    let planned = match config.layer_costs.len() == config.num_layers {
+        true => planner::plan_layers(&config.layer_costs, &costs, workload),
+        false => planner::plan(config.num_layers, &costs, workload),
+    };
+    planned.map_err(|e| e.to_string())
 }
 
 /// The layer ranges for `workers` (one stage each, in order) and how they were chosen; the
@@ -234,6 +238,7 @@ mod tests {
         PipelineConfig {
             model: String::new(),
             num_layers: 30,
+            layer_costs: Vec::new(),
             vocab_size: 10,
             max_context: 100,
             eos_ids: vec![],

@@ -1,19 +1,25 @@
-//! The CPU backend: weights in any [`WeightFormat`] on the runtime-dispatched kernels, a thread
-//! pool sized to the socket, and a paged f32 or f16 KV pool allocated once at load.
+//! The CPU backend: the model on [`CpuOps`] (runtime-dispatched kernels, a thread pool sized to
+//! the socket), a paged f32 or f16 KV pool allocated once at load, and sampling where the head
+//! left the logits (host memory).
 
 use baton_shared::model_files::ModelFiles;
 
-use super::{Backend, BackendError, BackendInfo, BackendOptions, Device, KvGeometry, SeqChunk, StageShape};
+use super::{
+    Backend, BackendError, BackendInfo, BackendOptions, Device, KvGeometry, SampleSlot, SeqChunk, StageShape,
+    sample_rows,
+};
 use crate::kv_cache::{PagedBatch, PagedKv};
-use crate::model::{ForwardError, LoadOptions, Scratch, StageWeights};
+use crate::model::spec::{LayerSpec, uniform_kv_dim};
+use crate::model::{ForwardError, Scratch, StageModel};
+use crate::ops::cpu::CpuOps;
 
 /// A stage on the CPU.
 pub struct CpuBackend {
     shape: StageShape,
     device: Device,
-    weights: StageWeights,
+    model: StageModel<CpuOps>,
     kv: PagedKv,
-    scratch: Scratch,
+    scratch: Scratch<CpuOps>,
 }
 
 impl CpuBackend {
@@ -28,42 +34,45 @@ impl CpuBackend {
                 block_size: opts.kv_block_size,
             });
         }
-        let load = LoadOptions {
-            format: opts.format,
-            threads: threads.unwrap_or(opts.threads).max(1),
-            kernels: opts.kernels,
-        };
-        let weights = StageWeights::load_with(
+        let ops = CpuOps::new(threads.unwrap_or(opts.cpu.threads).max(1), opts.cpu.kernels);
+        let model = StageModel::load_on(
+            ops,
             files,
             &shape.config,
             shape.layers.clone(),
             shape.first,
             shape.last,
             opts.check_finite,
-            &load,
+            opts.format,
         )?;
-        let kv = PagedKv::with_dtype(
-            weights.layers.len(),
-            weights.config.kv_dim(),
+        let kv = Self::kv_pool(&model, opts)?;
+        Ok(Self::new(model, opts.device, kv))
+    }
+
+    /// The paged pool for `model`'s layers, sized from what each layer declares it caches.
+    fn kv_pool(model: &StageModel<CpuOps>, opts: &BackendOptions) -> Result<PagedKv, BackendError> {
+        let kv_dim = uniform_kv_dim(&model.specs).map_err(|(a, b)| BackendError::MixedKvWidths(a, b))?;
+        Ok(PagedKv::with_dtype(
+            model.specs.len(),
+            kv_dim,
             opts.kv_block_size,
             opts.kv_blocks,
             opts.kv_dtype,
-        );
-        Ok(Self::new(weights, opts.device, kv))
+        ))
     }
 
-    /// A backend over loaded weights and a KV pool for their layers.
-    pub fn new(weights: StageWeights, device: Device, kv: PagedKv) -> Self {
+    /// A backend over a loaded model and a KV pool for its layers.
+    pub fn new(model: StageModel<CpuOps>, device: Device, kv: PagedKv) -> Self {
         let shape = StageShape {
-            config: weights.config.clone(),
-            layers: weights.layers.clone(),
-            first: weights.is_first,
-            last: weights.is_last,
+            config: model.config.clone(),
+            layers: model.layers.clone(),
+            first: model.is_first,
+            last: model.is_last,
         };
         Self {
             shape,
             device,
-            weights,
+            model,
             kv,
             scratch: Scratch::default(),
         }
@@ -76,15 +85,16 @@ impl Backend for CpuBackend {
     }
 
     fn info(&self) -> BackendInfo {
-        let w = &self.weights;
+        let m = &self.model;
+        let ops = crate::ops::Ops::info(&m.ops);
         BackendInfo {
             device: self.device,
-            kernels: w.kernels.path().name().to_string(),
-            threads: w.pool.threads(),
-            weights: w.format,
-            weight_bytes: w.weight_bytes(),
-            part_bytes: w.part_bytes(),
-            matrix_bytes: w.matrix_bytes(),
+            kernels: ops.kernels,
+            threads: ops.threads,
+            weights: m.format,
+            weight_bytes: m.weight_bytes(),
+            part_bytes: m.part_bytes(),
+            matrix_bytes: m.matrix_bytes(),
         }
     }
 
@@ -98,10 +108,10 @@ impl Backend for CpuBackend {
     }
 
     fn embed(&mut self, tokens: &[u32], hidden: &mut [f32]) -> Result<(), ForwardError> {
-        if !self.weights.is_first {
+        if !self.model.is_first {
             return Err(ForwardError::MissingPart("embedding"));
         }
-        self.weights.embed(tokens, hidden)
+        self.model.embed(tokens, hidden)
     }
 
     fn forward(&mut self, hidden: &mut [f32], seqs: &[SeqChunk<'_>]) -> Result<(), ForwardError> {
@@ -109,10 +119,28 @@ impl Backend for CpuBackend {
             pool: &mut self.kv,
             seqs,
         };
-        self.weights.forward_batch(hidden, &mut kv, &mut self.scratch)
+        self.model.forward_host(hidden, &mut kv, &mut self.scratch)
     }
 
     fn logits(&mut self, rows: &[f32], out: &mut [f32]) -> Result<(), ForwardError> {
-        self.weights.logits(rows, &mut self.scratch, out)
+        self.model.logits(rows, &mut self.scratch, out)
+    }
+
+    fn sample(&mut self, rows: &[f32], slots: &mut [SampleSlot]) -> Result<(), ForwardError> {
+        let (h, vocab) = (self.shape.config.hidden_size, self.shape.config.vocab_size);
+        if rows.len() != slots.len() * h {
+            return Err(ForwardError::HiddenShape {
+                got: rows.len(),
+                hidden: h,
+            });
+        }
+        // The logits stay in the scratch buffer the head wrote: no copy.
+        self.model.head_into(rows, &mut self.scratch)?;
+        sample_rows(&self.scratch.logits, vocab, slots);
+        Ok(())
+    }
+
+    fn layer_specs(&self) -> &[LayerSpec] {
+        &self.model.specs
     }
 }

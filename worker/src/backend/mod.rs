@@ -1,8 +1,13 @@
 //! What a stage computes on. A [`Backend`] owns a layer range's weights in a chosen format and
-//! the paged KV store for those layers, and runs a batch of tokens (many sequences, prefill
-//! chunks and decode tokens mixed) through them. [`cpu::CpuBackend`] is this build's backend; a
-//! CUDA backend implements the same trait. The pipeline [`Stage`](crate::stage::Stage) talks only
-//! to this trait, so it never sees where weights, KV or kernels live.
+//! the paged KV store for those layers, runs a batch of tokens (many sequences, prefill chunks
+//! and decode tokens mixed) through them, and on the last stage samples the next tokens. The
+//! pipeline [`Stage`](crate::stage::Stage) talks only to this trait, so it never sees where
+//! weights, KV or kernels live.
+//!
+//! A backend is thin: the model code is [`crate::model::StageModel`] over a device's
+//! [`crate::ops::Ops`]; a backend adds the device's K/V store and its sampling.
+//! [`cpu::CpuBackend`] is this build's; a CUDA backend is `StageModel<CudaOps>` plus a device
+//! K/V pool behind the same trait.
 //!
 //! Hidden states cross the trait as host `f32` rows: that is what travels between stages anyway,
 //! and a device backend keeps everything else (weights, KV, intermediate activations) resident.
@@ -16,10 +21,12 @@ use std::str::FromStr;
 use baton_shared::model_config::ModelConfig;
 use baton_shared::model_files::{LoadError, ModelFiles};
 
-use crate::kernels::cpu::dispatch::Kernels;
 pub use crate::kv_cache::PagedSeq as SeqChunk;
 use crate::kv_cache::{KvDtype, PagedKv};
-use crate::model::{ForwardError, PartBytes, WeightFormat};
+use crate::model::spec::LayerSpec;
+use crate::model::{ForwardError, PartBytes, WeightFormat, registry};
+pub use crate::ops::cpu::CpuOptions;
+use crate::sampler::Sampler;
 
 /// Where a worker computes, as given by `--device`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,6 +143,33 @@ pub struct BackendInfo {
     pub matrix_bytes: usize,
 }
 
+/// One row to sample on the last stage: the sequence's sampler going in, its token (and
+/// log-probabilities when asked) coming out.
+#[derive(Debug, Clone)]
+pub struct SampleSlot {
+    /// The sequence's sampling state (parameters and random stream), advanced by one draw.
+    pub sampler: Sampler,
+    /// Return the chosen token's log-probability and this many alternatives.
+    pub top_logprobs: Option<usize>,
+    pub token: u32,
+    pub logprob: f32,
+    /// The most likely `(id, logprob)` pairs, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+impl SampleSlot {
+    /// A slot for `sampler`.
+    pub fn new(sampler: Sampler, top_logprobs: Option<usize>) -> Self {
+        Self {
+            sampler,
+            top_logprobs,
+            token: 0,
+            logprob: 0.0,
+            top: Vec::new(),
+        }
+    }
+}
+
 /// A compute device holding a stage: weights, paged KV, kernels.
 pub trait Backend: Send {
     /// The layers and parts held.
@@ -154,6 +188,25 @@ pub trait Backend: Send {
     /// Final norm and head on each row of `rows`, writing `rows × vocab` logits to `out`; last
     /// stage only.
     fn logits(&mut self, rows: &[f32], out: &mut [f32]) -> Result<(), ForwardError>;
+    /// The next token for each row of `rows` (one per slot, in order), drawn by the slot's
+    /// sampler, with log-probabilities when the slot asks; last stage only. A device backend
+    /// samples where the logits are and returns only ids.
+    fn sample(&mut self, rows: &[f32], slots: &mut [SampleSlot]) -> Result<(), ForwardError>;
+    /// What each held layer is and caches, as the model declares it.
+    fn layer_specs(&self) -> &[LayerSpec];
+}
+
+/// [`Backend::sample`] for a device whose logits are in host memory: each slot's sampler on
+/// its `vocab`-wide row of `logits`.
+pub fn sample_rows(logits: &[f32], vocab: usize, slots: &mut [SampleSlot]) {
+    for (slot, row) in slots.iter_mut().zip(logits.chunks_exact(vocab)) {
+        slot.token = slot.sampler.sample(row);
+        if let Some(k) = slot.top_logprobs {
+            let (lp, top) = crate::sampler::log_softmax_top(row, slot.token, k);
+            slot.logprob = lp;
+            slot.top = top;
+        }
+    }
 }
 
 /// How to build a backend.
@@ -161,10 +214,8 @@ pub trait Backend: Send {
 pub struct BackendOptions {
     pub device: Device,
     pub format: WeightFormat,
-    /// Threads when the device does not say (`cpu` rather than `cpu:N`).
-    pub threads: usize,
-    /// CPU kernel path; `None` picks the fastest this CPU supports.
-    pub kernels: Option<Kernels>,
+    /// What only the CPU uses (threads when the device does not say, kernel path).
+    pub cpu: CpuOptions,
     /// Reject weights holding NaN or infinity.
     pub check_finite: bool,
     pub kv_blocks: usize,
@@ -173,11 +224,18 @@ pub struct BackendOptions {
 }
 
 impl BackendOptions {
-    /// Bytes the KV store of `layers` layers of `config` takes under these options (checked
-    /// against a worker's KV budget before anything is allocated).
-    pub fn kv_bytes(&self, config: &ModelConfig, layers: usize) -> u128 {
-        PagedKv::bytes_per_block(layers, config.kv_dim(), self.kv_block_size, self.kv_dtype) as u128
-            * self.kv_blocks as u128
+    /// Bytes the KV store of `layers` of `config` takes under these options, from what each
+    /// layer declares it caches (checked against a worker's KV budget before anything is
+    /// allocated).
+    pub fn kv_bytes(&self, config: &ModelConfig, layers: Range<usize>) -> u128 {
+        let arch = registry::for_config(config);
+        let per_block: usize = layers
+            .map(|l| {
+                let kv_dim = arch.layer(config, l).spec().cache.kv_dim();
+                PagedKv::bytes_per_block(1, kv_dim, self.kv_block_size, self.kv_dtype)
+            })
+            .sum();
+        per_block as u128 * self.kv_blocks as u128
     }
 }
 
@@ -190,6 +248,10 @@ pub enum BackendError {
     Unavailable(Device),
     #[error("kv_blocks ({blocks}) and kv_block_size ({block_size}) must both be positive")]
     KvGeometry { blocks: usize, block_size: usize },
+    #[error(
+        "layers of this stage cache K/V of different widths ({0} and {1}); the paged pool holds one width per stage"
+    )]
+    MixedKvWidths(usize, usize),
 }
 
 /// Load `layers` of the model in `files` onto the device `opts` names, as a pipeline stage.
@@ -209,8 +271,10 @@ pub fn load_shape(
     shape: &StageShape,
     opts: &BackendOptions,
 ) -> Result<Box<dyn Backend>, BackendError> {
-    opts.device.check_available()?;
-    Ok(Box::new(cpu::CpuBackend::load(files, shape, opts)?))
+    match opts.device {
+        Device::Cpu { .. } => Ok(Box::new(cpu::CpuBackend::load(files, shape, opts)?)),
+        Device::Cuda { .. } => Err(BackendError::Unavailable(opts.device)),
+    }
 }
 
 #[cfg(test)]

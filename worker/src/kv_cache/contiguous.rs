@@ -2,7 +2,7 @@
 //! The single-process engine and the in-process generator use it; pipeline stages use the
 //! paged pool ([`super::paged`]).
 
-use super::BatchKv;
+use super::{BatchKv, KvSpans};
 use crate::kernels::cpu::attention::{KvData, Rows};
 use crate::model::ForwardError;
 
@@ -101,7 +101,7 @@ pub struct BatchSeq<'a> {
     pub kv: &'a mut SequenceKv,
 }
 
-impl BatchKv for [BatchSeq<'_>] {
+impl KvSpans for [BatchSeq<'_>] {
     fn seqs(&self) -> usize {
         self.len()
     }
@@ -121,6 +121,14 @@ impl BatchKv for [BatchSeq<'_>] {
         Ok(())
     }
 
+    fn commit(&mut self) {
+        for q in self.iter_mut() {
+            q.kv.set_len(q.pos0 + q.len);
+        }
+    }
+}
+
+impl BatchKv for [BatchSeq<'_>] {
     fn write(&mut self, i: usize, layer: usize, k: &[f32], v: &[f32]) {
         let q = &mut self[i];
         let d = q.kv.kv_dim;
@@ -133,11 +141,5 @@ impl BatchKv for [BatchSeq<'_>] {
     fn layer(&self, i: usize, layer: usize) -> (KvData<'_>, KvData<'_>, Rows<'_>) {
         let l = &self[i].kv.layers[layer];
         (KvData::F32(&l.k), KvData::F32(&l.v), Rows::Contiguous)
-    }
-
-    fn commit(&mut self) {
-        for q in self.iter_mut() {
-            q.kv.set_len(q.pos0 + q.len);
-        }
     }
 }

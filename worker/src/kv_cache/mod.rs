@@ -61,9 +61,10 @@ impl std::str::FromStr for KvDtype {
     }
 }
 
-/// The K/V of the sequences in one batched forward pass. Sequence `i` contributes rows
-/// `pos0..pos0+len` (its [`span`](Self::span)), in order, back to back.
-pub trait BatchKv: Sync {
+/// Where each sequence of one batched forward pass stands: host metadata every device needs,
+/// whatever memory its K/V live in. Sequence `i` contributes rows `pos0..pos0+len` (its
+/// [`span`](Self::span)), in order, back to back.
+pub trait KvSpans {
     /// Sequences in the batch.
     fn seqs(&self) -> usize;
     /// `(pos0, len)` of sequence `i`.
@@ -73,12 +74,47 @@ pub trait BatchKv: Sync {
     /// Make room for every sequence's new rows, or say why there is none. Called once, before
     /// anything is written; an error leaves every cache unchanged.
     fn prepare(&mut self) -> Result<(), ForwardError>;
+    /// Record the new rows as stored (after every layer succeeded).
+    fn commit(&mut self);
+}
+
+/// A batch's K/V in host memory, as the CPU operations read and write them.
+pub trait BatchKv: KvSpans + Sync {
     /// Store sequence `i`'s new rows of `layer` (`len × kv_dim` each).
     fn write(&mut self, i: usize, layer: usize, k: &[f32], v: &[f32]);
     /// Sequence `i`'s keys and values of `layer` and how positions map to their rows.
     fn layer(&self, i: usize, layer: usize) -> (KvData<'_>, KvData<'_>, Rows<'_>);
-    /// Record the new rows as stored (after every layer succeeded).
-    fn commit(&mut self);
+}
+
+/// Any [`BatchKv`] (a slice of contiguous sequences included) as a sized value, so it can be
+/// passed where a `dyn BatchKv` is expected.
+pub struct AnyKv<'k, K: ?Sized>(pub &'k mut K);
+
+impl<K: BatchKv + ?Sized> KvSpans for AnyKv<'_, K> {
+    fn seqs(&self) -> usize {
+        self.0.seqs()
+    }
+    fn span(&self, i: usize) -> (usize, usize) {
+        self.0.span(i)
+    }
+    fn stored(&self, i: usize) -> usize {
+        self.0.stored(i)
+    }
+    fn prepare(&mut self) -> Result<(), ForwardError> {
+        self.0.prepare()
+    }
+    fn commit(&mut self) {
+        self.0.commit()
+    }
+}
+
+impl<K: BatchKv + ?Sized> BatchKv for AnyKv<'_, K> {
+    fn write(&mut self, i: usize, layer: usize, k: &[f32], v: &[f32]) {
+        self.0.write(i, layer, k, v)
+    }
+    fn layer(&self, i: usize, layer: usize) -> (KvData<'_>, KvData<'_>, Rows<'_>) {
+        self.0.layer(i, layer)
+    }
 }
 
 #[cfg(test)]

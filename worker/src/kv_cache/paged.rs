@@ -5,7 +5,7 @@
 //! loads (zeroed lazily by the OS), so serving allocates nothing per token. Values are stored
 //! as f32 or, at half the memory, f16 ([`KvDtype`]).
 
-use super::{BatchKv, KvDtype};
+use super::{BatchKv, KvDtype, KvSpans};
 use crate::kernels::cpu::attention::{KvData, Rows};
 use crate::kernels::cpu::half::HalfKind;
 use crate::model::ForwardError;
@@ -135,7 +135,7 @@ pub struct PagedBatch<'a> {
     pub seqs: &'a [PagedSeq<'a>],
 }
 
-impl BatchKv for PagedBatch<'_> {
+impl KvSpans for PagedBatch<'_> {
     fn seqs(&self) -> usize {
         self.seqs.len()
     }
@@ -168,6 +168,10 @@ impl BatchKv for PagedBatch<'_> {
         Ok(())
     }
 
+    fn commit(&mut self) {}
+}
+
+impl BatchKv for PagedBatch<'_> {
     fn write(&mut self, i: usize, layer: usize, k: &[f32], v: &[f32]) {
         let s = self.seqs[i];
         let d = self.pool.kv_dim;
@@ -187,8 +191,6 @@ impl BatchKv for PagedBatch<'_> {
         };
         (l.k.data(), l.v.data(), layout)
     }
-
-    fn commit(&mut self) {}
 }
 
 #[cfg(test)]

@@ -11,7 +11,9 @@
 //! `native`, `q4_0` and `q4_1` keep 4 bits for whoever needs the memory.
 
 use baton_shared::dtype::DType;
-use baton_shared::model_files::{ModelFiles, TensorRole};
+use baton_shared::model_files::ModelFiles;
+
+use super::registry;
 
 use crate::kernels::cpu::matmul::{UnknownFormat, WeightFormat};
 
@@ -22,19 +24,17 @@ pub const AUTO: &str = "auto";
 /// Q8_0 (no second rounding), else `q8_0` (float and 4-bit files re-quantized; quantized GGUF
 /// files often mix block types across layers, so every layer is looked at).
 pub fn auto_format(files: &ModelFiles) -> WeightFormat {
-    use TensorRole::*;
-    let roles = [Q, K, V, O, Gate, Up, Down];
-    let mut layers = 0;
-    let mut all_q8 = true;
-    for layer in 0.. {
-        let stored: Vec<_> = roles.iter().map(|&r| files.stored(r, Some(layer))).collect();
-        if stored.iter().all(Option::is_none) {
-            break;
-        }
-        layers += 1;
-        all_q8 &= stored.iter().all(|t| t.is_some_and(|t| t.dtype == DType::Q8_0));
-    }
-    if layers > 0 && all_q8 {
+    let Ok(config) = files.config() else {
+        return WeightFormat::Q8_0;
+    };
+    let arch = registry::for_config(&config);
+    let all_q8 = (0..config.num_layers).all(|l| {
+        arch.layer(&config, l)
+            .matrices()
+            .iter()
+            .all(|t| files.stored(t).is_some_and(|t| t.dtype == DType::Q8_0))
+    });
+    if config.num_layers > 0 && all_q8 {
         WeightFormat::Native
     } else {
         WeightFormat::Q8_0

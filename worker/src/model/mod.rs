@@ -1,14 +1,25 @@
-//! Decoder-only transformer (Llama / Qwen2 / Qwen3): weights for a contiguous layer range (the
-//! linear layers and head in a chosen [`WeightFormat`]), and the forward pass over that range.
+//! Models: a module per architecture ([`arch`], found through [`registry`]) that names its
+//! tensors and lays out its layers from shared [`blocks`]; [`StageModel`] holds a stage's part
+//! of any of them on any device ([`crate::ops::Ops`]) and runs the forward pass.
 
+pub mod arch;
+pub mod blocks;
+mod error;
 mod format_choice;
-mod forward;
+mod loader;
+mod on_cpu;
+pub mod registry;
 mod rope;
-mod weights;
+mod scratch;
+pub mod spec;
+mod stage_model;
 
+pub use error::ForwardError;
 pub use format_choice::{AUTO, auto_format, resolve_format};
-pub use forward::{ForwardError, Scratch};
+pub use loader::WeightLoader;
+pub use on_cpu::{LoadOptions, StageWeights};
 pub use rope::Rope;
-pub use weights::{LayerWeights, LoadOptions, PartBytes, StageWeights};
+pub use scratch::{Batch, Scratch};
+pub use stage_model::{PartBytes, StageModel};
 
 pub use crate::kernels::cpu::matmul::WeightFormat;

@@ -1,0 +1,247 @@
+//! Architecture modules: each says, for one model family, what its tensors are called in both
+//! file formats, what shape each has, and which blocks each layer is built from. They are
+//! declarative; the compute lives in [`crate::model::blocks`], written once against
+//! [`crate::ops::Ops`], so a module for a new family is names and shapes, plus a block where
+//! the family computes something new.
+//!
+//! [`crate::model::registry`] maps a Hugging Face `architectures` entry or a GGUF
+//! `general.architecture` to its module.
+
+mod llama;
+mod llama_family;
+mod qwen2;
+mod qwen3;
+
+pub use llama::Llama;
+pub use qwen2::Qwen2;
+pub use qwen3::Qwen3;
+
+use baton_shared::model_config::ModelConfig;
+use baton_shared::model_files::TensorSpec;
+
+use super::spec::{CacheSpec, LayerKind, LayerSpec};
+
+/// A model family.
+pub trait Architecture: Sync + std::fmt::Debug {
+    /// The name Baton reports (`llama`, `qwen2`, …).
+    fn name(&self) -> &'static str;
+    /// Hugging Face class names in `config.json`'s `architectures`, and `model_type` values.
+    fn hf_names(&self) -> &'static [&'static str];
+    /// GGUF `general.architecture` values.
+    fn gguf_names(&self) -> &'static [&'static str];
+    /// The tensors and blocks of decoder layer `l`.
+    fn layer(&self, c: &ModelConfig, l: usize) -> LayerPlan;
+    /// The embedding, final norm and head.
+    fn outer(&self, c: &ModelConfig) -> OuterPlan;
+}
+
+/// The tensors of a (grouped-query, rotary) self-attention block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttentionTensors {
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (fewer than `heads` under grouped-query attention).
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub q: TensorSpec,
+    pub k: TensorSpec,
+    pub v: TensorSpec,
+    pub o: TensorSpec,
+    /// q/k/v biases (Qwen2).
+    pub qkv_bias: Option<[TensorSpec; 3]>,
+    /// Per-head RMSNorm of q and k before RoPE (Qwen3).
+    pub qk_norm: Option<[TensorSpec; 2]>,
+}
+
+/// The tensors of a gated (SwiGLU) MLP.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MlpTensors {
+    pub gate: TensorSpec,
+    pub up: TensorSpec,
+    pub down: TensorSpec,
+}
+
+/// What mixes information across positions in a layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MixerTensors {
+    /// Full causal self-attention over a K/V cache.
+    Attention(AttentionTensors),
+}
+
+/// The per-position feed-forward part of a layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FfnTensors {
+    /// One dense gated MLP.
+    Dense(MlpTensors),
+}
+
+/// One pre-norm decoder layer: `x += mixer(norm(x)); x += ffn(norm(x))`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerPlan {
+    pub mixer_norm: TensorSpec,
+    pub mixer: MixerTensors,
+    pub ffn_norm: TensorSpec,
+    pub ffn: FfnTensors,
+}
+
+/// The parts outside the layers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OuterPlan {
+    pub embedding: TensorSpec,
+    pub final_norm: TensorSpec,
+    /// The head; `None` when tied to the embedding.
+    pub head: Option<TensorSpec>,
+    /// A head tensor a tied checkpoint may still carry (identical, ignored).
+    pub tolerated_head: TensorSpec,
+}
+
+impl LayerPlan {
+    /// Every tensor of the layer.
+    pub fn tensors(&self) -> Vec<&TensorSpec> {
+        let mut out = vec![&self.mixer_norm, &self.ffn_norm];
+        match &self.mixer {
+            MixerTensors::Attention(a) => {
+                out.extend([&a.q, &a.k, &a.v, &a.o]);
+                out.extend(a.qkv_bias.iter().flatten());
+                out.extend(a.qk_norm.iter().flatten());
+            }
+        }
+        match &self.ffn {
+            FfnTensors::Dense(m) => out.extend([&m.gate, &m.up, &m.down]),
+        }
+        out
+    }
+
+    /// The matrices a decode step streams (what the weight format applies to).
+    pub fn matrices(&self) -> Vec<&TensorSpec> {
+        let mut out = Vec::new();
+        match &self.mixer {
+            MixerTensors::Attention(a) => out.extend([&a.q, &a.k, &a.v, &a.o]),
+        }
+        match &self.ffn {
+            FfnTensors::Dense(m) => out.extend([&m.gate, &m.up, &m.down]),
+        }
+        out
+    }
+
+    /// What the layer is, what it keeps per sequence, and how many weights it has.
+    pub fn spec(&self) -> LayerSpec {
+        let (kind, cache) = match &self.mixer {
+            MixerTensors::Attention(a) => (
+                LayerKind::Attention,
+                CacheSpec::Attention {
+                    kv_heads: a.kv_heads,
+                    head_dim: a.head_dim,
+                },
+            ),
+        };
+        LayerSpec {
+            kind,
+            cache,
+            weight_params: self.tensors().iter().map(|t| t.shape.iter().product::<usize>()).sum(),
+        }
+    }
+}
+
+/// Every tensor a stage holding `layers` (with the embedding when `first`, the head when
+/// `last`) needs from the files.
+pub fn stage_tensors(
+    arch: &dyn Architecture,
+    c: &ModelConfig,
+    layers: std::ops::Range<usize>,
+    first: bool,
+    last: bool,
+) -> Vec<TensorSpec> {
+    let outer = arch.outer(c);
+    let mut out = Vec::new();
+    if first || (last && outer.head.is_none()) {
+        out.push(outer.embedding.clone());
+    }
+    for l in layers {
+        out.extend(arch.layer(c, l).tensors().into_iter().cloned());
+    }
+    if last {
+        out.push(outer.final_norm);
+        out.extend(outer.head);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::registry;
+    use serde_json::json;
+
+    fn config(model_type: &str, tied: bool) -> ModelConfig {
+        let v = json!({"model_type": model_type, "vocab_size": 100, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "tie_word_embeddings": tied});
+        ModelConfig::from_hf_value("t", &v).unwrap()
+    }
+
+    fn names(specs: &[TensorSpec]) -> Vec<&str> {
+        specs.iter().map(|s| s.hf.as_str()).collect()
+    }
+
+    #[test]
+    fn each_family_member_names_its_own_tensors() {
+        let c = config("llama", true);
+        let llama = registry::for_config(&c);
+        let l1 = llama.layer(&c, 1);
+        assert_eq!(l1.tensors().len(), 9);
+        let MixerTensors::Attention(a) = &l1.mixer;
+        assert_eq!(a.q.hf, "model.layers.1.self_attn.q_proj.weight");
+        assert_eq!(a.q.gguf, "blk.1.attn_q.weight");
+        assert_eq!((a.q.gguf_heads_permuted, a.k.gguf_heads_permuted), (Some(4), Some(2)));
+        assert_eq!(a.v.gguf_heads_permuted, None);
+        assert_eq!(a.o.shape, vec![64, 64]);
+
+        let c2 = config("qwen2", true);
+        let MixerTensors::Attention(a) = registry::for_config(&c2).layer(&c2, 0).mixer;
+        let bias = a.qkv_bias.expect("qwen2 has q/k/v biases");
+        assert_eq!(bias[1].gguf, "blk.0.attn_k.bias");
+        assert_eq!(bias[1].shape, vec![32]);
+        assert_eq!(a.q.gguf_heads_permuted, None, "only llama's GGUF converter permutes");
+
+        let c3 = config("qwen3", true);
+        let MixerTensors::Attention(a) = registry::for_config(&c3).layer(&c3, 2).mixer;
+        let norms = a.qk_norm.expect("qwen3 has q/k norms");
+        assert_eq!(norms[0].hf, "model.layers.2.self_attn.q_norm.weight");
+        assert_eq!(norms[0].shape, vec![16]);
+    }
+
+    #[test]
+    fn a_stage_reads_its_layers_and_only_the_outer_parts_it_holds() {
+        let tied = config("llama", true);
+        let arch = registry::for_config(&tied);
+        let middle = stage_tensors(arch, &tied, 1..2, false, false);
+        assert_eq!(middle.len(), 9);
+        assert!(names(&middle).iter().all(|n| n.starts_with("model.layers.1.")));
+        // A tied last stage reads the embedding for its head; an untied one reads lm_head.
+        let last = stage_tensors(arch, &tied, 2..3, false, true);
+        assert!(names(&last).contains(&"model.embed_tokens.weight"));
+        assert!(!names(&last).contains(&"lm_head.weight"));
+        let untied = config("llama", false);
+        let last = stage_tensors(arch, &untied, 2..3, false, true);
+        assert!(names(&last).contains(&"lm_head.weight") && !names(&last).contains(&"model.embed_tokens.weight"));
+        assert_eq!(stage_tensors(arch, &untied, 0..3, true, true).len(), 3 * 9 + 3);
+    }
+
+    #[test]
+    fn a_layer_declares_its_cache_and_weights() {
+        let c = config("qwen2", true);
+        let spec = registry::for_config(&c).layer(&c, 0).spec();
+        assert_eq!(spec.kind, LayerKind::Attention);
+        assert_eq!(
+            spec.cache,
+            CacheSpec::Attention {
+                kv_heads: 2,
+                head_dim: 16
+            }
+        );
+        let (h, kv, f) = (64, 32, 128);
+        let matrices = h * h + 2 * kv * h + h * h + 3 * f * h;
+        assert_eq!(spec.weight_params, matrices + 2 * h + h + 2 * kv);
+    }
+}

@@ -1,0 +1,85 @@
+//! Grouped-query causal self-attention with rotary positions, optional q/k/v biases (Qwen2)
+//! and optional per-head q/k RMSNorm (Qwen3).
+
+use baton_shared::model_files::LoadError;
+
+use super::super::arch::AttentionTensors;
+use super::super::loader::WeightLoader;
+use super::super::scratch::{Batch, Scratch};
+use super::RmsNorm;
+use crate::ops::{AttnShape, Ops};
+
+/// A self-attention block.
+pub struct Attention<O: Ops> {
+    shape: AttnShape,
+    q: O::Mat,
+    k: O::Mat,
+    v: O::Mat,
+    o: O::Mat,
+    bias: Option<[O::Vector; 3]>,
+    qk_norm: Option<[RmsNorm<O>; 2]>,
+}
+
+impl<O: Ops> Attention<O> {
+    /// Load the tensors `t` names.
+    pub fn load(w: &WeightLoader<'_, O>, t: &AttentionTensors) -> Result<Self, LoadError> {
+        let bias = match &t.qkv_bias {
+            Some([q, k, v]) => Some([w.vector(q)?, w.vector(k)?, w.vector(v)?]),
+            None => None,
+        };
+        let qk_norm = match &t.qk_norm {
+            Some([q, k]) => Some([RmsNorm::load(w, q)?, RmsNorm::load(w, k)?]),
+            None => None,
+        };
+        Ok(Self {
+            shape: AttnShape {
+                num_heads: t.heads,
+                num_kv_heads: t.kv_heads,
+                head_dim: t.head_dim,
+            },
+            q: w.matrix(&t.q)?,
+            k: w.matrix(&t.k)?,
+            v: w.matrix(&t.v)?,
+            o: w.matrix(&t.o)?,
+            bias,
+            qk_norm,
+        })
+    }
+
+    /// `s.proj = attention(s.xn)`, storing this layer's new K/V in slot `index` of `kv`.
+    pub fn forward(&self, ops: &O, index: usize, kv: &mut O::Kv<'_>, batch: &Batch, s: &mut Scratch<O>) {
+        let [bq, bk, bv] = match &self.bias {
+            Some([q, k, v]) => [Some(q), Some(k), Some(v)],
+            None => [None; 3],
+        };
+        ops.matmul_many(
+            &mut s.ws,
+            &s.xn,
+            [
+                (&self.q, bq, &mut s.q),
+                (&self.k, bk, &mut s.k),
+                (&self.v, bv, &mut s.v),
+            ],
+        );
+        if let Some([qn, kn]) = &self.qk_norm {
+            qn.apply_inplace(ops, &mut s.q);
+            kn.apply_inplace(ops, &mut s.k);
+        }
+        let (hd, sh) = (self.shape.head_dim, self.shape);
+        ops.rope(&mut s.q, sh.num_heads * hd, hd, &batch.cos, &batch.sin);
+        ops.rope(&mut s.k, sh.num_kv_heads * hd, hd, &batch.cos, &batch.sin);
+        ops.attention(&mut s.ws, index, &s.q, &s.k, &s.v, kv, sh, batch.longest, &mut s.attn);
+        ops.matmul(&mut s.ws, &s.attn, &self.o, None, &mut s.proj);
+    }
+
+    /// q, k, v, o.
+    pub fn matrices(&self) -> [&O::Mat; 4] {
+        [&self.q, &self.k, &self.v, &self.o]
+    }
+
+    /// Values in the biases and q/k norms.
+    pub fn vector_values(&self, ops: &O) -> usize {
+        let bias: usize = self.bias.iter().flatten().map(|b| ops.vector_len(b)).sum();
+        bias + self.qk_norm.iter().flatten().map(|n| n.len(ops)).sum::<usize>()
+    }
+}

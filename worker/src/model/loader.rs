@@ -1,0 +1,78 @@
+//! Loading weights onto a device: each tensor read by its spec, checked, converted to the
+//! stage's weight format (or kept as the file stores it) and uploaded through [`Ops`].
+
+use baton_shared::dtype::DType;
+use baton_shared::model_config::ModelConfig;
+use baton_shared::model_files::{LoadError, ModelFiles, TensorSpec};
+
+use crate::kernels::cpu::matmul::WeightFormat;
+use crate::ops::{HostMatrix, Ops};
+
+/// Reads tensors for one stage.
+pub struct WeightLoader<'a, O: Ops> {
+    pub files: &'a ModelFiles,
+    pub config: &'a ModelConfig,
+    pub ops: &'a O,
+    /// Storage of the layers' matrices.
+    pub format: WeightFormat,
+    /// Reject NaN and infinity.
+    pub check_finite: bool,
+}
+
+impl<O: Ops> WeightLoader<'_, O> {
+    /// An f32 vector (norm scale, bias).
+    pub fn vector(&self, spec: &TensorSpec) -> Result<O::Vector, LoadError> {
+        Ok(self.ops.vector(self.files.load_f32(spec, self.check_finite)?))
+    }
+
+    /// An f32 table kept exactly (the embedding).
+    pub fn table(&self, spec: &TensorSpec) -> Result<O::Mat, LoadError> {
+        self.matrix_as(spec, WeightFormat::F32)
+    }
+
+    /// A matrix in the stage's format.
+    pub fn matrix(&self, spec: &TensorSpec) -> Result<O::Mat, LoadError> {
+        self.matrix_as(spec, self.format)
+    }
+
+    /// A matrix in `format`: dequantized to f32 (checked for NaN/Inf) and converted by the
+    /// device, one path for every file format; `Native` keeps a file's block formats as stored
+    /// instead (after the same checks).
+    pub fn matrix_as(&self, spec: &TensorSpec, format: WeightFormat) -> Result<O::Mat, LoadError> {
+        let cols = *spec.shape.last().unwrap_or(&1);
+        let values = self.files.load_f32(spec, self.check_finite)?;
+        let blocks = match format {
+            WeightFormat::Native => self.files.load_blocks(spec)?,
+            _ => None,
+        };
+        let (host, format) = match (format, blocks) {
+            (WeightFormat::Native, Some((dtype, bytes))) => {
+                let rows = values.len() / cols;
+                (
+                    HostMatrix::Blocks {
+                        dtype,
+                        bytes,
+                        rows,
+                        cols,
+                    },
+                    WeightFormat::Native,
+                )
+            }
+            // 16-bit floats widen exactly, so rounding the f32 values back is lossless.
+            (WeightFormat::Native, None) => {
+                let as_stored = match self.files.stored(spec).map(|t| t.dtype) {
+                    Some(DType::BF16) => WeightFormat::Bf16,
+                    Some(DType::F16) => WeightFormat::F16,
+                    _ => WeightFormat::F32,
+                };
+                (HostMatrix::F32 { values, cols }, as_stored)
+            }
+            (format, _) => (HostMatrix::F32 { values, cols }, format),
+        };
+        self.ops.matrix(host, format).map_err(|reason| LoadError::Blocks {
+            source_name: self.files.source_name(),
+            name: self.files.name_of(spec).to_string(),
+            reason,
+        })
+    }
+}

@@ -1,0 +1,63 @@
+//! Work buffers of a forward pass, on the device the operations run on. They grow to the
+//! largest batch seen and are then reused, so steady decoding allocates nothing.
+
+use crate::ops::Ops;
+use crate::ops::cpu::CpuOps;
+
+/// Reusable device buffers for a stage's forward pass.
+pub struct Scratch<O: Ops = CpuOps> {
+    /// The residual stream.
+    pub hidden: O::Buf,
+    /// Normalized input of the block being run.
+    pub xn: O::Buf,
+    pub q: O::Buf,
+    pub k: O::Buf,
+    pub v: O::Buf,
+    pub attn: O::Buf,
+    /// A block's output, added to the residual stream.
+    pub proj: O::Buf,
+    pub gate: O::Buf,
+    pub up: O::Buf,
+    /// Head output of the last stage.
+    pub logits: O::Buf,
+    /// Per-call work memory of the operations.
+    pub ws: O::Workspace,
+    /// Host-side per-batch tables (kept to reuse their memory).
+    pub batch: Batch,
+}
+
+impl<O: Ops> Default for Scratch<O> {
+    fn default() -> Self {
+        Self {
+            hidden: O::Buf::default(),
+            xn: O::Buf::default(),
+            q: O::Buf::default(),
+            k: O::Buf::default(),
+            v: O::Buf::default(),
+            attn: O::Buf::default(),
+            proj: O::Buf::default(),
+            gate: O::Buf::default(),
+            up: O::Buf::default(),
+            logits: O::Buf::default(),
+            ws: O::Workspace::default(),
+            batch: Batch::default(),
+        }
+    }
+}
+
+impl<O: Ops> std::fmt::Debug for Scratch<O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scratch").finish_non_exhaustive()
+    }
+}
+
+/// What every layer of one batch shares: each row's rotary tables (host memory: a device
+/// operation uploads them if it needs to) and the longest sequence end.
+#[derive(Debug, Default)]
+pub struct Batch {
+    /// `rows × head_dim/2` cosines, row by row.
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+    /// The largest end position of any sequence in the batch.
+    pub longest: usize,
+}

@@ -1,0 +1,87 @@
+//! What a model declares about each of its layers, so the profiler, the split planner and KV
+//! sizing read it from the model instead of assuming every layer is alike.
+
+/// What a layer computes to mix positions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerKind {
+    /// Full causal self-attention.
+    Attention,
+}
+
+impl LayerKind {
+    /// The name reported in logs and the cluster view.
+    pub fn name(self) -> &'static str {
+        match self {
+            LayerKind::Attention => "attention",
+        }
+    }
+}
+
+/// What a layer keeps per sequence between steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheSpec {
+    /// Keys and values for every position: `kv_heads × head_dim` values each.
+    Attention { kv_heads: usize, head_dim: usize },
+}
+
+impl CacheSpec {
+    /// Values per position of each of K and V (0 for a layer without a K/V cache).
+    pub fn kv_dim(self) -> usize {
+        match self {
+            CacheSpec::Attention { kv_heads, head_dim } => kv_heads * head_dim,
+        }
+    }
+}
+
+/// One layer as the model declares it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerSpec {
+    pub kind: LayerKind,
+    pub cache: CacheSpec,
+    /// Weights in the layer (values, whatever their format).
+    pub weight_params: usize,
+}
+
+/// The K/V width every layer of `specs` shares, or the two widths that differ (the paged pool
+/// stores one width per stage).
+pub fn uniform_kv_dim(specs: &[LayerSpec]) -> Result<usize, (usize, usize)> {
+    let mut dims = specs.iter().map(|s| s.cache.kv_dim()).filter(|&d| d > 0);
+    let Some(first) = dims.next() else { return Ok(0) };
+    match dims.find(|&d| d != first) {
+        Some(other) => Err((first, other)),
+        None => Ok(first),
+    }
+}
+
+/// Each layer's cost relative to `reference`'s (by weight count): a profile that timed one
+/// layer scales to the others this way. Every layer of a uniform model gets 1.0.
+pub fn relative_costs(specs: &[LayerSpec], reference: &LayerSpec) -> Vec<f64> {
+    let base = reference.weight_params.max(1) as f64;
+    specs.iter().map(|s| s.weight_params as f64 / base).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn attn(kv_heads: usize, params: usize) -> LayerSpec {
+        LayerSpec {
+            kind: LayerKind::Attention,
+            cache: CacheSpec::Attention { kv_heads, head_dim: 64 },
+            weight_params: params,
+        }
+    }
+
+    #[test]
+    fn kv_width_is_shared_or_the_mismatch_is_named() {
+        assert_eq!(uniform_kv_dim(&[attn(2, 1), attn(2, 1)]), Ok(128));
+        assert_eq!(uniform_kv_dim(&[attn(2, 1), attn(4, 1)]), Err((128, 256)));
+        assert_eq!(uniform_kv_dim(&[]), Ok(0));
+    }
+
+    #[test]
+    fn costs_scale_with_weights() {
+        let specs = [attn(2, 100), attn(2, 300)];
+        assert_eq!(relative_costs(&specs, &specs[0]), vec![1.0, 3.0]);
+    }
+}

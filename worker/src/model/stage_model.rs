@@ -1,0 +1,336 @@
+//! A pipeline stage's part of a model on one device: a contiguous layer range built from its
+//! architecture's blocks, plus the embedding on the first stage and the final norm and head
+//! on the last. The forward pass is written once, against [`Ops`].
+
+use std::ops::Range;
+
+use baton_shared::dtype::DType;
+use baton_shared::model_config::ModelConfig;
+use baton_shared::model_files::{LoadError, ModelFiles};
+
+use super::ForwardError;
+use super::arch::{self, Architecture};
+use super::blocks::{DecoderLayer, RmsNorm};
+use super::loader::WeightLoader;
+use super::registry;
+use super::rope::Rope;
+use super::scratch::Scratch;
+use super::spec::LayerSpec;
+use crate::kernels::cpu::matmul::WeightFormat;
+use crate::kv_cache::KvSpans;
+use crate::ops::Ops;
+
+/// Bytes of weights each part of a stage needs on its own.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PartBytes {
+    /// The decoder layers.
+    pub layers: usize,
+    /// The input embedding (first stage).
+    pub embedding: usize,
+    /// Final norm and head (last stage), a borrowed tied embedding included.
+    pub head: usize,
+}
+
+/// A stage's weights on the device `O`, and the forward pass over them.
+pub struct StageModel<O: Ops> {
+    pub config: ModelConfig,
+    pub arch: &'static dyn Architecture,
+    pub layers: Range<usize>,
+    /// What each held layer is and caches, in order.
+    pub specs: Vec<LayerSpec>,
+    /// The f32 embedding table: on the first stage, or on a last stage whose head borrows it.
+    embedding: Option<O::Mat>,
+    blocks: Vec<DecoderLayer<O>>,
+    final_norm: Option<RmsNorm<O>>,
+    /// The head matrix; `None` for a tied f32 head, which borrows `embedding`.
+    head: Option<O::Mat>,
+    /// Whether this stage starts from token ids.
+    pub is_first: bool,
+    /// Whether this stage produces logits.
+    pub is_last: bool,
+    pub rope: Rope,
+    /// Storage of the layers' matrices.
+    pub format: WeightFormat,
+    /// The device the weights live on.
+    pub ops: O,
+}
+
+impl<O: Ops> std::fmt::Debug for StageModel<O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StageModel")
+            .field("arch", &self.arch.name())
+            .field("layers", &self.layers)
+            .field("first", &self.is_first)
+            .field("last", &self.is_last)
+            .field("format", &self.format)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Whether a stored type is kept as a matrix of its own under `native` (blocks, 16-bit).
+fn native_keeps(dtype: Option<DType>) -> bool {
+    matches!(
+        dtype,
+        Some(DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::BF16 | DType::F16)
+    )
+}
+
+impl<O: Ops> StageModel<O> {
+    /// Load `layers` (and the embedding when `first`, the head when `last`) of the model in
+    /// `files` onto `ops`, the layers' matrices in `format`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn load_on(
+        ops: O,
+        files: &ModelFiles,
+        config: &ModelConfig,
+        layers: Range<usize>,
+        first: bool,
+        last: bool,
+        check_finite: bool,
+        format: WeightFormat,
+    ) -> Result<Self, LoadError> {
+        if layers.start > layers.end || layers.end > config.num_layers {
+            return Err(LoadError::LayerRange {
+                start: layers.start,
+                end: layers.end,
+                layers: config.num_layers,
+            });
+        }
+        let arch = registry::for_config(config);
+        let w = WeightLoader {
+            files,
+            config,
+            ops: &ops,
+            format,
+            check_finite,
+        };
+        let mut blocks = Vec::with_capacity(layers.len());
+        let mut specs = Vec::with_capacity(layers.len());
+        for l in layers.clone() {
+            let plan = arch.layer(config, l);
+            specs.push(plan.spec());
+            blocks.push(DecoderLayer::load(&w, &plan)?);
+        }
+        let outer = arch.outer(config);
+        // The head stays at 8 bits under the 4-bit formats, as llama.cpp keeps its output
+        // tensor at higher precision: measured on SmolLM2, a Q4_1 head alone takes the logit
+        // error from 4% to 10% of the spread.
+        let head_format = match format {
+            WeightFormat::Q4_0 | WeightFormat::Q4_1 => WeightFormat::Q8_0,
+            other => other,
+        };
+        let tied = outer.head.is_none();
+        let embedding = match first || (last && tied) {
+            true => Some(w.table(&outer.embedding)?),
+            false => None,
+        };
+        let head = match (&outer.head, last, format) {
+            (_, false, _) => None,
+            (Some(head), true, _) => Some(w.matrix_as(head, head_format)?),
+            // A tied head borrows the f32 embedding, or is the embedding in its stored block
+            // or 16-bit format under `native`, or a converted copy of it.
+            (None, true, WeightFormat::F32) => None,
+            (None, true, WeightFormat::Native) => match native_keeps(files.stored(&outer.embedding).map(|t| t.dtype)) {
+                true => Some(w.matrix_as(&outer.embedding, WeightFormat::Native)?),
+                false => None,
+            },
+            (None, true, _) => Some(w.matrix_as(&outer.embedding, head_format)?),
+        };
+        // A last stage that is not first needed the embedding only to build its own head.
+        let embedding = embedding.filter(|_| first || head.is_none());
+        let final_norm = match last {
+            true => Some(RmsNorm::load(&w, &outer.final_norm)?),
+            false => None,
+        };
+        Ok(Self {
+            config: config.clone(),
+            arch,
+            layers,
+            specs,
+            embedding,
+            blocks,
+            final_norm,
+            head,
+            is_first: first,
+            is_last: last,
+            rope: Rope::new(config),
+            format,
+            ops,
+        })
+    }
+
+    /// The tensors the whole model needs, checked against the files (nothing missing, nothing
+    /// unexpected, every shape right).
+    pub fn validate_files(files: &ModelFiles, config: &ModelConfig) -> Result<(), LoadError> {
+        let arch = registry::for_config(config);
+        let expected = arch::stage_tensors(arch, config, 0..config.num_layers, true, true);
+        files.validate_complete(config, &expected, &[arch.outer(config).tolerated_head])
+    }
+
+    /// The head matrix (`[vocab, hidden]`), if this is the last stage.
+    pub fn head(&self) -> Option<&O::Mat> {
+        self.head.as_ref().or(self.embedding.as_ref().filter(|_| self.is_last))
+    }
+
+    /// The embedding table, on the first stage.
+    pub fn embedding_table(&self) -> Option<&O::Mat> {
+        self.embedding.as_ref().filter(|_| self.is_first)
+    }
+
+    /// Layer `i` of the stage (0 is the range's first).
+    pub fn block(&self, i: usize) -> &DecoderLayer<O> {
+        &self.blocks[i]
+    }
+
+    /// Embedding rows for `tokens` into `s.hidden`.
+    pub fn embed_into(&self, tokens: &[u32], s: &mut Scratch<O>) -> Result<(), ForwardError> {
+        let emb = self.embedding_table().ok_or(ForwardError::MissingPart("embedding"))?;
+        if tokens.is_empty() {
+            return Err(ForwardError::Empty);
+        }
+        self.ops.embed(emb, tokens, &mut s.hidden)
+    }
+
+    /// Embedding rows for `tokens` into host rows `out` (`tokens.len() × hidden`).
+    pub fn embed_host(&self, tokens: &[u32], s: &mut Scratch<O>, out: &mut [f32]) -> Result<(), ForwardError> {
+        self.embed_into(tokens, s)?;
+        self.ops.download(&s.hidden, out);
+        Ok(())
+    }
+
+    /// Run this stage's layers on the rows in `s.hidden`, which hold every sequence's rows
+    /// back to back in `kv`'s order. Each weight matrix is applied to all rows in one product;
+    /// attention runs per sequence over its own cache. Each row's result is bit-identical to
+    /// running its sequence alone. An error leaves every cache as it was.
+    pub fn run_layers(&self, kv: &mut O::Kv<'_>, s: &mut Scratch<O>) -> Result<(), ForwardError> {
+        let c = &self.config;
+        let h = c.hidden_size;
+        let n_seqs = kv.seqs();
+        let rows = self.ops.len(&s.hidden);
+        if rows == 0 || n_seqs == 0 || (0..n_seqs).any(|i| kv.span(i).1 == 0) {
+            return Err(ForwardError::Empty);
+        }
+        let t: usize = (0..n_seqs).map(|i| kv.span(i).1).sum();
+        if rows != t * h {
+            return Err(ForwardError::HiddenShape { got: rows, hidden: h });
+        }
+        let mut longest = 0;
+        for i in 0..n_seqs {
+            let (pos0, len) = kv.span(i);
+            if kv.stored(i) != pos0 {
+                return Err(ForwardError::KvPosition {
+                    have: kv.stored(i),
+                    pos0,
+                });
+            }
+            let end = pos0 + len;
+            if end > c.max_position_embeddings {
+                return Err(ForwardError::ContextOverflow {
+                    needed: end,
+                    max: c.max_position_embeddings,
+                });
+            }
+            longest = longest.max(end);
+        }
+        kv.prepare()?;
+        let mut batch = std::mem::take(&mut s.batch);
+        let half = c.head_dim / 2;
+        batch.cos.resize(t * half, 0.0);
+        batch.sin.resize(t * half, 0.0);
+        batch.longest = longest;
+        let mut row = 0;
+        for i in 0..n_seqs {
+            let (pos0, len) = kv.span(i);
+            for p in pos0..pos0 + len {
+                let at = row * half..(row + 1) * half;
+                self.rope.tables(p, &mut batch.cos[at.clone()], &mut batch.sin[at]);
+                row += 1;
+            }
+        }
+        for (index, layer) in self.blocks.iter().enumerate() {
+            layer.forward(&self.ops, index, kv, &batch, s);
+        }
+        s.batch = batch;
+        kv.commit();
+        Ok(())
+    }
+
+    /// [`run_layers`](Self::run_layers) on host rows `hidden`, updated in place.
+    pub fn forward_host(&self, hidden: &mut [f32], kv: &mut O::Kv<'_>, s: &mut Scratch<O>) -> Result<(), ForwardError> {
+        self.ops.upload(hidden, &mut s.hidden);
+        self.run_layers(kv, s)?;
+        self.ops.download(&s.hidden, hidden);
+        Ok(())
+    }
+
+    /// Final norm and head on each host row of `hidden`, writing `rows × vocab` logits to
+    /// `out`.
+    pub fn logits(&self, hidden: &[f32], s: &mut Scratch<O>, out: &mut [f32]) -> Result<(), ForwardError> {
+        self.head_into(hidden, s)?;
+        self.ops.download(&s.logits, out);
+        Ok(())
+    }
+
+    /// Final norm and head on each host row of `hidden`, leaving `rows × vocab` logits in
+    /// `s.logits` on the device (where a backend samples them).
+    pub fn head_into(&self, hidden: &[f32], s: &mut Scratch<O>) -> Result<(), ForwardError> {
+        let head = self.head().ok_or(ForwardError::MissingPart("head"))?;
+        let norm = self
+            .final_norm
+            .as_ref()
+            .ok_or(ForwardError::MissingPart("final norm"))?;
+        let h = self.config.hidden_size;
+        if hidden.is_empty() || !hidden.len().is_multiple_of(h) {
+            return Err(ForwardError::HiddenShape {
+                got: hidden.len(),
+                hidden: h,
+            });
+        }
+        self.ops.upload(hidden, &mut s.hidden);
+        norm.apply(&self.ops, &s.hidden, &mut s.xn);
+        self.ops.matmul(&mut s.ws, &s.xn, head, None, &mut s.logits);
+        Ok(())
+    }
+
+    /// Bytes of weights held (vectors and matrices as stored on the device).
+    pub fn weight_bytes(&self) -> usize {
+        let o = &self.ops;
+        let embedding = self.embedding.as_ref().map_or(0, |m| o.matrix_bytes(m));
+        let norm = 4 * self.final_norm.as_ref().map_or(0, |n| n.len(o));
+        embedding + norm + self.head.as_ref().map_or(0, |m| o.matrix_bytes(m)) + self.part_bytes().layers
+    }
+
+    /// What each part needs on its own: the layers, the input embedding (first stage), and the
+    /// final norm with the head (last stage; a tied f32 head borrows the embedding, so it counts
+    /// the embedding's bytes: a last stage that is not first holds them for the head alone).
+    pub fn part_bytes(&self) -> PartBytes {
+        let o = &self.ops;
+        let layer = |l: &DecoderLayer<O>| {
+            l.matrices().iter().map(|m| o.matrix_bytes(m)).sum::<usize>() + 4 * l.vector_values(o)
+        };
+        let embedding = self.embedding.as_ref().map_or(0, |m| o.matrix_bytes(m));
+        let norm = 4 * self.final_norm.as_ref().map_or(0, |n| n.len(o));
+        let head = match (&self.head, self.is_last) {
+            (Some(m), _) => norm + o.matrix_bytes(m),
+            (None, true) => norm + embedding,
+            (None, false) => 0,
+        };
+        PartBytes {
+            layers: self.blocks.iter().map(layer).sum(),
+            embedding: if self.is_first { embedding } else { 0 },
+            head,
+        }
+    }
+
+    /// Bytes of matrix weights one decode step reads (the layers' matrices and the head).
+    pub fn matrix_bytes(&self) -> usize {
+        let o = &self.ops;
+        let layers: usize = self
+            .blocks
+            .iter()
+            .flat_map(|l| l.matrices())
+            .map(|m| o.matrix_bytes(m))
+            .sum();
+        layers + self.head().map_or(0, |m| o.matrix_bytes(m))
+    }
+}

@@ -1,0 +1,141 @@
+//! The device operations layer: what a model's forward pass asks of a device, over buffers and
+//! weights that live on that device. Model code ([`crate::model`]) is written once against
+//! [`Ops`]; [`cpu::CpuOps`] runs it on this build's SIMD kernels, and a GPU implementation runs
+//! the same model code unchanged.
+//!
+//! The boundary is deliberately coarse: one call per matrix product (or group of products that
+//! share an input), per norm, per attention over a whole batch. A device can then launch one
+//! kernel per call and keep activations resident; the host only sees rows where the model
+//! explicitly uploads or downloads them (at a stage's edges).
+//!
+//! Operations the next architectures need (mixture-of-experts routing and grouped products,
+//! causal conv1d, gated delta-rule recurrence) are added here as new methods with their own
+//! buffer types; model code that does not call them is untouched.
+
+pub mod cpu;
+
+use baton_shared::dtype::DType;
+
+use crate::kernels::cpu::matmul::WeightFormat;
+use crate::kv_cache::KvSpans;
+use crate::model::ForwardError;
+
+/// The shape of one attention call: query heads, K/V heads (grouped-query) and head width.
+pub use crate::kernels::cpu::reference::AttnShape;
+
+/// One product of [`Ops::matmul_many`]: weights, optional bias, output.
+pub type Product<'a, O> = (
+    &'a <O as Ops>::Mat,
+    Option<&'a <O as Ops>::Vector>,
+    &'a mut <O as Ops>::Buf,
+);
+
+/// A weight matrix as read from the files, before a device converts and uploads it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum HostMatrix {
+    /// Row-major f32 values (dequantized from whatever the file stores), `cols` wide.
+    F32 { values: Vec<f32>, cols: usize },
+    /// A file's ggml block bytes (Q8_0, Q4_0, Q4_1) in Hugging Face row order, kept as stored.
+    Blocks {
+        dtype: DType,
+        bytes: Vec<u8>,
+        rows: usize,
+        cols: usize,
+    },
+}
+
+/// What a device reports about how it computes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OpsInfo {
+    /// The kernel path (`avx512_vnni`, `avx2`, …) or the device's name.
+    pub kernels: String,
+    /// Threads (CPU) or streams the operations run on.
+    pub threads: usize,
+}
+
+/// The operations a decoder model needs from a device.
+///
+/// Buffers hold `f32` rows; their length is set by [`Ops::resize`] before a call writes them,
+/// and every call's row count follows from its buffers' lengths.
+pub trait Ops: Send + Sync + Sized + 'static {
+    /// Activation rows on the device (grown on demand, reused across calls).
+    type Buf: Default + Send;
+    /// A weight matrix on the device, in the format it was uploaded in.
+    type Mat: Send + Sync;
+    /// A weight vector on the device (norm scales, biases).
+    type Vector: Send + Sync;
+    /// The K/V of one batch: the positions each sequence holds (host metadata every device
+    /// needs) and the device storage the attention reads and writes.
+    type Kv<'a>: KvSpans + ?Sized
+    where
+        Self: 'a;
+    /// Per-call work memory an implementation keeps between calls (quantized activations,
+    /// attention scores).
+    type Workspace: Default + Send;
+
+    /// The kernel path and threads.
+    fn info(&self) -> OpsInfo;
+
+    /// Convert a matrix to `format` (f32 values) or keep its blocks, and upload it; each
+    /// device packs weights its own way. The error says why the blocks cannot be used.
+    fn matrix(&self, m: HostMatrix, format: WeightFormat) -> Result<Self::Mat, String>;
+    /// Upload an f32 vector.
+    fn vector(&self, v: Vec<f32>) -> Self::Vector;
+    /// Bytes a matrix occupies on the device.
+    fn matrix_bytes(&self, m: &Self::Mat) -> usize;
+    /// `(rows, cols)` of a matrix.
+    fn matrix_shape(&self, m: &Self::Mat) -> (usize, usize);
+    /// Values in a vector.
+    fn vector_len(&self, v: &Self::Vector) -> usize;
+
+    /// Make `buf` hold `len` values (contents unspecified until written).
+    fn resize(&self, buf: &mut Self::Buf, len: usize);
+    /// Values `buf` holds.
+    fn len(&self, buf: &Self::Buf) -> usize;
+    /// Copy host rows into `buf` (resized to fit).
+    fn upload(&self, host: &[f32], buf: &mut Self::Buf);
+    /// Copy `buf` to host rows of the same length.
+    fn download(&self, buf: &Self::Buf, host: &mut [f32]);
+
+    /// Gather rows `tokens` of `table` (`[vocab, width]`, held as f32) into `out`.
+    fn embed(&self, table: &Self::Mat, tokens: &[u32], out: &mut Self::Buf) -> Result<(), ForwardError>;
+    /// `out = x · wᵀ (+ bias)` for every row of `x`.
+    fn matmul(
+        &self,
+        ws: &mut Self::Workspace,
+        x: &Self::Buf,
+        w: &Self::Mat,
+        bias: Option<&Self::Vector>,
+        out: &mut Self::Buf,
+    );
+    /// Several products of the same `x` (q/k/v, gate/up) as one job; each output equals its
+    /// own [`matmul`](Self::matmul).
+    fn matmul_many<const N: usize>(&self, ws: &mut Self::Workspace, x: &Self::Buf, products: [Product<'_, Self>; N]);
+    /// RMSNorm of each `w.len()`-wide row of `x` into `out`.
+    fn rmsnorm(&self, x: &Self::Buf, w: &Self::Vector, eps: f32, out: &mut Self::Buf);
+    /// RMSNorm of each `w.len()`-wide piece of `x` in place (per-head q/k norms).
+    fn rmsnorm_inplace(&self, x: &mut Self::Buf, w: &Self::Vector, eps: f32);
+    /// Rotate-half RoPE of every `head_dim`-wide head of each `width`-wide row of `x`; row `i`
+    /// uses `cos[i * head_dim / 2..]` and `sin[i * head_dim / 2..]` (host tables).
+    fn rope(&self, x: &mut Self::Buf, width: usize, head_dim: usize, cos: &[f32], sin: &[f32]);
+    /// `gate = silu(gate) · up` over `width`-wide rows.
+    fn silu_mul(&self, gate: &mut Self::Buf, up: &Self::Buf, width: usize);
+    /// `x += y` (the residual stream).
+    fn add(&self, x: &mut Self::Buf, y: &Self::Buf);
+    /// Store each sequence's new K/V rows of `layer` in `kv`, then causal attention of every
+    /// query row over its own sequence's cache, into `out`. `longest` is the largest end
+    /// position in the batch.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        ws: &mut Self::Workspace,
+        layer: usize,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        kv: &mut Self::Kv<'_>,
+        shape: AttnShape,
+        longest: usize,
+        out: &mut Self::Buf,
+    );
+}
