@@ -602,3 +602,79 @@ async fn client_disconnect_cancels_generation() {
     g.wait_cancelled(1).await;
     server.abort();
 }
+
+/// A request with an optional `Authorization: Bearer` key.
+async fn with_key(app: axum::Router, method: &str, path: &str, key: Option<&str>) -> axum::http::Response<Body> {
+    let mut req = Request::builder().method(method).uri(path);
+    if let Some(k) = key {
+        req = req.header(header::AUTHORIZATION, format!("Bearer {k}"));
+    }
+    let body = match method {
+        "POST" => Body::from(json!({"model": "test-model", "prompt": "Hi", "max_tokens": 3}).to_string()),
+        _ => Body::empty(),
+    };
+    app.oneshot(req.body(body).unwrap()).await.unwrap()
+}
+
+#[tokio::test]
+async fn api_keys_guard_the_api_and_leave_the_probes_open() {
+    use baton_coordinator::api::auth::ApiKeys;
+    for protect_admin in [false, true] {
+        let g = paris();
+        let keyed = || {
+            let keys = ApiKeys::new(vec!["sk-one".into(), "sk-two".into()], protect_admin).unwrap();
+            api::router(api::AppState {
+                api_keys: keys,
+                ..state(&g)
+            })
+        };
+        for (method, path) in [("POST", COMPLETIONS), ("GET", "/v1/models"), ("GET", "/nowhere")] {
+            for key in [None, Some("sk-three"), Some("sk-on")] {
+                let res = with_key(keyed(), method, path, key).await;
+                assert_eq!(res.headers()[header::WWW_AUTHENTICATE], "Bearer");
+                let got = json_of(res).await;
+                assert_eq!(got.1["error"]["code"], "invalid_api_key", "{}", got.1);
+                let msg = assert_error(got, StatusCode::UNAUTHORIZED, None);
+                let want = if key.is_none() {
+                    "provide an API key"
+                } else {
+                    "Incorrect API key"
+                };
+                assert!(msg.contains(want), "{path} {key:?}: {msg}");
+            }
+        }
+        // No request reached the generator without a key.
+        assert!(g.requests.lock().unwrap().is_empty());
+        for key in ["sk-one", "sk-two"] {
+            let (s, v) = json_of(with_key(keyed(), "POST", COMPLETIONS, Some(key)).await).await;
+            assert_eq!(
+                (s, v["choices"][0]["text"].as_str()),
+                (StatusCode::OK, Some(" Paris.")),
+                "{v}"
+            );
+        }
+        for path in ["/health", "/ready"] {
+            assert_eq!(
+                with_key(keyed(), "GET", path, None).await.status(),
+                StatusCode::OK,
+                "{path}"
+            );
+        }
+        for path in ["/metrics", "/admin/cluster", "/dashboard"] {
+            let status = with_key(keyed(), "GET", path, None).await.status();
+            assert_eq!(status == StatusCode::UNAUTHORIZED, protect_admin, "{path}: {status}");
+            let status = with_key(keyed(), "GET", path, Some("sk-one")).await.status();
+            assert_ne!(status, StatusCode::UNAUTHORIZED, "{path} with a key");
+        }
+    }
+    // Without keys the API stays open to any or no key.
+    let g = paris();
+    assert_eq!(
+        with_key(app(&g), "GET", "/v1/models", None).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        with_key(app(&g), "GET", "/v1/models", Some("x")).await.status(),
+        StatusCode::OK
+    );
+}

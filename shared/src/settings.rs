@@ -205,6 +205,15 @@ pub struct PipelineSettings {
     pub prefix_caching: bool,
     /// Largest request body in bytes (HTTP 413 beyond).
     pub max_body_bytes: usize,
+    /// A key the OpenAI API requires as `Authorization: Bearer KEY` (401 otherwise); prefer
+    /// `BATON_SERVE__API_KEY` / `BATON_COORDINATOR__API_KEY` or `api_key_file` to a flag,
+    /// which other users of the machine can see.
+    pub api_key: Option<String>,
+    /// A file of accepted keys, one per line (blank lines and `#` comments skipped).
+    pub api_key_file: Option<PathBuf>,
+    /// With keys set, also require one for `/metrics`, `/admin/*` and `/dashboard` (`/health`
+    /// and `/ready` always stay open).
+    pub protect_admin: bool,
     /// Wire type of hidden states between stages: f32, bf16 or f16.
     pub activation_dtype: ActivationDtypeSetting,
     /// Weight format the stages hold: `auto` (the file's own quantization where it has one,
@@ -227,6 +236,9 @@ impl Default for PipelineSettings {
             split: SplitSetting::Measured,
             prefix_caching: true,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            api_key: None,
+            api_key_file: None,
+            protect_admin: false,
             activation_dtype: ActivationDtypeSetting::F32,
             weights: WeightsSetting::Auto,
         }

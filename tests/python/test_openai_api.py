@@ -28,7 +28,9 @@ BASE_URL = os.environ.get("BATON_BASE_URL")
 if not BASE_URL:
     sys.exit("error: set BATON_BASE_URL to the server's /v1 URL, e.g. http://127.0.0.1:8000/v1")
 
-client = openai.OpenAI(base_url=BASE_URL, api_key="unused", max_retries=0, timeout=300)
+# The key the server requires (`baton serve --api-key`), if it requires one.
+API_KEY = os.environ.get("BATON_API_KEY")
+client = openai.OpenAI(base_url=BASE_URL, api_key=API_KEY or "unused", max_retries=0, timeout=300)
 MODEL = None  # filled from /v1/models
 
 PROMPT = "The capital of France is"
@@ -46,7 +48,9 @@ def tokenize(text, chat=False):
     if chat:
         cmd.append("--chat")
     # baton reads BATON_* variables as settings; these two are test inputs, not settings.
-    env = {k: v for k, v in os.environ.items() if k not in ("BATON_BASE_URL", "BATON_TEST_PYTHON")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("BATON_BASE_URL", "BATON_TEST_PYTHON", "BATON_API_KEY")
+    }
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert out.returncode == 0, f"{cmd} failed: {out.stderr}"
     return json.loads(out.stdout)["ids"]
@@ -253,6 +257,24 @@ def test_prefix_cache_reports_cached_prompt_tokens():
     assert cached_tokens(again.usage) == (n - 1) // 16 * 16, again.usage
     shared = cached_tokens(other.usage)
     assert 32 <= shared < other.usage.prompt_tokens and shared % 16 == 0, other.usage
+
+
+def test_api_keys():
+    """A server started with a key answers a wrong one with the SDK's AuthenticationError
+    (OpenAI's 401 body); an open server takes any key."""
+    other = openai.OpenAI(base_url=BASE_URL, api_key="not-the-key", max_retries=0, timeout=60)
+    if not API_KEY:
+        assert other.models.list().data, "an open server takes any key"
+        return
+    try:
+        other.models.list()
+    except openai.AuthenticationError as e:
+        assert e.status_code == 401, e
+        assert e.code == "invalid_api_key", e.body
+        assert "Incorrect API key" in e.message, e.message
+    else:
+        raise AssertionError("a wrong API key was accepted")
+    assert client.models.list().data, "the right key is accepted"
 
 
 def main():

@@ -15,19 +15,22 @@ fn script() -> PathBuf {
 
 #[test]
 fn openai_python_sdk_against_baton_serve_with_two_workers() {
-    run_sdk_script(&["--weights", "f32"], &["--prefix-cache"]);
+    run_sdk_script(&["--weights", "f32"], &["--prefix-cache"], None);
 }
 
 #[test]
 fn openai_python_sdk_against_baton_serve_in_process() {
-    // The in-process stage has the same prefix cache as a pipeline.
-    run_sdk_script(&["--workers", "0", "--weights", "f32"], &["--prefix-cache"]);
+    // The in-process stage has the same prefix cache as a pipeline. This server requires an
+    // API key, which the SDK sends; a wrong one gets the SDK's AuthenticationError.
+    let key = "sk-baton-test-7f3a";
+    let serve = ["--workers", "0", "--weights", "f32", "--api-key", key];
+    run_sdk_script(&serve, &["--prefix-cache"], Some(key));
 }
 
 /// The script checks greedy answers ("Paris" to the capital of France), so both servers run
 /// the reference f32 weights: the chat answer's first token is a near-tie in f32 ("The" 25.33
 /// against "L" 25.24), which the default model's own Q4_1 blocks (the `auto` default) flip.
-fn run_sdk_script(serve_args: &[&str], script_args: &[&str]) {
+fn run_sdk_script(serve_args: &[&str], script_args: &[&str], api_key: Option<&str>) {
     let python = std::env::var("BATON_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
     let probe = Command::new(&python)
         .args(["-c", "import openai; print(openai.__version__)"])
@@ -51,6 +54,7 @@ fn run_sdk_script(serve_args: &[&str], script_args: &[&str]) {
         .arg(&model)
         .args(script_args)
         .env("BATON_BASE_URL", &url)
+        .envs(api_key.map(|k| ("BATON_API_KEY", k)))
         .output()
         .expect("running the Python SDK test");
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -53,6 +53,14 @@ impl ApiError {
         }
     }
 
+    /// 401: no API key, or not one the server accepts.
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self {
+            code: Some("invalid_api_key"),
+            ..Self::new(StatusCode::UNAUTHORIZED, "invalid_request_error", message)
+        }
+    }
+
     /// 400 about the request as a whole.
     pub fn bad_request(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)

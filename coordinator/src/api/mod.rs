@@ -1,8 +1,9 @@
 //! The OpenAI-compatible HTTP API: `/v1/completions`, `/v1/chat/completions`, `/v1/models`,
 //! plus `/health`, `/ready`, `/metrics`, `/admin/cluster` and the `/dashboard` page. Text lives
 //! here (templating, tokenizing, detokenizing, stop strings); token production is behind
-//! [`Generator`].
+//! [`Generator`]. [`auth`] guards it with API keys when configured.
 
+pub mod auth;
 pub mod chat;
 pub mod completions;
 pub mod dashboard;
@@ -50,6 +51,8 @@ pub struct AppState {
     pub generator: Arc<dyn Generator>,
     /// When the server started (`created` in `/v1/models`).
     pub started: u64,
+    /// Keys `/v1/*` (and, if configured, the admin routes) require; `None`: open.
+    pub api_keys: Option<auth::ApiKeys>,
 }
 
 impl AppState {
@@ -77,6 +80,7 @@ impl AppState {
             sampling_defaults: SamplingDefaults::default(),
             generator,
             started: unix_now(),
+            api_keys: None,
         }
     }
 }
@@ -84,7 +88,8 @@ impl AppState {
 /// The API's routes over `state`.
 pub fn router(state: AppState) -> Router {
     let limit = state.max_body_bytes;
-    Router::new()
+    let keys = state.api_keys.clone().map(Arc::new);
+    let router = Router::new()
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/models", get(list_models))
@@ -98,7 +103,12 @@ pub fn router(state: AppState) -> Router {
         .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(limit))
         .layer(Extension(BodyLimit(limit)))
-        .with_state(Arc::new(state))
+        .with_state(Arc::new(state));
+    match keys {
+        // Outermost, so an unauthenticated request is refused before its body is read.
+        Some(keys) => router.layer(axum::middleware::from_fn_with_state(keys, auth::require_key)),
+        None => router,
+    }
 }
 
 /// Serve `router` on `listener` until `shutdown` completes, then finish in-flight requests.

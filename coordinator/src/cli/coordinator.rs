@@ -9,7 +9,7 @@ use baton_coordinator::api::{self, AppState};
 use baton_coordinator::cluster;
 use baton_coordinator::pipeline::PipelineConfig;
 
-use super::pipeline_args::{PipelineArgs, pipeline_config};
+use super::pipeline_args::{PipelineArgs, api_keys, pipeline_config};
 use super::serve::{default_served_name, shutdown_signal};
 use super::{Ctx, ModelArg};
 
@@ -84,6 +84,7 @@ pub fn run(ctx: &Ctx, args: CoordinatorArgs) -> Result<()> {
         .unwrap_or_else(|| default_served_name(args.model.model.as_deref()));
     let sampling_defaults = model.files.sampling_defaults()?;
     tracing::info!(?sampling_defaults, "sampling defaults for fields a request leaves out");
+    let api_keys = api_keys(&a.pipeline)?;
     let tokenizer = Arc::new(model.tokenizer);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     baton_shared::telemetry::prometheus();
@@ -93,6 +94,7 @@ pub fn run(ctx: &Ctx, args: CoordinatorArgs) -> Result<()> {
         let server = cluster::start(registry, config)?;
         let state = AppState {
             max_body_bytes: a.pipeline.max_body_bytes,
+            api_keys,
             sampling_defaults,
             ..AppState::new(name.clone(), tokenizer, max_context, server.generator.clone())
         };

@@ -3,6 +3,7 @@
 //! that turns the resolved settings into a [`PipelineConfig`].
 
 use anyhow::{Result, anyhow};
+use baton_coordinator::api::auth::ApiKeys;
 use baton_coordinator::pipeline::PipelineConfig;
 use baton_coordinator::planner::SplitPolicy;
 use baton_shared::model_files::ModelFiles;
@@ -70,6 +71,21 @@ pub struct PipelineArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_body_bytes: Option<usize>,
+    /// A key the OpenAI API requires as `Authorization: Bearer KEY` (HTTP 401 otherwise); the
+    /// environment (`BATON_SERVE__API_KEY`, `BATON_COORDINATOR__API_KEY`) or --api-key-file keep
+    /// it out of the process list.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub api_key: Option<String>,
+    /// A file of accepted API keys, one per line (blank lines and # comments skipped).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub api_key_file: Option<std::path::PathBuf>,
+    /// With API keys set, also require one for /metrics, /admin/* and /dashboard (/health and
+    /// /ready stay open) [default: false].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub protect_admin: Option<bool>,
     /// Wire type of hidden states between stages [default: f32].
     #[arg(long, value_parser = names!(ActivationDtypeSetting))]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -105,6 +121,22 @@ fn activation_dtype(s: ActivationDtypeSetting) -> Dtype {
         ActivationDtypeSetting::Bf16 => Dtype::Bf16,
         ActivationDtypeSetting::F16 => Dtype::F16,
     }
+}
+
+/// The API keys the settings configure (the key and every key in the key file), or `None`
+/// for an open API.
+pub(super) fn api_keys(p: &PipelineSettings) -> Result<Option<ApiKeys>> {
+    let mut keys: Vec<String> = p.api_key.iter().cloned().collect();
+    if let Some(path) = &p.api_key_file {
+        keys.extend(ApiKeys::read_file(path)?);
+    }
+    let keys = ApiKeys::new(keys, p.protect_admin).map_err(|e| anyhow!("api_key: {e}"))?;
+    match &keys {
+        Some(_) => tracing::info!(protect_admin = p.protect_admin, "the OpenAI API requires an API key"),
+        None if p.protect_admin => tracing::warn!("protect_admin is set but no API key is: every route is open"),
+        None => {}
+    }
+    Ok(keys)
 }
 
 /// A weight format name (`auto`: Q8_0, a Q8_0 file's blocks as stored) for `files`.

@@ -17,7 +17,7 @@ use baton_shared::fetch::{DEFAULT_MODEL, HF_REPO};
 use baton_shared::model_source::LoadedModel;
 use baton_shared::settings::ServeSettings;
 
-use super::pipeline_args::{PipelineArgs, pipeline_config, weight_format};
+use super::pipeline_args::{PipelineArgs, api_keys, pipeline_config, weight_format};
 use super::{Ctx, ModelArg};
 
 /// Flags of `baton serve`; each overrides `[serve]` in baton.toml and `BATON_SERVE__*`
@@ -98,9 +98,12 @@ pub fn run(ctx: &Ctx, args: ServeArgs) -> Result<()> {
         let listener = tokio::net::TcpListener::from_std(listener)?;
         let addr = listener.local_addr()?;
         let shutdown = shutdown_signal()?;
+        // A bad key or key file fails before any worker starts.
+        let api_keys = api_keys(&a.pipeline)?;
         let (generator, mut workers) = build_generator(ctx, a, &model_path, model, max_context).await?;
         let state = AppState {
             max_body_bytes: a.pipeline.max_body_bytes,
+            api_keys,
             sampling_defaults,
             ..AppState::new(name.clone(), tokenizer, max_context, generator.clone())
         };
