@@ -316,6 +316,21 @@ mod tests {
     }
 
     #[test]
+    fn every_operation_equals_the_scalar_reference_bit_for_bit() {
+        // Enough rows that silu_mul spreads over the pool (16+), on one and three threads.
+        for threads in [1, 3] {
+            let ops = CpuOps::new(threads, None);
+            for rows in [1, 5, 40] {
+                let checks = super::super::conformance::check(&ops, rows);
+                assert_eq!(checks.len(), 8);
+                for c in checks {
+                    assert_eq!(c.max_abs_diff, 0.0, "{threads} threads, {rows} rows: {c:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn embedding_refuses_ids_outside_the_vocabulary() {
         let ops = CpuOps::reference();
         let table = Matrix::F32 {

@@ -12,6 +12,7 @@
 //! causal conv1d, gated delta-rule recurrence) are added here as new methods with their own
 //! buffer types; model code that does not call them is untouched.
 
+pub mod conformance;
 pub mod cpu;
 
 use baton_shared::dtype::DType;
