@@ -9,6 +9,7 @@
 use super::{HostMatrix, Ops};
 use crate::kernels::cpu::matmul::WeightFormat;
 use crate::kernels::cpu::reference as r;
+use crate::kernels::cpu::testdata::noise;
 
 /// One operation's distance from the reference.
 #[derive(Debug, Clone, PartialEq)]
@@ -19,15 +20,7 @@ pub struct Check {
 
 /// Deterministic values in [-1, 1).
 fn values(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
+    noise(n, seed, 1.0)
 }
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
