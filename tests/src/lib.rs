@@ -3,6 +3,7 @@
 
 pub mod cluster;
 pub mod serve;
+pub mod tiny_gguf;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
