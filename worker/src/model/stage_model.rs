@@ -97,6 +97,8 @@ impl<O: Ops> StageModel<O> {
             });
         }
         let arch = registry::for_config(config);
+        let _span = tracing::info_span!("model.load", arch = arch.name(), layers = ?layers, first, last).entered();
+        let started = std::time::Instant::now();
         let w = WeightLoader {
             files,
             config,
@@ -142,6 +144,16 @@ impl<O: Ops> StageModel<O> {
             true => Some(RmsNorm::load(&w, &outer.final_norm)?),
             false => None,
         };
+        let ops_info = ops.info();
+        tracing::info!(
+            arch = arch.name(),
+            layers = ?layers,
+            kinds = ?specs.iter().map(|s| s.kind.name()).collect::<std::collections::BTreeSet<_>>(),
+            format = %format,
+            kernels = %ops_info.kernels,
+            seconds = started.elapsed().as_secs_f64(),
+            "model part loaded"
+        );
         Ok(Self {
             config: config.clone(),
             arch,
