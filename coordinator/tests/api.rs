@@ -678,3 +678,30 @@ async fn api_keys_guard_the_api_and_leave_the_probes_open() {
         StatusCode::OK
     );
 }
+
+#[tokio::test]
+async fn limits_hit_are_counted_by_name_and_long_stop_strings_are_refused() {
+    baton_shared::telemetry::prometheus().expect("metrics recorder");
+    let g = paris();
+    let long = "x".repeat(1025);
+    let body = json!({"model": "test-model", "prompt": "Hi", "max_tokens": 3, "stop": ["ok", long]});
+    let msg = assert_error(
+        post(app(&g), COMPLETIONS, body).await,
+        StatusCode::BAD_REQUEST,
+        Some("stop"),
+    );
+    assert!(msg.contains("at most 1024 bytes, got one of 1025"), "{msg}");
+    let fine = json!({"model": "test-model", "prompt": "Hi", "max_tokens": 3, "stop": ["x".repeat(1024)]});
+    assert_eq!(post(app(&g), COMPLETIONS, fine).await.0, StatusCode::OK);
+    let too_many = json!({"model": "test-model", "prompt": "Hi", "stop": vec!["s"; 17]});
+    assert_error(
+        post(app(&g), COMPLETIONS, too_many).await,
+        StatusCode::BAD_REQUEST,
+        Some("stop"),
+    );
+    let metrics = text_of(get(app(&g), "/metrics").await).await;
+    for limit in ["stop_string_bytes", "stop_strings"] {
+        let line = format!("baton_http_limit_hits_total{{limit=\"{limit}\"}}");
+        assert!(metrics.contains(&line), "{line} missing from:\n{metrics}");
+    }
+}

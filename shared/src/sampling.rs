@@ -71,6 +71,9 @@ pub struct SamplingError {
 
 /// Upper bound for stop strings, to keep per-token matching cheap.
 pub const MAX_STOP_STRINGS: usize = 16;
+/// Longest stop string in bytes: the matcher holds back that much streamed text, and a stop
+/// longer than any reply could never match anyway.
+pub const MAX_STOP_STRING_BYTES: usize = 1024;
 
 impl SamplingParams {
     /// Greedy decoding of up to `max_tokens` tokens.
@@ -106,6 +109,9 @@ impl SamplingParams {
         }
         if self.stop.iter().any(String::is_empty) {
             return err("stop", "stop strings must not be empty");
+        }
+        if self.stop.iter().any(|s| s.len() > MAX_STOP_STRING_BYTES) {
+            return err("stop", "stop strings must be at most 1024 bytes");
         }
         Ok(())
     }

@@ -23,6 +23,9 @@ pub struct ApiError {
     pub code: Option<&'static str>,
     /// Seconds for a `Retry-After` header (429 and 503).
     pub retry_after: Option<u32>,
+    /// The configured or built-in limit the request ran into, counted in
+    /// `baton_http_limit_hits_total{limit}`.
+    pub limit: Option<&'static str>,
 }
 
 /// The JSON body of an error.
@@ -50,7 +53,14 @@ impl ApiError {
             param: None,
             code: None,
             retry_after: None,
+            limit: None,
         }
+    }
+
+    /// The same error, counted as a hit of `limit` (a setting's name, or a built-in bound).
+    pub fn at_limit(mut self, limit: &'static str) -> Self {
+        self.limit = Some(limit);
+        self
     }
 
     /// 401: no API key, or not one the server accepts.
@@ -113,7 +123,7 @@ impl ApiError {
             format!("request body is larger than the limit of {limit} bytes"),
         );
         e.code = Some("request_too_large");
-        e
+        e.at_limit("max_body_bytes")
     }
 
     /// 503: nothing can serve the request right now; clients may retry.
@@ -129,7 +139,7 @@ impl ApiError {
         let mut e = Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message);
         e.code = Some("rate_limit_exceeded");
         e.retry_after = Some(1);
-        e
+        e.at_limit("max_queue")
     }
 
     /// 500: a bug or an unexpected failure on our side.
@@ -170,6 +180,9 @@ impl From<SubmitError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        if let Some(limit) = self.limit {
+            metrics::counter!("baton_http_limit_hits_total", "limit" => limit).increment(1);
+        }
         if self.status.is_server_error() {
             tracing::warn!(status = self.status.as_u16(), message = %self.message, "request failed");
         } else {

@@ -1,7 +1,7 @@
 //! Turning request fields into [`SamplingParams`], with a 400 naming the field for anything out
 //! of range or unsupported, and the context-length check.
 
-use baton_shared::sampling::{MAX_STOP_STRINGS, SamplingDefaults, SamplingParams};
+use baton_shared::sampling::{MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS, SamplingDefaults, SamplingParams};
 use serde_json::Value;
 
 use super::error::ApiError;
@@ -50,7 +50,18 @@ pub fn parse_stop(stop: Option<&Value>) -> Result<Vec<String>, ApiError> {
                 "at most {MAX_STOP_STRINGS} stop strings are supported, got {}",
                 stops.len()
             ),
-        ));
+        )
+        .at_limit("stop_strings"));
+    }
+    if let Some(long) = stops.iter().find(|s| s.len() > MAX_STOP_STRING_BYTES) {
+        return Err(ApiError::invalid_param(
+            "stop",
+            format!(
+                "stop strings may be at most {MAX_STOP_STRING_BYTES} bytes, got one of {}",
+                long.len()
+            ),
+        )
+        .at_limit("stop_string_bytes"));
     }
     Ok(stops)
 }
@@ -61,7 +72,8 @@ pub fn parse_top_logprobs(param: &str, n: i64) -> Result<usize, ApiError> {
         return Err(ApiError::invalid_param(
             param,
             format!("'{param}' must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"),
-        ));
+        )
+        .at_limit("top_logprobs"));
     }
     Ok(n as usize)
 }
@@ -176,7 +188,8 @@ pub fn check_context(
                  the length of the {field} or the completion.",
                 prompt_len.saturating_add(max_tokens)
             ),
-        ));
+        )
+        .at_limit("max_model_len"));
     }
     Ok(())
 }
