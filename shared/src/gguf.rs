@@ -358,7 +358,7 @@ impl GgufFile {
                     return Err(GgufError::Truncated {
                         path: path.clone(),
                         what: format!("data of tensor '{name}' ({n_bytes} bytes at relative offset {rel})"),
-                        offset: data_start + rel,
+                        offset: data_start.saturating_add(rel),
                     });
                 }
             }

@@ -146,6 +146,22 @@ fn truncated_and_corrupt_gguf() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("truncated or corrupt"), "{e}");
+    // A tensor offset at the end of u64 (found by tests/tests/mutated_files.rs: computing the
+    // error's offset overflowed) is a truncation error.
+    let first = &tensors[0];
+    let name_at = bytes
+        .windows(first.name.len())
+        .position(|w| w == first.name.as_bytes())
+        .unwrap();
+    let offset_at = name_at + first.name.len() + 4 + 8 * first.shape.len() + 4;
+    let mut bad = bytes.clone();
+    bad[offset_at..offset_at + 8].copy_from_slice(&u64::MAX.to_le_bytes());
+    let e = GgufFile::open(write(tmp.path(), "offset.gguf", &bad)).unwrap_err();
+    assert!(matches!(e, GgufError::Truncated { .. }), "{e}");
+    assert!(
+        e.to_string().contains(&format!("data of tensor '{}'", first.name)),
+        "{e}"
+    );
     // The real model, cut short.
     let real = std::fs::read(default_model()).unwrap();
     let p = write(tmp.path(), "real-cut.gguf", &real[..real.len() - 1000]);
