@@ -247,7 +247,7 @@ impl ModelFiles {
     /// Q4_0, Q4_1).
     pub fn load_blocks(&self, spec: &TensorSpec) -> Result<Option<(DType, Vec<u8>)>, LoadError> {
         let t = self.checked(spec)?;
-        if !matches!(t.dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1) || spec.shape.len() != 2 {
+        if !keeps_blocks(t.dtype, &spec.shape) {
             return Ok(None);
         }
         let mut data = t.data.to_vec();
@@ -278,6 +278,12 @@ impl ModelFiles {
         }
         Ok(out)
     }
+}
+
+/// Whether a tensor of `dtype` and `shape` can be kept as its ggml blocks: a 2-D Q8_0, Q4_0 or
+/// Q4_1 matrix.
+pub fn keeps_blocks(dtype: DType, shape: &[usize]) -> bool {
+    matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1) && shape.len() == 2
 }
 
 fn check_shape(source_name: &str, name: &str, found: &[usize], expected: &[usize]) -> Result<(), LoadError> {

@@ -115,33 +115,31 @@ fn mutated_gguf_files_are_refused_or_loaded_never_a_panic() {
     });
 }
 
-#[test]
-fn mutated_safetensors_files_are_refused_or_loaded_never_a_panic() {
+/// [`run_cases`] on one file of the tiny Hugging Face directory (`file`), the others intact;
+/// `header` says how many leading bytes the parser reads as structure.
+fn run_on_hf_file(file: &str, header: impl Fn(&[u8]) -> usize, seed: u64) {
     let src = fixtures().join("tiny/llama_tied");
-    let original = std::fs::read(src.join("model.safetensors")).unwrap();
+    let original = std::fs::read(src.join(file)).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("m");
     std::fs::create_dir(&dir).unwrap();
-    std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
-    // The JSON header: its 8-byte length, then the header itself.
-    let header = 8 + u64::from_le_bytes(original[..8].try_into().unwrap()) as usize;
-    run_cases(&original, header, 0xBA70_0001, |b| {
-        std::fs::write(dir.join("model.safetensors"), b).unwrap();
+    for other in ["config.json", "model.safetensors"].into_iter().filter(|f| *f != file) {
+        std::fs::copy(src.join(other), dir.join(other)).unwrap();
+    }
+    run_cases(&original, header(&original), seed, |b| {
+        std::fs::write(dir.join(file), b).unwrap();
         dir.clone()
     });
 }
 
 #[test]
+fn mutated_safetensors_files_are_refused_or_loaded_never_a_panic() {
+    // The JSON header: its 8-byte length, then the header itself.
+    let header = |b: &[u8]| 8 + u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    run_on_hf_file("model.safetensors", header, 0xBA70_0001);
+}
+
+#[test]
 fn mutated_configs_are_refused_or_loaded_never_a_panic() {
-    let src = fixtures().join("tiny/llama_tied");
-    let original = std::fs::read(src.join("config.json")).unwrap();
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("m");
-    std::fs::create_dir(&dir).unwrap();
-    std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
-    let len = original.len();
-    run_cases(&original, len, 0x5EED_C0DE, |b| {
-        std::fs::write(dir.join("config.json"), b).unwrap();
-        dir.clone()
-    });
+    run_on_hf_file("config.json", <[u8]>::len, 0x5EED_C0DE);
 }

@@ -17,7 +17,6 @@ use baton_shared::model_config::ModelConfig;
 use baton_shared::model_files::ModelFiles;
 
 use crate::backend::{self, BackendError, BackendOptions, SeqChunk, StageShape};
-use crate::model::spec::relative_costs;
 use crate::model::{ForwardError, PartBytes};
 
 /// Largest batch a profile times.
@@ -234,13 +233,11 @@ pub fn profile(
     let mut hidden = vec![0f32; max_t * h];
     let mut logits = vec![0f32; max_t * vocab];
     let info = b.info();
-    // Layer 0's share of the pass: by weights, relative to the layers timed.
+    // Layer 0's share of the pass, by weights: the pass is `timed / first` layer-0s (exactly
+    // the layer count for a uniform model, so its profile is what it was).
     let specs = b.layer_specs();
-    let scale: f64 = relative_costs(specs, &specs[0]).iter().sum();
-    let weights = (
-        specs[0].weight_params,
-        specs.iter().map(|s| s.weight_params).sum::<usize>(),
-    );
+    let first = specs[0].weight_params.max(1);
+    let timed = specs.iter().map(|s| s.weight_params).sum::<usize>().max(1);
     let mut out = Profile {
         layer: Vec::new(),
         head: Vec::new(),
@@ -277,7 +274,7 @@ pub fn profile(
             std::hint::black_box(picked);
             Ok([embed, layers, start.elapsed().as_secs_f64()])
         })?;
-        let layer = layers / scale;
+        let layer = layers / (timed as f64 / first as f64);
         out.embed.push(CostPoint {
             tokens: t,
             seconds: embed,
@@ -291,7 +288,7 @@ pub fn profile(
             seconds: head,
         });
     }
-    out.bytes.layers = (out.bytes.layers as u128 * weights.0 as u128 / weights.1.max(1) as u128) as usize;
+    out.bytes.layers = (out.bytes.layers as u128 * first as u128 / timed as u128) as usize;
     Ok(out)
 }
 

@@ -342,28 +342,33 @@ impl Stage {
         let rows = &mut self.sample_rows;
         rows.clear();
         self.slots.clear();
+        let mut missing = None;
         let mut offset = 0;
         for chunk in &batch.seqs {
             offset += chunk.tokens.len();
             if !chunk.sample {
                 continue;
             }
+            let Some(seq) = self.seqs.get_mut(&chunk.seq_id) else {
+                missing = Some(format!("sequence {} vanished", chunk.seq_id));
+                break;
+            };
+            let Some(sampler) = seq.sampler.take() else {
+                missing = Some(format!("sequence {} has no sampler", chunk.seq_id));
+                break;
+            };
             rows.extend_from_slice(&hidden[(offset - 1) * h..offset * h]);
-            let seq = self
-                .seqs
-                .get_mut(&chunk.seq_id)
-                .ok_or_else(|| format!("sequence {} vanished", chunk.seq_id))?;
-            let sampler = seq
-                .sampler
-                .take()
-                .ok_or_else(|| format!("sequence {} has no sampler", chunk.seq_id))?;
-            let top = seq.logprobs.then_some(seq.top_logprobs);
-            self.slots.push(SampleSlot::new(sampler, top));
+            self.slots
+                .push(SampleSlot::new(sampler, seq.logprobs.then_some(seq.top_logprobs)));
         }
         let mut results = Vec::with_capacity(self.slots.len());
-        let sampled = match self.slots.is_empty() {
-            true => Ok(()),
-            false => self.backend.sample(&self.sample_rows, &mut self.slots),
+        let sampled = match missing {
+            Some(e) => Err(e),
+            None if self.slots.is_empty() => Ok(()),
+            None => self
+                .backend
+                .sample(&self.sample_rows, &mut self.slots)
+                .map_err(|e| e.to_string()),
         };
         // Samplers go back whatever happened, so a failed batch leaves every sequence whole.
         let picked = batch.seqs.iter().filter(|c| c.sample);
@@ -389,8 +394,7 @@ impl Stage {
             }
             results.push(r);
         }
-        let l = &self.backend.shape().layers;
-        sampled.map_err(|e| format!("stage {} (layers {}..{}): {e}", self.stage_index, l.start, l.end))?;
+        sampled.map_err(|e| self.err(e))?;
         Ok(BatchResult {
             batch_id: batch.batch_id,
             results,

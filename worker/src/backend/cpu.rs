@@ -108,9 +108,6 @@ impl Backend for CpuBackend {
     }
 
     fn embed(&mut self, tokens: &[u32], hidden: &mut [f32]) -> Result<(), ForwardError> {
-        if !self.model.is_first {
-            return Err(ForwardError::MissingPart("embedding"));
-        }
         self.model.embed(tokens, hidden)
     }
 

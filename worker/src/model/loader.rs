@@ -3,7 +3,7 @@
 
 use baton_shared::dtype::DType;
 use baton_shared::model_config::ModelConfig;
-use baton_shared::model_files::{LoadError, ModelFiles, TensorSpec};
+use baton_shared::model_files::{LoadError, ModelFiles, TensorSpec, keeps_blocks};
 
 use crate::kernels::cpu::matmul::WeightFormat;
 use crate::ops::{HostMatrix, Ops};
@@ -35,39 +35,39 @@ impl<O: Ops> WeightLoader<'_, O> {
         self.matrix_as(spec, self.format)
     }
 
+    /// The format `native` keeps `spec` in: its ggml blocks (`Native`), its 16-bit floats
+    /// (which widen to f32 exactly, so rounding back is lossless), or f32.
+    pub fn native_format(&self, spec: &TensorSpec) -> WeightFormat {
+        match self.files.stored(spec).map(|t| t.dtype) {
+            Some(dtype) if keeps_blocks(dtype, &spec.shape) => WeightFormat::Native,
+            Some(DType::BF16) => WeightFormat::Bf16,
+            Some(DType::F16) => WeightFormat::F16,
+            _ => WeightFormat::F32,
+        }
+    }
+
     /// A matrix in `format`: dequantized to f32 (checked for NaN/Inf) and converted by the
-    /// device, one path for every file format; `Native` keeps a file's block formats as stored
-    /// instead (after the same checks).
+    /// device, one path for every file format; `Native` keeps the file's format instead
+    /// ([`native_format`](Self::native_format)), after the same checks.
     pub fn matrix_as(&self, spec: &TensorSpec, format: WeightFormat) -> Result<O::Mat, LoadError> {
         let cols = *spec.shape.last().unwrap_or(&1);
         let values = self.files.load_f32(spec, self.check_finite)?;
+        let format = match format {
+            WeightFormat::Native => self.native_format(spec),
+            other => other,
+        };
         let blocks = match format {
             WeightFormat::Native => self.files.load_blocks(spec)?,
             _ => None,
         };
-        let (host, format) = match (format, blocks) {
-            (WeightFormat::Native, Some((dtype, bytes))) => {
-                let rows = values.len() / cols;
-                (
-                    HostMatrix::Blocks {
-                        dtype,
-                        bytes,
-                        rows,
-                        cols,
-                    },
-                    WeightFormat::Native,
-                )
-            }
-            // 16-bit floats widen exactly, so rounding the f32 values back is lossless.
-            (WeightFormat::Native, None) => {
-                let as_stored = match self.files.stored(spec).map(|t| t.dtype) {
-                    Some(DType::BF16) => WeightFormat::Bf16,
-                    Some(DType::F16) => WeightFormat::F16,
-                    _ => WeightFormat::F32,
-                };
-                (HostMatrix::F32 { values, cols }, as_stored)
-            }
-            (format, _) => (HostMatrix::F32 { values, cols }, format),
+        let host = match blocks {
+            Some((dtype, bytes)) => HostMatrix::Blocks {
+                dtype,
+                rows: values.len() / cols,
+                bytes,
+                cols,
+            },
+            None => HostMatrix::F32 { values, cols },
         };
         self.ops.matrix(host, format).map_err(|reason| LoadError::Blocks {
             source_name: self.files.source_name(),

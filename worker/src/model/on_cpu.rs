@@ -91,11 +91,7 @@ impl StageModel<CpuOps> {
 
     /// Embedding rows for `tokens` into `out` (`tokens.len() × hidden`).
     pub fn embed(&self, tokens: &[u32], out: &mut [f32]) -> Result<(), ForwardError> {
-        let table = self.embedding_table().ok_or(ForwardError::MissingPart("embedding"))?;
-        if tokens.is_empty() {
-            return Err(ForwardError::Empty);
-        }
-        embed_rows(table, tokens, out)
+        embed_rows(self.embedding_for(tokens)?, tokens, out)
     }
 
     /// Run this stage's layers on `hidden` (`t × hidden_size`, tokens at positions

@@ -4,7 +4,6 @@
 
 use std::ops::Range;
 
-use baton_shared::dtype::DType;
 use baton_shared::model_config::ModelConfig;
 use baton_shared::model_files::{LoadError, ModelFiles};
 
@@ -67,14 +66,6 @@ impl<O: Ops> std::fmt::Debug for StageModel<O> {
     }
 }
 
-/// Whether a stored type is kept as a matrix of its own under `native` (blocks, 16-bit).
-fn native_keeps(dtype: Option<DType>) -> bool {
-    matches!(
-        dtype,
-        Some(DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::BF16 | DType::F16)
-    )
-}
-
 impl<O: Ops> StageModel<O> {
     /// Load `layers` (and the embedding when `first`, the head when `last`) of the model in
     /// `files` onto `ops`, the layers' matrices in `format`.
@@ -132,9 +123,9 @@ impl<O: Ops> StageModel<O> {
             // A tied head borrows the f32 embedding, or is the embedding in its stored block
             // or 16-bit format under `native`, or a converted copy of it.
             (None, true, WeightFormat::F32) => None,
-            (None, true, WeightFormat::Native) => match native_keeps(files.stored(&outer.embedding).map(|t| t.dtype)) {
-                true => Some(w.matrix_as(&outer.embedding, WeightFormat::Native)?),
-                false => None,
+            (None, true, WeightFormat::Native) => match w.native_format(&outer.embedding) {
+                WeightFormat::F32 => None,
+                _ => Some(w.matrix_as(&outer.embedding, WeightFormat::Native)?),
             },
             (None, true, _) => Some(w.matrix_as(&outer.embedding, head_format)?),
         };
@@ -194,20 +185,18 @@ impl<O: Ops> StageModel<O> {
         &self.blocks[i]
     }
 
-    /// Embedding rows for `tokens` into `s.hidden`.
-    pub fn embed_into(&self, tokens: &[u32], s: &mut Scratch<O>) -> Result<(), ForwardError> {
-        let emb = self.embedding_table().ok_or(ForwardError::MissingPart("embedding"))?;
+    /// The table to embed `tokens` from: this must be the first stage, and `tokens` not empty.
+    pub fn embedding_for(&self, tokens: &[u32]) -> Result<&O::Mat, ForwardError> {
+        let table = self.embedding_table().ok_or(ForwardError::MissingPart("embedding"))?;
         if tokens.is_empty() {
             return Err(ForwardError::Empty);
         }
-        self.ops.embed(emb, tokens, &mut s.hidden)
+        Ok(table)
     }
 
-    /// Embedding rows for `tokens` into host rows `out` (`tokens.len() × hidden`).
-    pub fn embed_host(&self, tokens: &[u32], s: &mut Scratch<O>, out: &mut [f32]) -> Result<(), ForwardError> {
-        self.embed_into(tokens, s)?;
-        self.ops.download(&s.hidden, out);
-        Ok(())
+    /// Embedding rows for `tokens` into `s.hidden`.
+    pub fn embed_into(&self, tokens: &[u32], s: &mut Scratch<O>) -> Result<(), ForwardError> {
+        self.ops.embed(self.embedding_for(tokens)?, tokens, &mut s.hidden)
     }
 
     /// Run this stage's layers on the rows in `s.hidden`, which hold every sequence's rows

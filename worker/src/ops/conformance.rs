@@ -18,11 +18,6 @@ pub struct Check {
     pub max_abs_diff: f32,
 }
 
-/// Deterministic values in [-1, 1).
-fn values(seed: u64, n: usize) -> Vec<f32> {
-    noise(n, seed, 1.0)
-}
-
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "conformance: lengths");
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
@@ -42,11 +37,11 @@ pub fn check<O: Ops>(ops: &O, rows: usize) -> Vec<Check> {
         ops.upload(v, &mut b);
         b
     };
-    let x = values(1, rows * cols);
+    let x = noise(rows * cols, 1, 1.0);
     let xb = upload(&x);
 
     // Embedding gather.
-    let table = values(2, 10 * cols);
+    let table = noise(10 * cols, 2, 1.0);
     let t = ops
         .matrix(
             HostMatrix::F32 {
@@ -69,9 +64,9 @@ pub fn check<O: Ops>(ops: &O, rows: usize) -> Vec<Check> {
     });
 
     // Products, alone and sharing an input, with and without a bias.
-    let w1 = values(3, out_w * cols);
-    let w2 = values(4, cols * cols);
-    let bias = values(5, out_w);
+    let w1 = noise(out_w * cols, 3, 1.0);
+    let w2 = noise(cols * cols, 4, 1.0);
+    let bias = noise(out_w, 5, 1.0);
     let m1 = ops
         .matrix(
             HostMatrix::F32 {
@@ -110,7 +105,7 @@ pub fn check<O: Ops>(ops: &O, rows: usize) -> Vec<Check> {
     });
 
     // Norms: whole rows, and per head in place.
-    let scale = values(6, cols);
+    let scale = noise(cols, 6, 1.0);
     let mut want = vec![0f32; rows * cols];
     for (xr, wr) in x.chunks_exact(cols).zip(want.chunks_exact_mut(cols)) {
         r::rmsnorm(xr, &scale, 1e-6, wr);
@@ -121,7 +116,7 @@ pub fn check<O: Ops>(ops: &O, rows: usize) -> Vec<Check> {
         op: "rmsnorm",
         max_abs_diff: max_diff(&host(&out), &want),
     });
-    let head_scale = values(7, head_dim);
+    let head_scale = noise(head_dim, 7, 1.0);
     let mut want = x.clone();
     r::rmsnorm_inplace(&mut want, &head_scale, 1e-6);
     let mut inplace = upload(&x);
@@ -133,8 +128,8 @@ pub fn check<O: Ops>(ops: &O, rows: usize) -> Vec<Check> {
 
     // Rotary embedding of every head of every row.
     let half = head_dim / 2;
-    let cos = values(8, rows * half);
-    let sin = values(9, rows * half);
+    let cos = noise(rows * half, 8, 1.0);
+    let sin = noise(rows * half, 9, 1.0);
     let mut want = x.clone();
     for (i, row) in want.chunks_exact_mut(heads * head_dim).enumerate() {
         r::rope_rotate_half(
@@ -152,7 +147,7 @@ pub fn check<O: Ops>(ops: &O, rows: usize) -> Vec<Check> {
     });
 
     // SiLU-and-multiply, residual add.
-    let up = values(10, rows * cols);
+    let up = noise(rows * cols, 10, 1.0);
     let mut want = x.clone();
     r::silu_mul(&mut want, &up);
     let mut gate = upload(&x);

@@ -96,11 +96,6 @@ impl CpuOps {
     pub fn kernels(&self) -> Kernels {
         self.kernels
     }
-
-    /// The thread pool the products run on.
-    pub fn pool(&self) -> &ThreadPool {
-        &self.pool
-    }
 }
 
 impl Ops for CpuOps {
@@ -136,11 +131,6 @@ impl Ops for CpuOps {
 
     fn matrix_bytes(&self, m: &Matrix) -> usize {
         m.bytes()
-    }
-
-    fn matrix_shape(&self, m: &Matrix) -> (usize, usize) {
-        let v = m.view();
-        (v.rows(), v.cols())
     }
 
     fn vector_len(&self, v: &Vec<f32>) -> usize {

@@ -84,8 +84,6 @@ pub trait Ops: Send + Sync + Sized + 'static {
     fn vector(&self, v: Vec<f32>) -> Self::Vector;
     /// Bytes a matrix occupies on the device.
     fn matrix_bytes(&self, m: &Self::Mat) -> usize;
-    /// `(rows, cols)` of a matrix.
-    fn matrix_shape(&self, m: &Self::Mat) -> (usize, usize);
     /// Values in a vector.
     fn vector_len(&self, v: &Self::Vector) -> usize;
 

@@ -98,16 +98,13 @@ pub struct OuterPlan {
 impl LayerPlan {
     /// Every tensor of the layer.
     pub fn tensors(&self) -> Vec<&TensorSpec> {
-        let mut out = vec![&self.mixer_norm, &self.ffn_norm];
+        let mut out = self.matrices();
+        out.extend([&self.mixer_norm, &self.ffn_norm]);
         match &self.mixer {
             MixerTensors::Attention(a) => {
-                out.extend([&a.q, &a.k, &a.v, &a.o]);
                 out.extend(a.qkv_bias.iter().flatten());
                 out.extend(a.qk_norm.iter().flatten());
             }
-        }
-        match &self.ffn {
-            FfnTensors::Dense(m) => out.extend([&m.gate, &m.up, &m.down]),
         }
         out
     }
