@@ -3,7 +3,8 @@
 //! its events out to each request's channel. All I/O of serving lives here; what to run and
 //! what a result means is the scheduler's.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::Ordering;
 
 use tokio::sync::mpsc;
 
@@ -16,8 +17,10 @@ use crate::scheduler::{Outbox, Scheduler};
 pub(crate) enum EngineEnd {
     /// Every `PipelineGenerator` handle is gone.
     Shutdown,
-    /// A stage failed; every request it held has been told.
-    StageFailed(StageFailure),
+    /// A stage failed, or a better pipeline can be built (`StageFailure::planned`): every
+    /// sequence it held is in the backlog to resume on the next pipeline, except those past
+    /// their migration limit, which have been told.
+    Interrupted(StageFailure),
 }
 
 /// Each request's event channel, by sequence id.
@@ -69,20 +72,32 @@ impl Requests {
     }
 }
 
-/// Serve requests from `submit_rx` on `exec` (whose stages hold `kv_blocks` KV blocks each)
-/// until a stage fails or the generator is dropped.
+/// Serve requests on `exec` (whose stages hold `kv_blocks` KV blocks each) until a stage
+/// fails, a better pipeline can be built, or the generator is dropped. Sequences in `backlog`
+/// (moved from a pipeline before this one, then requests queued meanwhile) are admitted
+/// before new submissions from `submit_rx`; when this pipeline ends, every sequence it holds
+/// goes back into `backlog`, ahead of what is still there.
 pub(crate) async fn run<E: Executor>(
     config: &PipelineConfig,
     exec: &mut E,
     kv_blocks: usize,
     submit_rx: &mut mpsc::Receiver<NewSequence>,
+    backlog: &mut VecDeque<NewSequence>,
     status: &PipelineStatus,
 ) -> EngineEnd {
     let mut sched = Scheduler::new(config, status, exec.depth(), kv_blocks);
     let mut requests = Requests::default();
     let mut out = Outbox::default();
+    // A planned rebuild waits for the micro-batches in flight, sending no new ones.
+    let mut draining: Option<StageFailure> = None;
     loop {
-        if sched.is_idle() {
+        if draining.is_none() {
+            draining = exec.replan();
+        }
+        if sched.is_idle() && backlog.is_empty() {
+            if let Some(planned) = draining.take() {
+                return interrupted(planned, &mut sched, &mut requests, backlog, &mut out, status);
+            }
             tokio::select! {
                 s = submit_rx.recv() => match s {
                     Some(s) => {
@@ -92,31 +107,49 @@ pub(crate) async fn run<E: Executor>(
                     }
                     None => return EngineEnd::Shutdown,
                 },
-                failure = exec.watch() => return EngineEnd::StageFailed(failure),
+                failure = exec.watch() => {
+                    return interrupted(failure, &mut sched, &mut requests, backlog, &mut out, status);
+                }
             }
         }
-        // Requests stay in the submission channel (whose capacity bounds the queue, beyond
-        // which submissions get 429) until the scheduler can admit them.
-        sched.admit(|| submit_rx.try_recv().ok().map(|s| requests.accept(s)), &mut out);
+        if draining.is_none() {
+            // Requests stay in the submission channel (whose capacity bounds the queue, beyond
+            // which submissions get 429) until the scheduler can admit them.
+            sched.admit(
+                || {
+                    backlog
+                        .pop_front()
+                        .or_else(|| submit_rx.try_recv().ok())
+                        .map(|s| requests.accept(s))
+                },
+                &mut out,
+            );
+        }
         let stopped = sched.abort(&requests.gone(), &mut out);
         requests.forget(&stopped);
-        metrics::gauge!("baton_queue_depth").set(submit_rx.len() as f64);
-        sched.schedule(&mut out);
+        metrics::gauge!("baton_queue_depth").set((submit_rx.len() + backlog.len()) as f64);
+        if draining.is_none() {
+            sched.schedule(&mut out);
+        }
         if let Err(failure) = carry_out(exec, &mut sched, &mut requests, &mut out).await {
-            return fail(failure, &mut sched, &mut requests, &mut out);
+            return interrupted(failure, &mut sched, &mut requests, backlog, &mut out, status);
         }
         if sched.in_flight() == 0 {
+            if let Some(planned) = draining.take() {
+                return interrupted(planned, &mut sched, &mut requests, backlog, &mut out, status);
+            }
             continue;
         }
         let reply = match exec.next_result().await {
             Ok(r) => r,
-            Err(failure) => return fail(failure, &mut sched, &mut requests, &mut out),
+            Err(failure) => return interrupted(failure, &mut sched, &mut requests, backlog, &mut out, status),
         };
         if let Err(reason) = sched.on_result(reply, &mut out) {
-            return fail(StageFailure::new(reason), &mut sched, &mut requests, &mut out);
+            let failure = StageFailure::new(reason);
+            return interrupted(failure, &mut sched, &mut requests, backlog, &mut out, status);
         }
         if let Err(failure) = carry_out(exec, &mut sched, &mut requests, &mut out).await {
-            return fail(failure, &mut sched, &mut requests, &mut out);
+            return interrupted(failure, &mut sched, &mut requests, backlog, &mut out, status);
         }
     }
 }
@@ -140,9 +173,34 @@ async fn carry_out<E: Executor>(
     Ok(())
 }
 
-/// Tell every request the pipeline broke.
-fn fail(failure: StageFailure, sched: &mut Scheduler<'_>, requests: &mut Requests, out: &mut Outbox) -> EngineEnd {
-    sched.fail_all(&failure.reason, out);
+/// This pipeline ends: move every sequence it holds to the front of `backlog` (with its
+/// channel, so its client's stream continues on the next pipeline), and tell those past their
+/// migration limit.
+fn interrupted(
+    failure: StageFailure,
+    sched: &mut Scheduler<'_>,
+    requests: &mut Requests,
+    backlog: &mut VecDeque<NewSequence>,
+    out: &mut Outbox,
+    status: &PipelineStatus,
+) -> EngineEnd {
+    let moved = sched.evacuate(&failure.reason, !failure.planned, out);
     requests.deliver(out);
-    EngineEnd::StageFailed(failure)
+    let mut resumed: VecDeque<NewSequence> = moved
+        .into_iter()
+        .filter_map(|request| {
+            let tx = requests.senders.remove(&request.id)?;
+            Some(NewSequence { request, tx })
+        })
+        .collect();
+    let cause = if failure.planned { "replan" } else { "stage_failed" };
+    let n = resumed.iter().filter(|s| s.request.resume.is_some()).count() as u64;
+    metrics::counter!("baton_sequence_migrations_total", "cause" => cause).increment(n);
+    status.migrations.fetch_add(n, Ordering::Relaxed);
+    if n > 0 {
+        tracing::warn!(sequences = n, cause, reason = %failure.reason, "moving sequences to a rebuilt pipeline");
+    }
+    resumed.append(backlog);
+    *backlog = resumed;
+    EngineEnd::Interrupted(failure)
 }

@@ -35,6 +35,9 @@ pub struct Cluster {
     workers: Mutex<BTreeMap<String, WorkerEntry>>,
     /// Signalled whenever membership changes.
     pub changed: Notify,
+    /// Counts membership changes (registrations and removals), so a check can tell whether
+    /// anything changed since it last looked without listing the workers.
+    generation: AtomicU64,
     next: AtomicU64,
     pub heartbeat_interval: Duration,
     /// A worker silent for this long is considered dead.
@@ -47,6 +50,7 @@ impl Cluster {
         Self {
             workers: Mutex::new(BTreeMap::new()),
             changed: Notify::new(),
+            generation: AtomicU64::new(0),
             next: AtomicU64::new(0),
             heartbeat_interval,
             dead_after: heartbeat_interval * 3,
@@ -80,8 +84,18 @@ impl Cluster {
     /// Forget a worker (e.g. after its stream broke), so it must register again.
     pub fn remove(&self, id: &str) {
         if self.lock().remove(id).is_some() {
-            self.changed.notify_waiters();
+            self.membership_changed();
         }
+    }
+
+    /// Membership changes so far.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    fn membership_changed(&self) {
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        self.changed.notify_waiters();
     }
 }
 
@@ -125,7 +139,7 @@ impl Registry for RegistryService {
         };
         tracing::info!(worker = %id, address = %entry.address, device = %entry.device_kind, "worker registered");
         self.cluster.lock().insert(id.clone(), entry);
-        self.cluster.changed.notify_waiters();
+        self.cluster.membership_changed();
         Ok(Response::new(RegisterResponse {
             worker_id: id,
             heartbeat_interval_ms: self.cluster.heartbeat_interval.as_millis() as u64,
@@ -133,13 +147,14 @@ impl Registry for RegistryService {
     }
 
     async fn heartbeat(&self, req: Request<HeartbeatRequest>) -> Result<Response<HeartbeatResponse>, Status> {
-        let id = req.into_inner().worker_id;
-        let known = match self.cluster.lock().get_mut(&id) {
-            Some(w) => {
+        let beat = req.into_inner();
+        let known = match self.cluster.lock().get_mut(&beat.worker_id) {
+            // An empty address: a worker that does not say (its id alone decides).
+            Some(w) if beat.address.is_empty() || w.address == beat.address => {
                 w.last_seen = Instant::now();
                 true
             }
-            None => false,
+            _ => false,
         };
         Ok(Response::new(HeartbeatResponse { known }))
     }
@@ -168,4 +183,52 @@ pub async fn serve(
             shutdown,
         )
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn register(svc: &RegistryService, address: &str) -> String {
+        let req = RegisterRequest {
+            address: address.into(),
+            ..Default::default()
+        };
+        futures::executor::block_on(svc.register(Request::new(req)))
+            .unwrap()
+            .into_inner()
+            .worker_id
+    }
+
+    fn beat(svc: &RegistryService, id: &str, address: &str) -> bool {
+        let req = HeartbeatRequest {
+            worker_id: id.into(),
+            address: address.into(),
+        };
+        futures::executor::block_on(svc.heartbeat(Request::new(req)))
+            .unwrap()
+            .into_inner()
+            .known
+    }
+
+    #[test]
+    fn a_heartbeat_counts_only_for_the_worker_registered_under_its_id_and_address() {
+        // A restarted coordinator hands out worker-0 again: a worker that had that id from the
+        // old one must learn it is unknown here, not keep someone else's entry alive.
+        let svc = RegistryService {
+            cluster: std::sync::Arc::new(Cluster::new(Duration::from_secs(1))),
+        };
+        let id = register(&svc, "http://10.0.0.2:7000");
+        assert_eq!(id, "worker-0");
+        assert!(beat(&svc, &id, "http://10.0.0.2:7000"));
+        assert!(!beat(&svc, &id, "http://10.0.0.1:7000"), "same id, another worker");
+        assert!(!beat(&svc, "worker-9", "http://10.0.0.2:7000"));
+        let before = svc.cluster.generation();
+        register(&svc, "http://10.0.0.1:7000");
+        assert_eq!(
+            svc.cluster.generation(),
+            before + 1,
+            "a registration changes membership"
+        );
+    }
 }

@@ -221,6 +221,13 @@ pub struct PipelineSettings {
     /// logits within a few percent), `bf16` / `f16`, `q4_0` / `q4_1` (fewer bytes) or `native`
     /// (each tensor as the file stores it).
     pub weights: WeightsSetting,
+    /// Times a request may be moved to a rebuilt pipeline after a worker failed (re-prefilled
+    /// from its tokens so far, its stream continuing); one failure more ends it with a
+    /// retriable error (HTTP 503).
+    pub max_migrations: u32,
+    /// Seconds a request may wait for admission, in the queue or for a broken pipeline to be
+    /// rebuilt; then it fails with a retriable error (HTTP 503).
+    pub queue_timeout_secs: u64,
 }
 
 impl Default for PipelineSettings {
@@ -241,6 +248,8 @@ impl Default for PipelineSettings {
             protect_admin: false,
             activation_dtype: ActivationDtypeSetting::F32,
             weights: WeightsSetting::Auto,
+            max_migrations: 3,
+            queue_timeout_secs: 60,
         }
     }
 }

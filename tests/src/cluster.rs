@@ -43,6 +43,10 @@ pub struct Limits {
     pub measured_split: bool,
     /// Reuse cached prefix blocks.
     pub prefix_caching: bool,
+    /// Moves a sequence may make to a rebuilt pipeline.
+    pub max_migrations: u32,
+    /// Longest wait for admission (also for a broken pipeline to be rebuilt).
+    pub queue_timeout: Duration,
 }
 
 impl Default for Limits {
@@ -56,6 +60,8 @@ impl Default for Limits {
             kv_dtype: KvDtype::F32,
             measured_split: false,
             prefix_caching: true,
+            max_migrations: 3,
+            queue_timeout: Duration::from_secs(120),
         }
     }
 }
@@ -157,6 +163,8 @@ impl TestCluster {
             kv_max_blocks: limits.kv_max_blocks,
             kv_dtype: limits.kv_dtype,
             prefix_caching: limits.prefix_caching,
+            max_migrations: limits.max_migrations,
+            queue_timeout: limits.queue_timeout,
         };
         let generator = Arc::new(PipelineGenerator::start(config, cluster.clone()));
         let workers = (0..stages)

@@ -75,13 +75,20 @@ pub async fn run(url: String, token: String, desc: WorkerDescription, state: Arc
         let Ok(channel) = Channel::from_shared(url.clone()) else {
             return;
         };
-        let channel = channel.connect_lazy();
+        // Every heartbeat is bounded: without a deadline one sent while the coordinator was
+        // restarting waited forever, and the worker never registered with the new process.
+        let deadline = (interval * 2).max(Duration::from_secs(1));
+        let channel = channel.connect_timeout(deadline).timeout(deadline).connect_lazy();
         let Ok(auth) = AddToken::new(&token) else { return };
         let mut client = RegistryClient::with_interceptor(channel, auth);
         let mut misses = 0;
         loop {
             tokio::time::sleep(interval).await;
-            match client.heartbeat(HeartbeatRequest { worker_id: id.clone() }).await {
+            let beat = HeartbeatRequest {
+                worker_id: id.clone(),
+                address: desc.address.clone(),
+            };
+            match client.heartbeat(beat).await {
                 Ok(r) if r.get_ref().known => misses = 0,
                 Ok(_) => {
                     tracing::warn!("coordinator no longer knows this worker; registering again");

@@ -62,6 +62,17 @@ impl Sampler {
         }
     }
 
+    /// Skip the draws of `tokens` earlier samples (a sequence recomputed after a preemption
+    /// or a migration), so a seeded stream continues where it was. Greedy sampling draws
+    /// nothing; every other setting draws exactly one number per token.
+    pub fn skip(&mut self, tokens: u32) {
+        if !self.params.is_greedy() {
+            for _ in 0..tokens {
+                self.rng.next_u64();
+            }
+        }
+    }
+
     /// Choose the next token from `logits`.
     ///
     /// Only what a setting needs is sorted: with no top-p every restriction is a linear pass
@@ -202,6 +213,21 @@ mod tests {
         let a = run();
         assert_eq!(a, run());
         assert!(a.iter().any(|&x| x != a[0]), "sampling at temperature 1 should vary");
+    }
+
+    #[test]
+    fn a_resumed_sampler_continues_the_seeded_stream() {
+        let logits: Vec<f32> = (0..50).map(|i| (i % 7) as f32 * 0.3).collect();
+        let mut whole = Sampler::new(&params(|_| {}));
+        let all: Vec<u32> = (0..30).map(|_| whole.sample(&logits)).collect();
+        let mut resumed = Sampler::new(&params(|_| {}));
+        resumed.skip(12);
+        let rest: Vec<u32> = (0..18).map(|_| resumed.sample(&logits)).collect();
+        assert_eq!(rest, all[12..]);
+        // Greedy draws nothing, so skipping changes nothing.
+        let mut greedy = Sampler::new(&SamplingParams::greedy(4));
+        greedy.skip(5);
+        assert_eq!(greedy.sample(&[0.1, 3.0, 2.0]), 1);
     }
 
     /// Brute force: the softmax of `logits / t` restricted to the full-sort nucleus of `top_p`.

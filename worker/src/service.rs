@@ -48,6 +48,10 @@ pub const MAX_MESSAGE: usize = 256 << 20;
 pub struct WorkerState {
     pub worker_id: Mutex<String>,
     stage: Arc<Mutex<Option<Stage>>>,
+    /// Stages loaded so far, bumped under the stage lock: a forward stream serves only the
+    /// stage that was current when it opened, so a stream of an older pipeline (from a
+    /// coordinator that moved on while this worker was frozen) cannot touch the new one.
+    loads: Arc<std::sync::atomic::AtomicU64>,
     next_stage: Mutex<String>,
     token: String,
     home: std::path::PathBuf,
@@ -75,6 +79,7 @@ impl WorkerState {
         Self {
             worker_id: Mutex::new(String::new()),
             stage: Arc::new(Mutex::new(None)),
+            loads: Arc::new(std::sync::atomic::AtomicU64::new(0)),
             next_stage: Mutex::new(String::new()),
             token,
             home,
@@ -211,7 +216,11 @@ impl Worker for WorkerService {
             "threads" => b.threads.to_string(), "weights" => b.weights.to_string(), "kv_dtype" => kv.dtype.to_string())
         .set(1.0);
         metrics::gauge!("baton_worker_kv_bytes").set(kv.bytes as f64);
-        *lock(&self.state.stage) = Some(stage);
+        {
+            let mut slot = lock(&self.state.stage);
+            *slot = Some(stage);
+            self.state.loads.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        }
         *lock(&self.state.next_stage) = next;
         Ok(Response::new(LoadStageResponse { stage: Some(info) }))
     }
@@ -222,6 +231,8 @@ impl Worker for WorkerService {
         let mut inbound = req.into_inner();
         let (up_tx, up_rx) = mpsc::channel::<Result<BatchResult, Status>>(64);
         let stage = self.state.stage.clone();
+        let loads = self.state.loads.clone();
+        let opened = loads.load(std::sync::atomic::Ordering::Acquire);
         let next_url = lock(&self.state.next_stage).clone();
         let token = self.state.token.clone();
         let worker_id = lock(&self.state.worker_id).clone();
@@ -239,10 +250,23 @@ impl Worker for WorkerService {
                 let span = crate::stage::forward_span(&worker_id, &batch);
                 // Compute on this runtime thread (tokio moves its other tasks away) rather than
                 // handing the batch to a blocking-pool thread: one thread switch less per hop.
-                let out = tokio::task::block_in_place(|| match lock(&stage).as_mut() {
-                    Some(stage) => stage.run_observed(batch, &span),
-                    None => Err("no stage loaded on this worker".to_string()),
+                let out = tokio::task::block_in_place(|| {
+                    let mut slot = lock(&stage);
+                    if loads.load(std::sync::atomic::Ordering::Acquire) != opened {
+                        return None;
+                    }
+                    Some(match slot.as_mut() {
+                        Some(stage) => stage.run_observed(batch, &span),
+                        None => Err("no stage loaded on this worker".to_string()),
+                    })
                 });
+                let Some(out) = out else {
+                    tracing::warn!(
+                        batch_id,
+                        "a new stage was loaded since this forward stream opened: closing the stale stream"
+                    );
+                    break;
+                };
                 let sent = match out {
                     Ok(StageOutput::Sampled(result)) => up_tx.send(Ok(result)).await.is_ok(),
                     Err(error) => up_tx

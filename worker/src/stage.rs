@@ -294,7 +294,11 @@ impl Stage {
                 };
                 let state = SeqState {
                     len: cached,
-                    sampler: last.then(|| Sampler::new(&params)),
+                    sampler: last.then(|| {
+                        let mut sampler = Sampler::new(&params);
+                        sampler.skip(sampling.drawn);
+                        sampler
+                    }),
                     logprobs: sampling.logprobs,
                     top_logprobs: (sampling.top_logprobs as usize).min(MAX_TOP_LOGPROBS),
                 };

@@ -5,6 +5,7 @@ mod convert;
 mod coordinator;
 mod generate;
 mod inspect;
+mod local_workers;
 mod pipeline_args;
 mod serve;
 mod worker;

@@ -96,6 +96,16 @@ pub struct PipelineArgs {
     #[arg(long, value_parser = names!(WeightsSetting))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub weights: Option<WeightsSetting>,
+    /// Times a request may move to a rebuilt pipeline after a worker failed (re-prefilled from
+    /// its tokens so far, its stream continuing) before it fails with HTTP 503 [default: 3].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_migrations: Option<u32>,
+    /// Seconds a request may wait for admission, in the queue or for a broken pipeline to be
+    /// rebuilt, before it fails with HTTP 503 [default: 60].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub queue_timeout_secs: Option<u64>,
 }
 
 /// The KV storage a `kv_dtype` setting names.
@@ -159,6 +169,7 @@ pub(super) fn pipeline_config(
     anyhow::ensure!(p.max_queue > 0, "max_queue must be at least 1");
     anyhow::ensure!(p.kv_block_size > 0, "kv_block_size must be at least 1");
     anyhow::ensure!(p.kv_max_blocks != Some(0), "kv_max_blocks must be at least 1");
+    anyhow::ensure!(p.queue_timeout_secs > 0, "queue_timeout_secs must be at least 1");
     weight_format(p.weights.as_str(), &model.files)?;
     Ok(PipelineConfig {
         max_context,
@@ -173,6 +184,8 @@ pub(super) fn pipeline_config(
         kv_max_blocks: p.kv_max_blocks,
         kv_dtype: kv_dtype(p.kv_dtype),
         prefix_caching: p.prefix_caching,
+        max_migrations: p.max_migrations,
+        queue_timeout: std::time::Duration::from_secs(p.queue_timeout_secs),
         ..PipelineConfig::new(worker_model, &model.config, model.tokenizer.eos_ids.clone())
     })
 }

@@ -17,6 +17,7 @@ use baton_shared::fetch::{DEFAULT_MODEL, HF_REPO};
 use baton_shared::model_source::LoadedModel;
 use baton_shared::settings::ServeSettings;
 
+use super::local_workers::{LocalWorkers, WorkerCommand};
 use super::pipeline_args::{PipelineArgs, api_keys, pipeline_config, weight_format};
 use super::{Ctx, ModelArg};
 
@@ -108,6 +109,15 @@ pub fn run(ctx: &Ctx, args: ServeArgs) -> Result<()> {
             ..AppState::new(name.clone(), tokenizer, max_context, generator.clone())
         };
         workers.wait_until_ready(generator.as_ref()).await?;
+        // From here on a worker that exits is started again (and the pipeline rebuilt).
+        let (workers_stop, workers_stopped) = tokio::sync::oneshot::channel::<()>();
+        let supervisor = tokio::spawn(workers.supervise(async {
+            let _ = workers_stopped.await;
+        }));
+        let stop_workers = || async {
+            let _ = workers_stop.send(());
+            let _ = supervisor.await;
+        };
         println!("Baton serving {name} at http://{addr}/v1");
         std::io::stdout().flush()?;
         tracing::info!(%addr, model = %name, workers = a.workers, "serving");
@@ -122,7 +132,7 @@ pub fn run(ctx: &Ctx, args: ServeArgs) -> Result<()> {
             result = &mut server => Some(result),
         };
         if let Some(result) = outcome {
-            workers.stop().await;
+            stop_workers().await;
             return Ok(result.context("HTTP server task")??);
         }
         tracing::info!("shutting down: finishing in-flight requests");
@@ -131,46 +141,9 @@ pub fn run(ctx: &Ctx, args: ServeArgs) -> Result<()> {
             Ok(result) => result.context("HTTP server task")??,
             Err(_) => tracing::warn!("in-flight requests did not finish within {SHUTDOWN_GRACE:?}; exiting"),
         }
-        workers.stop().await;
+        stop_workers().await;
         Ok::<(), anyhow::Error>(())
     })
-}
-
-/// Worker processes started by `baton serve` (none with `--workers 0`).
-struct LocalWorkers {
-    children: Vec<tokio::process::Child>,
-}
-
-/// How long `baton serve` waits for its workers to register and load their layers.
-const READY_TIMEOUT: Duration = Duration::from_secs(300);
-
-impl LocalWorkers {
-    /// Wait until the generator is ready; fail at once if a worker process exits first.
-    async fn wait_until_ready(&mut self, generator: &dyn Generator) -> Result<()> {
-        let start = std::time::Instant::now();
-        while !generator.ready() {
-            for (i, child) in self.children.iter_mut().enumerate() {
-                if let Some(status) = child.try_wait()? {
-                    bail!("worker {i} exited during startup ({status}); see its log lines above");
-                }
-            }
-            if start.elapsed() > READY_TIMEOUT {
-                bail!("the pipeline was not ready after {READY_TIMEOUT:?}");
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        Ok(())
-    }
-
-    /// Stop every worker process and wait for it.
-    async fn stop(&mut self) {
-        for child in &mut self.children {
-            let _ = child.start_kill();
-        }
-        for child in &mut self.children {
-            let _ = child.wait().await;
-        }
-    }
 }
 
 /// The token generator for the chosen mode, and the worker processes it drives.
@@ -199,7 +172,7 @@ async fn build_generator(
             kv_dtype: config.kv_dtype,
         };
         let generator = tokio::task::block_in_place(|| local::start(config, model_path, &opts))?;
-        return Ok((Arc::new(generator), LocalWorkers { children: Vec::new() }));
+        return Ok((Arc::new(generator), LocalWorkers::none()));
     }
     // Pipeline mode: a registry on loopback and `a.workers` worker processes that join it with
     // a token made for this run.
@@ -216,35 +189,26 @@ async fn build_generator(
     // The workers share this machine: split its cores among them.
     let device = format!("cpu:{}", (cores() / a.workers).max(1));
     let exe = std::env::current_exe().context("locating the baton binary to start workers")?;
-    let mut children = Vec::with_capacity(a.workers);
-    for i in 0..a.workers {
-        let mut cmd = tokio::process::Command::new(&exe);
-        if let Some(endpoint) = &ctx.settings.otlp_endpoint {
-            cmd.env("BATON_OTLP_ENDPOINT", endpoint);
-        }
-        let child = cmd
-            .args([
-                "worker",
-                "--exit-with-stdin",
-                "--listen",
-                "127.0.0.1:0",
-                "--device",
-                &device,
-                "--coordinator",
-                &registry_url,
-            ])
-            .env("BATON_CLUSTER_TOKEN", &token)
-            .env("BATON_HOME", ctx.settings.home())
-            .env("BATON_LOG_LEVEL", &ctx.settings.log_level)
-            .env("BATON_CHECK_WEIGHTS", ctx.settings.check_weights.to_string())
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .with_context(|| format!("starting worker {i} ({})", exe.display()))?;
-        children.push(child);
+    let mut args: Vec<String> = ["worker", "--exit-with-stdin", "--listen", "127.0.0.1:0", "--device"]
+        .map(String::from)
+        .into();
+    args.extend([device, "--coordinator".into(), registry_url]);
+    let mut envs = vec![
+        ("BATON_CLUSTER_TOKEN".to_string(), token),
+        ("BATON_HOME".into(), ctx.settings.home().display().to_string()),
+        ("BATON_LOG_LEVEL".into(), ctx.settings.log_level.clone()),
+        ("BATON_CHECK_WEIGHTS".into(), ctx.settings.check_weights.to_string()),
+    ];
+    if let Some(endpoint) = &ctx.settings.otlp_endpoint {
+        envs.push(("BATON_OTLP_ENDPOINT".into(), endpoint.clone()));
     }
-    Ok((server.generator, LocalWorkers { children }))
+    let command = WorkerCommand {
+        program: exe,
+        args,
+        envs,
+    };
+    let workers = LocalWorkers::start(command, a.workers)?;
+    Ok((server.generator, workers))
 }
 
 /// Cores of this machine (the thread budget split among local workers).

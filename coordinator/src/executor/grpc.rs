@@ -20,11 +20,21 @@ pub(crate) struct GrpcExecutor<'a> {
     batch_tx: mpsc::Sender<MicroBatch>,
     results: tonic::Streaming<BatchResult>,
     tick: tokio::time::Interval,
+    /// This pipeline has fewer stages than wanted: rebuild once this many workers are alive.
+    grow_to: Option<usize>,
+    /// The cluster's membership generation when `grow_to` was last checked (None: never, so
+    /// workers that joined while this pipeline was being built count too).
+    seen_generation: Option<u64>,
 }
 
 impl<'a> GrpcExecutor<'a> {
-    /// Open the Forward stream into stage 0.
-    pub async fn open(pipeline: &'a Pipeline, cluster: &'a Cluster) -> Result<Self, StageFailure> {
+    /// Open the Forward stream into stage 0. A pipeline built with fewer stages than wanted
+    /// asks for a planned rebuild once `grow_to` workers are alive.
+    pub async fn open(
+        pipeline: &'a Pipeline,
+        cluster: &'a Cluster,
+        grow_to: Option<usize>,
+    ) -> Result<Self, StageFailure> {
         let mut stage0 = pipeline.stages[0].1.clone();
         let (batch_tx, batch_rx) = mpsc::channel::<MicroBatch>(4);
         let results = stage0
@@ -38,6 +48,8 @@ impl<'a> GrpcExecutor<'a> {
             batch_tx,
             results,
             tick: tokio::time::interval(cluster.heartbeat_interval),
+            grow_to,
+            seen_generation: None,
         })
     }
 
@@ -48,10 +60,10 @@ impl<'a> GrpcExecutor<'a> {
             .stages
             .iter()
             .find(|(a, _)| !self.cluster.is_alive(&a.worker_id))?;
-        Some(StageFailure {
-            reason: format!("worker {} ({}) stopped heartbeating", a.worker_id, a.address),
-            worker_id: Some(a.worker_id.clone()),
-        })
+        Some(StageFailure::of_worker(
+            format!("worker {} ({}) stopped heartbeating", a.worker_id, a.address),
+            &a.worker_id,
+        ))
     }
 
     /// A broken stream: probe every stage; the first that does not answer is the failed one.
@@ -60,10 +72,7 @@ impl<'a> GrpcExecutor<'a> {
             let mut client = client.clone();
             let ok = tokio::time::timeout(Duration::from_secs(2), client.health(HealthRequest {})).await;
             if !matches!(ok, Ok(Ok(_))) || !self.cluster.is_alive(&a.worker_id) {
-                return StageFailure {
-                    reason,
-                    worker_id: Some(a.worker_id.clone()),
-                };
+                return StageFailure::of_worker(reason, &a.worker_id);
             }
         }
         StageFailure::new(reason)
@@ -119,10 +128,33 @@ impl Executor for GrpcExecutor<'_> {
 
     async fn watch(&mut self) -> StageFailure {
         loop {
-            self.tick.tick().await;
-            if let Some(f) = self.dead_stage() {
-                return f;
+            if let Some(planned) = self.replan() {
+                return planned;
+            }
+            tokio::select! {
+                _ = self.tick.tick() => {
+                    if let Some(f) = self.dead_stage() {
+                        return f;
+                    }
+                }
+                () = self.cluster.changed.notified() => {}
             }
         }
+    }
+
+    fn replan(&mut self) -> Option<StageFailure> {
+        let want = self.grow_to?;
+        let generation = self.cluster.generation();
+        if self.seen_generation == Some(generation) {
+            return None;
+        }
+        self.seen_generation = Some(generation);
+        let alive = self.cluster.alive().len();
+        (alive >= want).then(|| {
+            StageFailure::planned(format!(
+                "{alive} workers are alive: rebuilding the {}-stage pipeline with {want} stages",
+                self.pipeline.stages.len()
+            ))
+        })
     }
 }

@@ -15,6 +15,10 @@ pub(crate) struct StageFailure {
     pub reason: String,
     /// The worker that failed, when it could be identified (it is dropped from the cluster).
     pub worker_id: Option<String>,
+    /// Nothing failed: a better pipeline can be built (workers joined a degraded one). The
+    /// engine drains its micro-batches first, and the move does not count toward a
+    /// sequence's migration limit.
+    pub planned: bool,
 }
 
 impl StageFailure {
@@ -23,6 +27,23 @@ impl StageFailure {
         Self {
             reason: reason.into(),
             worker_id: None,
+            planned: false,
+        }
+    }
+
+    /// A failure of `worker_id`.
+    pub fn of_worker(reason: impl Into<String>, worker_id: &str) -> Self {
+        Self {
+            worker_id: Some(worker_id.to_string()),
+            ..Self::new(reason)
+        }
+    }
+
+    /// A rebuild for a better pipeline, no stage having failed.
+    pub fn planned(reason: impl Into<String>) -> Self {
+        Self {
+            planned: true,
+            ..Self::new(reason)
         }
     }
 }
@@ -43,7 +64,14 @@ pub(crate) trait Executor {
     /// micro-batch in flight are freed, so this never overtakes their last batch.
     fn free(&self, ids: Vec<u64>);
 
-    /// Resolves when a stage is known to be dead while nothing is in flight (the engine
-    /// waits on this beside new requests); never resolves while every stage lives.
+    /// Resolves when a stage is known to be dead, or a planned rebuild is due, while nothing
+    /// is in flight (the engine waits on this beside new requests); never resolves while
+    /// every stage lives and the pipeline is the one wanted.
     async fn watch(&mut self) -> StageFailure;
+
+    /// A planned rebuild that is due (checked once per engine step, so cheap): the engine
+    /// stops sending, drains what is in flight, then moves its sequences.
+    fn replan(&mut self) -> Option<StageFailure> {
+        None
+    }
 }

@@ -65,7 +65,18 @@ pub struct PipelineConfig {
     pub kv_dtype: KvDtype,
     /// Reuse the K/V of full blocks whose tokens a new prompt starts with.
     pub prefix_caching: bool,
+    /// Times a sequence may move to a rebuilt pipeline after a stage failed; one more failure
+    /// ends it with a retriable error.
+    pub max_migrations: u32,
+    /// Longest a request waits for admission: in the queue of a running pipeline, or for a
+    /// broken one to be rebuilt (then it fails with a retriable error).
+    pub queue_timeout: std::time::Duration,
 }
+
+/// Moves a sequence may make to a rebuilt pipeline by default.
+pub const DEFAULT_MAX_MIGRATIONS: u32 = 3;
+/// Default [`PipelineConfig::queue_timeout`].
+pub const DEFAULT_QUEUE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Each layer's cost relative to layer 0, by the weights its architecture module declares.
 pub fn layer_costs(config: &ModelConfig) -> Vec<f64> {
@@ -81,7 +92,8 @@ impl PipelineConfig {
     /// A configuration for `model` (as workers should resolve it) with the defaults of
     /// `baton serve`: one stage per worker is set by the caller through `stages`; f32 weights,
     /// activations and KV, 64 queued and 8 running requests, 128 tokens a step, blocks of 16
-    /// positions, the measured split and prefix caching on.
+    /// positions, the measured split and prefix caching on, 3 migrations per request and a
+    /// 60-second queue timeout.
     pub fn new(model: impl Into<String>, config: &ModelConfig, eos_ids: Vec<u32>) -> Self {
         Self {
             model: model.into(),
@@ -104,6 +116,8 @@ impl PipelineConfig {
             kv_max_blocks: None,
             kv_dtype: KvDtype::F32,
             prefix_caching: true,
+            max_migrations: DEFAULT_MAX_MIGRATIONS,
+            queue_timeout: DEFAULT_QUEUE_TIMEOUT,
         }
     }
 
@@ -127,6 +141,26 @@ pub(crate) struct SeqRequest {
     pub span: tracing::Span,
     /// Open while the sequence waits for admission.
     pub queue_span: tracing::Span,
+    /// Since when it waits for admission (the queue timeout counts from here): its
+    /// submission, or the moment its pipeline broke.
+    pub queued_at: std::time::Instant,
+    /// Where a sequence moved from a broken pipeline resumes; None for a new request.
+    pub resume: Option<Resume>,
+}
+
+/// What a sequence had generated when its pipeline broke: on the rebuilt pipeline it is
+/// prefilled again from its prompt and these tokens (no stage's KV is assumed) and continues,
+/// its client seeing a pause rather than an error.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Resume {
+    /// Tokens generated and delivered so far.
+    pub generated: Vec<u32>,
+    /// Moves so far, this one included.
+    pub migrations: u32,
+    /// The request was already told how many prompt tokens came from the prefix cache.
+    pub cached_reported: bool,
+    /// When its last token came (inter-token latency continues from there).
+    pub last_token: Option<std::time::Instant>,
 }
 
 /// A new sequence handed to the engine: the request and where its events go.
@@ -170,6 +204,15 @@ pub struct PipelineStatus {
     pub prefix_hit_tokens: AtomicU64,
     /// Sequences preempted (their KV dropped, to be recomputed) because blocks ran out.
     pub preemptions: AtomicU64,
+    /// A pipeline that stood broke and is being rebuilt: requests are accepted and wait (up
+    /// to the queue timeout) instead of being refused.
+    pub recovering: AtomicBool,
+    /// Sequences moved to a rebuilt pipeline since start.
+    pub migrations: AtomicU64,
+    /// Pipelines rebuilt while serving (a stage lost, or workers joined a degraded one).
+    pub replans: AtomicU64,
+    /// Why the latest rebuild happened, for `/admin/cluster`.
+    pub last_replan: std::sync::Mutex<Option<String>>,
 }
 
 impl PipelineStatus {
@@ -270,7 +313,8 @@ impl PipelineGenerator {
 
 impl Generator for PipelineGenerator {
     fn submit(&self, req: GenerationRequest) -> Result<mpsc::Receiver<TokenEvent>, SubmitError> {
-        if !self.status.ready.load(Ordering::Acquire) {
+        let recovering = self.status.recovering.load(Ordering::Acquire);
+        if !self.status.ready.load(Ordering::Acquire) && !recovering {
             return Err(SubmitError::Unavailable(format!(
                 "the pipeline is not ready (waiting for {} worker(s) to register and load their layers)",
                 self.config.stages
@@ -298,6 +342,8 @@ impl Generator for PipelineGenerator {
                     req,
                     span,
                     queue_span,
+                    queued_at: std::time::Instant::now(),
+                    resume: None,
                 },
                 tx,
             })
@@ -381,6 +427,10 @@ impl Generator for PipelineGenerator {
             "kv_blocks_total": self.status.kv_blocks_total.load(Ordering::Relaxed),
             "kv_blocks_used": self.status.kv_blocks_used.load(Ordering::Relaxed),
             "preemptions_total": self.status.preemptions.load(Ordering::Relaxed),
+            "recovering": self.status.recovering.load(Ordering::Relaxed),
+            "migrations_total": self.status.migrations.load(Ordering::Relaxed),
+            "replans_total": self.status.replans.load(Ordering::Relaxed),
+            "last_replan": self.status.last_replan.lock().unwrap_or_else(|e| e.into_inner()).clone(),
             "prefix_cache": {
                 "enabled": self.config.prefix_caching,
                 "cached_blocks": self.status.kv_blocks_cached.load(Ordering::Relaxed),

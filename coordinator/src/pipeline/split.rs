@@ -256,6 +256,8 @@ mod tests {
             kv_max_blocks: None,
             kv_dtype: baton_worker::kv_cache::KvDtype::F32,
             prefix_caching: true,
+            max_migrations: 3,
+            queue_timeout: std::time::Duration::from_secs(60),
         }
     }
 

@@ -2,6 +2,7 @@
 //! Forward stream into stage 0), runs the engine on it, and starts over when a stage fails or
 //! leaves. [`run_local`] does the same for the one in-process stage of `--workers 0`.
 
+use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -133,7 +134,69 @@ fn reject_waiting(submit_rx: &mut mpsc::Receiver<NewSequence>, why: &str) {
     }
 }
 
-/// Supervise forever: wait for workers, build, serve, and rebuild after failures.
+/// Requests waiting while a pipeline that stood is rebuilt: sequences moved from it (first,
+/// in their order), then new submissions. They wait up to the queue timeout.
+struct Recovery {
+    /// When the pipeline broke.
+    since: std::time::Instant,
+    /// Why, for the error of requests that waited too long.
+    reason: String,
+}
+
+impl Recovery {
+    /// Take new submissions into `backlog` (up to the queue limit; beyond it they stay in the
+    /// channel, whose fullness answers 429), drop requests whose client left, and fail those
+    /// that waited longer than the queue timeout. New submissions are refused (503) once
+    /// recovery itself has taken longer than the queue timeout.
+    fn hold(
+        &self,
+        config: &PipelineConfig,
+        backlog: &mut VecDeque<NewSequence>,
+        submit_rx: &mut mpsc::Receiver<NewSequence>,
+        status: &PipelineStatus,
+    ) {
+        while backlog.len() < config.max_queue {
+            let Ok(s) = submit_rx.try_recv() else { break };
+            backlog.push_back(s);
+        }
+        backlog.retain(|s| {
+            if s.tx.is_closed() {
+                return false;
+            }
+            if s.request.queued_at.elapsed() <= config.queue_timeout {
+                return true;
+            }
+            metrics::counter!("baton_http_limit_hits_total", "limit" => "queue_timeout").increment(1);
+            let _ = s.tx.try_send(TokenEvent::Failed {
+                message: format!(
+                    "the pipeline broke ({}) and was not rebuilt within the queue timeout of {:?}; retry later",
+                    self.reason, config.queue_timeout
+                ),
+                retriable: true,
+            });
+            false
+        });
+        let accepting = self.since.elapsed() <= config.queue_timeout;
+        status.recovering.store(accepting, Ordering::Release);
+        metrics::gauge!("baton_queue_depth").set((submit_rx.len() + backlog.len()) as f64);
+    }
+}
+
+/// How many stages to build with `alive` workers: as many as configured; fewer (one per live
+/// worker) only to keep serving after a pipeline stood and lost workers, and only without
+/// explicit cuts, which fix the stage count. None: wait for workers.
+fn stage_count(config: &PipelineConfig, alive: usize, stood: bool) -> Option<usize> {
+    if alive >= config.stages {
+        Some(config.stages)
+    } else if stood && config.cuts.is_none() && alive > 0 {
+        Some(alive)
+    } else {
+        None
+    }
+}
+
+/// Supervise forever: wait for workers, build, serve, and rebuild after failures, moving the
+/// sequences of a broken pipeline to the next one.
 pub(crate) async fn run(
     config: PipelineConfig,
     cluster: Arc<Cluster>,
@@ -142,27 +205,51 @@ pub(crate) async fn run(
 ) {
     zero_counters();
     let mut profiles = ProfileCache::default();
+    let mut backlog = VecDeque::new();
+    let mut recovery: Option<Recovery> = None;
     loop {
         status.ready.store(false, Ordering::Release);
+        let wait = |recovery: &Option<Recovery>, backlog: &mut VecDeque<NewSequence>, submit_rx: &mut _, why: &str| {
+            match recovery {
+                Some(r) => r.hold(&config, backlog, submit_rx, &status),
+                None => reject_waiting(submit_rx, why),
+            }
+        };
         let workers = cluster.alive();
-        if workers.len() < config.stages {
-            reject_waiting(&mut submit_rx, "the pipeline is not ready: waiting for workers");
+        let Some(stages) = stage_count(&config, workers.len(), recovery.is_some()) else {
+            wait(
+                &recovery,
+                &mut backlog,
+                &mut submit_rx,
+                "the pipeline is not ready: waiting for workers",
+            );
             let changed = cluster.changed.notified();
             let _ = tokio::time::timeout(cluster.heartbeat_interval, changed).await;
             continue;
-        }
-        let workers = &workers[..config.stages];
-        let span = tracing::info_span!("pipeline.build", stages = config.stages);
-        let (pipeline, split) =
-            match tracing::Instrument::instrument(build(&config, workers, &mut profiles, &status), span).await {
-                Ok(p) => p,
-                Err(e) => {
-                    tracing::warn!("building the pipeline failed: {e}; retrying");
-                    reject_waiting(&mut submit_rx, &format!("the pipeline is not ready: {e}"));
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                    continue;
-                }
-            };
+        };
+        // Degraded (fewer stages than configured) until enough workers are alive again.
+        let built_config = PipelineConfig {
+            stages,
+            ..config.clone()
+        };
+        let workers = &workers[..stages];
+        let span = tracing::info_span!("pipeline.build", stages, wanted = config.stages);
+        let built = build(&built_config, workers, &mut profiles, &status);
+        let built = tracing::Instrument::instrument(built, span).await;
+        let (pipeline, split) = match built {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!("building the pipeline failed: {e}; retrying");
+                wait(
+                    &recovery,
+                    &mut backlog,
+                    &mut submit_rx,
+                    &format!("the pipeline is not ready: {e}"),
+                );
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
         let assignment: Vec<_> = pipeline.stages.iter().map(|(a, _)| a.clone()).collect();
         tracing::info!(?assignment, "pipeline ready");
         for (i, secs) in split.predicted_seconds.iter().enumerate() {
@@ -170,18 +257,42 @@ pub(crate) async fn run(
         }
         *status.split.lock().unwrap_or_else(|e| e.into_inner()) = Some(split);
         publish_ready(&status, assignment, pipeline.kv_blocks);
+        if let Some(r) = recovery.take() {
+            tracing::info!(
+                down_seconds = r.since.elapsed().as_secs_f64(),
+                resumed = backlog.len(),
+                "pipeline rebuilt"
+            );
+        }
         let _poller = stage_stats::start(&pipeline, &status);
-        let end = match GrpcExecutor::open(&pipeline, &cluster).await {
-            Ok(mut exec) => engine::run(&config, &mut exec, pipeline.kv_blocks, &mut submit_rx, &status).await,
-            Err(failure) => EngineEnd::StageFailed(failure),
+        let grow_to = (stages < config.stages).then_some(config.stages);
+        let end = match GrpcExecutor::open(&pipeline, &cluster, grow_to).await {
+            Ok(mut exec) => {
+                let kv_blocks = pipeline.kv_blocks;
+                engine::run(
+                    &built_config,
+                    &mut exec,
+                    kv_blocks,
+                    &mut submit_rx,
+                    &mut backlog,
+                    &status,
+                )
+                .await
+            }
+            Err(failure) => EngineEnd::Interrupted(failure),
         };
         match end {
             EngineEnd::Shutdown => return,
-            EngineEnd::StageFailed(failure) => {
+            EngineEnd::Interrupted(failure) => {
                 broke(&failure, &status);
-                if let Some(id) = failure.worker_id {
-                    cluster.remove(&id);
+                if let Some(id) = &failure.worker_id {
+                    cluster.remove(id);
                 }
+                recovery = Some(Recovery {
+                    since: std::time::Instant::now(),
+                    reason: failure.reason,
+                });
+                status.recovering.store(true, Ordering::Release);
             }
         }
     }
@@ -190,6 +301,12 @@ pub(crate) async fn run(
 /// Counters exist from the start (at 0), so dashboards can rate() them before any failure.
 fn zero_counters() {
     metrics::counter!("baton_pipeline_failures_total").increment(0);
+    for reason in ["stage_failed", "workers_joined"] {
+        metrics::counter!("baton_replans_total", "reason" => reason).increment(0);
+    }
+    for cause in ["stage_failed", "replan"] {
+        metrics::counter!("baton_sequence_migrations_total", "cause" => cause).increment(0);
+    }
     metrics::counter!("baton_preemptions_total").increment(0);
     metrics::gauge!("baton_pipeline_ready").set(0.0);
 }
@@ -201,15 +318,25 @@ fn publish_ready(status: &PipelineStatus, assignment: Vec<StageAssignment>, kv_b
     *status.assignment.lock().unwrap_or_else(|e| e.into_inner()) = assignment;
     status.kv_blocks_total.store(kv_blocks as u64, Ordering::Relaxed);
     status.ready.store(true, Ordering::Release);
+    status.recovering.store(false, Ordering::Release);
     metrics::gauge!("baton_pipeline_ready").set(1.0);
     metrics::gauge!("baton_pipeline_stages").set(stages as f64);
 }
 
-/// Count and log a pipeline that broke.
+/// Count and log a pipeline that ends: broken, or replaced by a better one.
 fn broke(failure: &StageFailure, status: &PipelineStatus) {
-    tracing::error!("pipeline broke: {}", failure.reason);
+    let reason = if failure.planned {
+        tracing::info!("rebuilding the pipeline: {}", failure.reason);
+        "workers_joined"
+    } else {
+        tracing::error!("pipeline broke: {}", failure.reason);
+        metrics::counter!("baton_pipeline_failures_total").increment(1);
+        "stage_failed"
+    };
+    metrics::counter!("baton_replans_total", "reason" => reason).increment(1);
     metrics::gauge!("baton_pipeline_ready").set(0.0);
-    metrics::counter!("baton_pipeline_failures_total").increment(1);
+    status.replans.fetch_add(1, Ordering::Relaxed);
+    *status.last_replan.lock().unwrap_or_else(|e| e.into_inner()) = Some(format!("{reason}: {}", failure.reason));
     status.ready.store(false, Ordering::Release);
 }
 
@@ -227,6 +354,8 @@ pub(crate) async fn run_local(
 ) {
     zero_counters();
     let mut next = Some(stage);
+    let mut backlog = VecDeque::new();
+    let mut recovery: Option<Recovery> = None;
     loop {
         status.ready.store(false, Ordering::Release);
         metrics::gauge!("baton_pipeline_ready").set(0.0);
@@ -239,7 +368,10 @@ pub(crate) async fn run_local(
                     Ok(s) => s,
                     Err(e) => {
                         tracing::warn!("loading the in-process stage failed: {e}; retrying");
-                        reject_waiting(&mut submit_rx, &format!("the model is not ready: {e}"));
+                        match &recovery {
+                            Some(r) => r.hold(&config, &mut backlog, &mut submit_rx, &status),
+                            None => reject_waiting(&mut submit_rx, &format!("the model is not ready: {e}")),
+                        }
                         tokio::time::sleep(Duration::from_secs(1)).await;
                         continue;
                     }
@@ -262,9 +394,16 @@ pub(crate) async fn run_local(
             }
         };
         publish_ready(&status, vec![assignment], kv_blocks);
-        match engine::run(&config, &mut exec, kv_blocks, &mut submit_rx, &status).await {
+        match engine::run(&config, &mut exec, kv_blocks, &mut submit_rx, &mut backlog, &status).await {
             EngineEnd::Shutdown => return,
-            EngineEnd::StageFailed(failure) => broke(&failure, &status),
+            EngineEnd::Interrupted(failure) => {
+                broke(&failure, &status);
+                recovery = Some(Recovery {
+                    since: std::time::Instant::now(),
+                    reason: failure.reason,
+                });
+                status.recovering.store(true, Ordering::Release);
+            }
         }
     }
 }

@@ -16,7 +16,7 @@ use baton_shared::proto::{BatchResult, MicroBatch, Sampling, SequenceChunk};
 
 use crate::generation::{FinishReason, GenerationRequest, TokenEvent, TokenLogprobs};
 use crate::pipeline::kv_blocks::{BlockAllocator, IndexProgress};
-use crate::pipeline::{PipelineConfig, PipelineStatus, SeqRequest};
+use crate::pipeline::{PipelineConfig, PipelineStatus, Resume, SeqRequest};
 
 /// What the scheduler hands the engine to carry out, in order: events first, then frees, then
 /// micro-batches.
@@ -59,6 +59,8 @@ struct Seq {
     in_flight: bool,
     /// Id of the latest micro-batch it was part of (0: none yet).
     last_batch: u64,
+    /// Times it moved to a rebuilt pipeline.
+    migrations: u32,
     req: GenerationRequest,
     /// Ends (and is exported) when the sequence is dropped.
     span: tracing::Span,
@@ -76,7 +78,7 @@ impl Seq {
 
     /// Drop this sequence's KV to make room for others; it is prefilled again from all its
     /// tokens later and then continues where it was (greedy output is unchanged; a seeded
-    /// sampler starts its random stream over).
+    /// sampler skips the draws it made, so its random stream continues too).
     fn preempt(&mut self, alloc: &mut BlockAllocator) {
         alloc.release(&mut self.blocks);
         self.prefilled = 0;
@@ -146,6 +148,7 @@ impl Seq {
                 seed: p.seed,
                 logprobs: self.req.logprobs,
                 top_logprobs: self.req.top_logprobs as u32,
+                drawn: (self.tokens.len() - self.prompt_len) as u32,
             }),
         }
     }
@@ -339,12 +342,30 @@ impl<'a> Scheduler<'a> {
             let Some(s) = self.next_up.take().or_else(&mut pull) else {
                 break;
             };
+            if s.queued_at.elapsed() > self.config.queue_timeout {
+                let message = format!(
+                    "the request waited longer than the queue timeout of {:?} for a slot; retry later",
+                    self.config.queue_timeout
+                );
+                let seq = new_seq(s);
+                record_outcome(&seq, "failed");
+                metrics::counter!("baton_http_limit_hits_total", "limit" => "queue_timeout").increment(1);
+                out.event(
+                    seq.id,
+                    TokenEvent::Failed {
+                        message,
+                        retriable: true,
+                    },
+                );
+                continue;
+            }
             let alloc = &self.alloc;
-            let need = alloc.blocks_for(s.req.prompt.len());
+            // A resumed sequence is prefilled again from every token it has.
+            let tokens = s.req.prompt.len() + s.resume.as_ref().map_or(0, |r| r.generated.len());
+            let need = alloc.blocks_for(tokens);
             if need > alloc.total() {
                 let message = format!(
-                    "the prompt of {} tokens needs {need} KV blocks of {} positions; the pipeline has {}",
-                    s.req.prompt.len(),
+                    "the sequence of {tokens} tokens needs {need} KV blocks of {} positions; the pipeline has {}",
                     alloc.block_size(),
                     alloc.total()
                 );
@@ -620,21 +641,40 @@ impl<'a> Scheduler<'a> {
         Ok(())
     }
 
-    /// The pipeline broke: every admitted or waiting sequence fails with a retriable error.
-    pub fn fail_all(&mut self, reason: &str, out: &mut Outbox) {
-        let waiting = self.next_up.take().map(new_seq);
-        for s in self.active.drain(..).chain(waiting) {
-            record_outcome(&s, "failed");
-            out.event(
-                s.id,
-                TokenEvent::Failed {
-                    message: reason.to_string(),
-                    retriable: true,
-                },
-            );
+    /// The pipeline is going away (`reason`): hand back every admitted and waiting sequence,
+    /// in admission order, to resume on the next one. Micro-batches in flight are forgotten
+    /// (their tokens were not delivered, so they are computed again). A sequence that already
+    /// moved `max_migrations` times is not moved again when `counted` (a failure, not a planned
+    /// rebuild): it fails with a retriable error instead.
+    pub fn evacuate(&mut self, reason: &str, counted: bool, out: &mut Outbox) -> Vec<SeqRequest> {
+        let limit = self.config.max_migrations;
+        let waiting = self.next_up.take();
+        let mut moved = Vec::with_capacity(self.active.len() + 1);
+        for s in std::mem::take(&mut self.active) {
+            if counted && s.migrations >= limit {
+                record_outcome(&s, "failed");
+                out.event(
+                    s.id,
+                    TokenEvent::Failed {
+                        message: format!(
+                            "the pipeline broke ({reason}) and this request has already been moved to a rebuilt pipeline {limit} time(s); retry it"
+                        ),
+                        retriable: true,
+                    },
+                );
+                continue;
+            }
+            moved.push(s.into_resumable(counted));
         }
+        moved.extend(waiting);
         self.in_flight.clear();
+        self.alloc = BlockAllocator::new(
+            self.alloc.total(),
+            self.config.kv_block_size,
+            self.config.prefix_caching,
+        );
         self.publish_blocks();
+        moved
     }
 
     /// Publish running sequences and block usage (status for `/admin/cluster`, gauges for
@@ -685,23 +725,49 @@ fn step_span(batch_id: u64, seqs: &[&mut Seq], members: &[u64], batch_tokens: us
     span
 }
 
+impl Seq {
+    /// This sequence as a request to admit on a rebuilt pipeline, with what it generated.
+    fn into_resumable(self, counted: bool) -> SeqRequest {
+        let generated = self.tokens[self.prompt_len..].to_vec();
+        let queue_span = tracing::info_span!(parent: &self.span, "queue.wait", resumed = true);
+        SeqRequest {
+            id: self.id,
+            submitted: self.submitted,
+            req: self.req,
+            span: self.span,
+            queue_span,
+            queued_at: Instant::now(),
+            resume: Some(Resume {
+                generated,
+                migrations: self.migrations + u32::from(counted),
+                cached_reported: self.cached_reported,
+                last_token: self.last_token,
+            }),
+        }
+    }
+}
+
 fn new_seq(s: SeqRequest) -> Seq {
     drop(s.queue_span);
+    let resume = s.resume.unwrap_or_default();
+    let mut tokens = s.req.prompt.clone();
+    tokens.extend_from_slice(&resume.generated);
     Seq {
         span: s.span,
         id: s.id,
         submitted: s.submitted,
-        last_token: None,
+        last_token: resume.last_token,
         prefilled: 0,
         in_flight: false,
         last_batch: 0,
+        migrations: resume.migrations,
         prompt_len: s.req.prompt.len(),
-        prefill_len: s.req.prompt.len(),
+        prefill_len: tokens.len(),
         blocks: Vec::new(),
         reused: 0,
         indexed: IndexProgress::Start,
-        cached_reported: false,
-        tokens: s.req.prompt.clone(),
+        cached_reported: resume.cached_reported,
+        tokens,
         req: s.req,
     }
 }
@@ -733,6 +799,7 @@ mod tests {
             prefilled,
             in_flight: false,
             last_batch: 0,
+            migrations: 0,
             req,
             span: tracing::Span::none(),
         }
@@ -788,6 +855,8 @@ mod tests {
             kv_max_blocks: None,
             kv_dtype: baton_worker::kv_cache::KvDtype::F32,
             prefix_caching: true,
+            max_migrations: 2,
+            queue_timeout: std::time::Duration::from_secs(60),
         }
     }
 
@@ -803,6 +872,8 @@ mod tests {
             },
             span: tracing::Span::none(),
             queue_span: tracing::Span::none(),
+            queued_at: Instant::now(),
+            resume: None,
         }
     }
 
@@ -888,6 +959,125 @@ mod tests {
             ..answer(&batch, token)
         };
         assert!(sched.on_result(wrong, &mut out).unwrap_err().contains("out of order"));
+    }
+
+    /// Run `sched` with a stand-in last stage until idle or `steps` results; the events.
+    fn drive(sched: &mut Scheduler<'_>, steps: usize, out: &mut Outbox) -> Vec<(u64, TokenEvent)> {
+        let token = |seq: u64, pos: u32| (seq as u32 * 7 + pos) % 50;
+        let mut sent = VecDeque::new();
+        let mut events = Vec::new();
+        for _ in 0..steps {
+            sched.schedule(out);
+            sent.extend(out.batches.drain(..));
+            let Some(batch) = sent.pop_front() else { break };
+            sched.on_result(answer(&batch, token), out).unwrap();
+            events.append(&mut out.events);
+        }
+        events
+    }
+
+    fn tokens_of(events: &[(u64, TokenEvent)], id: u64) -> Vec<u32> {
+        events
+            .iter()
+            .filter(|(i, _)| *i == id)
+            .filter_map(|(_, e)| match e {
+                TokenEvent::Token { id, .. } => Some(*id),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn evacuated_sequences_resume_on_a_new_scheduler_with_the_same_tokens() {
+        let config = pipeline_config(4, vec![]);
+        let requests = || vec![request(2, (1..=20).collect(), 9), request(1, (1..=5).collect(), 12)];
+        let status = PipelineStatus::default();
+        // Undisturbed.
+        let mut sched = Scheduler::new(&config, &status, 2, 32);
+        let mut out = Outbox::default();
+        let mut queue = requests();
+        sched.admit(|| queue.pop(), &mut out);
+        let whole = drive(&mut sched, 100, &mut out);
+        // Broken after 5 results: the rest comes from a new scheduler (a rebuilt pipeline).
+        let mut sched = Scheduler::new(&config, &status, 2, 32);
+        let mut queue = requests();
+        sched.admit(|| queue.pop(), &mut out);
+        let mut events = drive(&mut sched, 5, &mut out);
+        let moved = sched.evacuate("stage 1 died", true, &mut out);
+        assert!(sched.is_idle() && sched.in_flight() == 0);
+        assert_eq!(
+            moved.iter().map(|s| s.id).collect::<Vec<_>>(),
+            [1, 2],
+            "admission order"
+        );
+        let mut sched = Scheduler::new(&config, &status, 3, 32);
+        let mut moved: VecDeque<_> = moved.into();
+        sched.admit(|| moved.pop_front(), &mut out);
+        // The first chunk of a resumed sequence carries the prefix it recomputes and how many
+        // tokens its sampler already drew.
+        sched.schedule(&mut out);
+        let first = &out.batches[0].seqs[0];
+        let resumed = tokens_of(&events, first.seq_id).len();
+        assert!(resumed > 0);
+        assert_eq!(first.sampling.as_ref().unwrap().drawn as usize, resumed);
+        events.extend(drive(&mut sched, 100, &mut out));
+        for id in [1, 2] {
+            assert_eq!(tokens_of(&events, id), tokens_of(&whole, id), "sequence {id}");
+        }
+        let done = |ev: &[(u64, TokenEvent)]| ev.iter().filter(|(_, e)| matches!(e, TokenEvent::Done { .. })).count();
+        assert_eq!(done(&events), 2);
+    }
+
+    #[test]
+    fn a_sequence_moved_too_often_fails_retriably_but_planned_moves_are_free() {
+        let config = pipeline_config(4, vec![]);
+        let status = PipelineStatus::default();
+        let mut out = Outbox::default();
+        let mut moved: VecDeque<_> = vec![request(1, (1..=5).collect(), 40)].into();
+        // Two planned rebuilds, then max_migrations (2) failures move it; the next one ends it.
+        for (counted, survives) in [(false, true), (false, true), (true, true), (true, true), (true, false)] {
+            let mut sched = Scheduler::new(&config, &status, 2, 32);
+            sched.admit(|| moved.pop_front(), &mut out);
+            drive(&mut sched, 3, &mut out);
+            out.events.clear();
+            moved = sched.evacuate("a stage died", counted, &mut out).into();
+            assert_eq!(moved.len() == 1, survives);
+        }
+        match &out.events[..] {
+            [
+                (
+                    1,
+                    TokenEvent::Failed {
+                        message,
+                        retriable: true,
+                    },
+                ),
+            ] => {
+                assert!(
+                    message.contains("a stage died") && message.contains("2 time"),
+                    "{message}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_request_past_the_queue_timeout_fails_retriably_at_admission() {
+        let config = PipelineConfig {
+            queue_timeout: std::time::Duration::ZERO,
+            ..pipeline_config(4, vec![])
+        };
+        let status = PipelineStatus::default();
+        let mut sched = Scheduler::new(&config, &status, 2, 32);
+        let mut out = Outbox::default();
+        let mut queue = vec![request(1, vec![1, 2], 4)];
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        sched.admit(|| queue.pop(), &mut out);
+        assert!(sched.is_idle());
+        assert!(
+            matches!(&out.events[..], [(1, TokenEvent::Failed { retriable: true, message })] if message.contains("queue timeout"))
+        );
     }
 
     #[test]
