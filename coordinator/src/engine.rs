@@ -184,7 +184,7 @@ fn interrupted(
     out: &mut Outbox,
     status: &PipelineStatus,
 ) -> EngineEnd {
-    let moved = sched.evacuate(&failure.reason, !failure.planned, out);
+    let moved = sched.evacuate(&failure.reason, failure.planned.is_none(), out);
     requests.deliver(out);
     let mut resumed: VecDeque<NewSequence> = moved
         .into_iter()
@@ -193,7 +193,11 @@ fn interrupted(
             Some(NewSequence { request, tx })
         })
         .collect();
-    let cause = if failure.planned { "replan" } else { "stage_failed" };
+    let cause = if failure.planned.is_some() {
+        "replan"
+    } else {
+        "stage_failed"
+    };
     let n = resumed.iter().filter(|s| s.request.resume.is_some()).count() as u64;
     metrics::counter!("baton_sequence_migrations_total", "cause" => cause).increment(n);
     status.migrations.fetch_add(n, Ordering::Relaxed);

@@ -68,6 +68,17 @@ impl CostCurve {
         if ok { Ok(Self { points }) } else { Err(BadCurve(points)) }
     }
 
+    /// The same curve `factor` times slower (a worker sharing its core), capped at
+    /// [`MAX_SECONDS`].
+    pub fn slowed(&self, factor: f64) -> Self {
+        let points = self
+            .points
+            .iter()
+            .map(|&(t, s)| (t, (s * factor).min(MAX_SECONDS)))
+            .collect();
+        Self { points }
+    }
+
     /// Seconds for `tokens`: linear between measured points, proportional below the first and
     /// along the last segment's slope beyond the last (never below the last point).
     pub fn at(&self, tokens: usize) -> f64 {
@@ -107,6 +118,19 @@ pub struct WorkerCosts {
     pub head_bytes: u64,
     /// Bytes the worker can give weights; `None`: no limit known.
     pub weight_budget: Option<u64>,
+}
+
+impl WorkerCosts {
+    /// This worker's costs `factor` times slower in every part (what served batches measured
+    /// against its profile).
+    pub fn slowed(&self, factor: f64) -> Self {
+        Self {
+            layer: self.layer.slowed(factor),
+            embed: self.embed.slowed(factor),
+            head: self.head.slowed(factor),
+            ..self.clone()
+        }
+    }
 }
 
 /// The micro-batch a plan is made for: `tokens` rows through every layer, of which `sampled`
@@ -306,6 +330,63 @@ pub fn ranges_from_cuts(num_layers: usize, cuts: &[usize]) -> Result<Vec<Range<u
         ));
     }
     Ok(bounds.windows(2).map(|w| w[0]..w[1]).collect())
+}
+
+/// A better split for workers whose speed drifted from their profiles.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Drift {
+    /// Each stage's worker speed against its profile, relative to the least slowed worker
+    /// (1.0 for it; 2.0: half as fast as profiled, relative to the others).
+    pub scales: Vec<f64>,
+    /// The current split's slowest stage under those speeds, in the plan's seconds.
+    pub current: f64,
+    /// The plan for those speeds; its bottleneck is at least `threshold` times faster.
+    pub better: Plan,
+}
+
+/// Whether the current split should change: `predicted[i]` is stage `i`'s planned seconds for
+/// `workload` under `costs`, `measured[i]` its mean forward seconds over served micro-batches
+/// (every stage sees the same batches, so only the stages' ratios matter, not the batch
+/// size). Each worker's costs are scaled by its measured/predicted ratio, and a new plan is
+/// made; it is returned when the current split's slowest stage is at least `threshold` times
+/// the new plan's and the ranges differ.
+pub fn drift(
+    layer_costs: &[f64],
+    costs: &[WorkerCosts],
+    current: &[Range<usize>],
+    predicted: &[f64],
+    measured: &[f64],
+    workload: Workload,
+    threshold: f64,
+) -> Option<Drift> {
+    let n = costs.len();
+    if n < 2 || current.len() != n || predicted.len() != n || measured.len() != n {
+        return None;
+    }
+    let ratios: Vec<f64> = predicted
+        .iter()
+        .zip(measured)
+        .map(|(&p, &m)| {
+            if p > 0.0 && m.is_finite() && m > 0.0 {
+                m / p
+            } else {
+                f64::NAN
+            }
+        })
+        .collect();
+    if ratios.iter().any(|r| !r.is_finite()) {
+        return None;
+    }
+    let least = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+    let scales: Vec<f64> = ratios.iter().map(|r| r / least).collect();
+    let slowed: Vec<WorkerCosts> = costs.iter().zip(&scales).map(|(c, &f)| c.slowed(f)).collect();
+    let current_bottleneck = predicted.iter().zip(&scales).map(|(p, f)| p * f).fold(0.0, f64::max);
+    let better = plan_layers(layer_costs, &slowed, workload).ok()?;
+    (better.ranges != current && current_bottleneck >= threshold * better.bottleneck()).then_some(Drift {
+        scales,
+        current: current_bottleneck,
+        better,
+    })
 }
 
 #[cfg(test)]
@@ -535,5 +616,40 @@ mod tests {
                 assert!(r.windows(2).all(|w| w[0].end == w[1].start));
             }
         }
+    }
+
+    #[test]
+    fn a_worker_slowed_against_its_profile_gets_fewer_layers() {
+        let workers = [linear(1e-3, 1e-4, 2e-3), linear(1e-3, 1e-4, 2e-3)];
+        let load = Workload { tokens: 8, sampled: 4 };
+        let costs = vec![1.0; 30];
+        let plan = plan_layers(&costs, &workers, load).unwrap();
+        // Served batches took what the profile says, at any batch size: nothing to change.
+        let half: Vec<f64> = plan.stage_seconds.iter().map(|s| s * 0.5).collect();
+        assert_eq!(
+            drift(&costs, &workers, &plan.ranges, &plan.stage_seconds, &half, load, 1.15),
+            None
+        );
+        // The second worker now takes twice as long as profiled (relative to the first).
+        let slowed = [plan.stage_seconds[0] * 0.5, plan.stage_seconds[1]];
+        let d = drift(&costs, &workers, &plan.ranges, &plan.stage_seconds, &slowed, load, 1.15).unwrap();
+        assert_eq!(d.scales, [1.0, 2.0]);
+        assert!(d.better.ranges[1].len() < plan.ranges[1].len(), "{:?}", d.better.ranges);
+        assert!(d.current >= 1.15 * d.better.bottleneck());
+        // The same plan made from the slowed costs directly.
+        let direct = plan_layers(&costs, &[workers[0].clone(), workers[1].slowed(2.0)], load).unwrap();
+        assert_eq!(d.better, direct);
+        // A drift smaller than the threshold is left alone (hysteresis against noise).
+        let slight = [plan.stage_seconds[0], plan.stage_seconds[1] * 1.05];
+        assert_eq!(
+            drift(&costs, &workers, &plan.ranges, &plan.stage_seconds, &slight, load, 1.15),
+            None
+        );
+        // Nonsense measurements change nothing.
+        let bad = [0.0, plan.stage_seconds[1]];
+        assert_eq!(
+            drift(&costs, &workers, &plan.ranges, &plan.stage_seconds, &bad, load, 1.15),
+            None
+        );
     }
 }

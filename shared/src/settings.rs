@@ -228,6 +228,10 @@ pub struct PipelineSettings {
     /// Seconds a request may wait for admission, in the queue or for a broken pipeline to be
     /// rebuilt; then it fails with a retriable error (HTTP 503).
     pub queue_timeout_secs: u64,
+    /// Re-plan a measured split while serving when the workers' measured stage times drift
+    /// from the plan (a worker slowed by a neighbour): the slowest stage 15% over what a new
+    /// plan predicts, three 2-second windows in a row, at most once per 10 s.
+    pub live_replan: bool,
 }
 
 impl Default for PipelineSettings {
@@ -250,6 +254,7 @@ impl Default for PipelineSettings {
             weights: WeightsSetting::Auto,
             max_migrations: 3,
             queue_timeout_secs: 60,
+            live_replan: true,
         }
     }
 }

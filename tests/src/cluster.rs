@@ -47,6 +47,10 @@ pub struct Limits {
     pub max_migrations: u32,
     /// Longest wait for admission (also for a broken pipeline to be rebuilt).
     pub queue_timeout: Duration,
+    /// Re-plan on measured stage times (off by default: tests want the split they asked for).
+    pub live_replan: Option<baton_coordinator::pipeline::replan::ReplanPolicy>,
+    /// Pin worker `i` to CPU core `i` (with `taskset`), so a test can load one worker's core.
+    pub pin_cores: bool,
 }
 
 impl Default for Limits {
@@ -62,6 +66,8 @@ impl Default for Limits {
             prefix_caching: true,
             max_migrations: 3,
             queue_timeout: Duration::from_secs(120),
+            live_replan: None,
+            pin_cores: false,
         }
     }
 }
@@ -82,8 +88,20 @@ pub fn spawn_worker(registry_url: &str, token: &str) -> Child {
 
 /// Start a worker process with extra flags.
 pub fn spawn_worker_with(registry_url: &str, token: &str, extra: &[String]) -> Child {
-    worker_command()
-        .args(["--listen", "127.0.0.1:0", "--coordinator", registry_url])
+    start_worker(worker_command(), registry_url, token, extra)
+}
+
+/// Start a worker process on CPU core `core` only (`taskset`), with one thread.
+pub fn spawn_worker_pinned(registry_url: &str, token: &str, core: usize, extra: &[String]) -> Child {
+    let mut cmd = Command::new("taskset");
+    cmd.args(["-c", &core.to_string()])
+        .arg(crate::baton_bin())
+        .args(["worker", "--device", "cpu:1"]);
+    start_worker(cmd, registry_url, token, extra)
+}
+
+fn start_worker(mut cmd: Command, registry_url: &str, token: &str, extra: &[String]) -> Child {
+    cmd.args(["--listen", "127.0.0.1:0", "--coordinator", registry_url])
         .args(extra)
         .env("BATON_CLUSTER_TOKEN", token)
         .env("BATON_LOG_LEVEL", "warn")
@@ -165,17 +183,24 @@ impl TestCluster {
             prefix_caching: limits.prefix_caching,
             max_migrations: limits.max_migrations,
             queue_timeout: limits.queue_timeout,
+            live_replan: limits.live_replan,
         };
         let generator = Arc::new(PipelineGenerator::start(config, cluster.clone()));
-        let workers = (0..stages)
-            .map(|i| {
-                spawn_worker_with(
-                    &registry_url,
-                    &token,
-                    worker_flags.get(i).map_or(&[][..], Vec::as_slice),
-                )
-            })
-            .collect();
+        let mut workers = Vec::with_capacity(stages);
+        for i in 0..stages {
+            let flags = worker_flags.get(i).map_or(&[][..], Vec::as_slice);
+            if limits.pin_cores {
+                workers.push(spawn_worker_pinned(&registry_url, &token, i, flags));
+                // One at a time, so stage i is worker i on core i (stages follow registration).
+                let start = Instant::now();
+                while cluster.alive().len() <= i {
+                    assert!(start.elapsed() < crate::PATIENCE, "worker {i} did not register");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            } else {
+                workers.push(spawn_worker_with(&registry_url, &token, flags));
+            }
+        }
         let tc = Self {
             generator,
             cluster,

@@ -391,6 +391,11 @@ fn dashboard_shows_a_live_two_stage_cluster() {
     let view = cluster_view(&addr);
     assert_stages_drawn(&before, &view, "ready");
     assert_no_error_banner(&before);
+    let (_, replans) = before.by_id("replans");
+    assert!(
+        replans.starts_with("0 re-plan(s) while serving, 0 sequence(s) moved"),
+        "re-plans are shown: {replans}"
+    );
     assert!(
         before.value_of("refreshes") >= 2,
         "the page refreshes by itself: {}",

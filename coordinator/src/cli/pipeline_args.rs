@@ -106,6 +106,11 @@ pub struct PipelineArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub queue_timeout_secs: Option<u64>,
+    /// Re-plan a measured split while serving when measured stage times drift 15% from the
+    /// plan: true or false [default: true].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub live_replan: Option<bool>,
 }
 
 /// The KV storage a `kv_dtype` setting names.
@@ -186,6 +191,7 @@ pub(super) fn pipeline_config(
         prefix_caching: p.prefix_caching,
         max_migrations: p.max_migrations,
         queue_timeout: std::time::Duration::from_secs(p.queue_timeout_secs),
+        live_replan: p.live_replan.then(Default::default),
         ..PipelineConfig::new(worker_model, &model.config, model.tokenizer.eos_ids.clone())
     })
 }

@@ -11,6 +11,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use super::{Executor, StageFailure};
 use crate::pipeline::Pipeline;
+use crate::pipeline::replan::DueSlot;
 use crate::registry::Cluster;
 
 /// A built pipeline of workers, with the Forward stream into its first stage open.
@@ -22,6 +23,8 @@ pub(crate) struct GrpcExecutor<'a> {
     tick: tokio::time::Interval,
     /// This pipeline has fewer stages than wanted: rebuild once this many workers are alive.
     grow_to: Option<usize>,
+    /// Where the drift watch leaves a due re-plan (measured splits only).
+    drift: Option<DueSlot>,
     /// The cluster's membership generation when `grow_to` was last checked (None: never, so
     /// workers that joined while this pipeline was being built count too).
     seen_generation: Option<u64>,
@@ -34,6 +37,7 @@ impl<'a> GrpcExecutor<'a> {
         pipeline: &'a Pipeline,
         cluster: &'a Cluster,
         grow_to: Option<usize>,
+        drift: Option<DueSlot>,
     ) -> Result<Self, StageFailure> {
         let mut stage0 = pipeline.stages[0].1.clone();
         let (batch_tx, batch_rx) = mpsc::channel::<MicroBatch>(4);
@@ -49,6 +53,7 @@ impl<'a> GrpcExecutor<'a> {
             results,
             tick: tokio::time::interval(cluster.heartbeat_interval),
             grow_to,
+            drift,
             seen_generation: None,
         })
     }
@@ -143,6 +148,11 @@ impl Executor for GrpcExecutor<'_> {
     }
 
     fn replan(&mut self) -> Option<StageFailure> {
+        if let Some(slot) = &self.drift
+            && let Some(due) = slot.lock().unwrap_or_else(|e| e.into_inner()).as_ref()
+        {
+            return Some(StageFailure::planned("measured_drift", due.reason.clone()));
+        }
         let want = self.grow_to?;
         let generation = self.cluster.generation();
         if self.seen_generation == Some(generation) {
@@ -151,10 +161,13 @@ impl Executor for GrpcExecutor<'_> {
         self.seen_generation = Some(generation);
         let alive = self.cluster.alive().len();
         (alive >= want).then(|| {
-            StageFailure::planned(format!(
-                "{alive} workers are alive: rebuilding the {}-stage pipeline with {want} stages",
-                self.pipeline.stages.len()
-            ))
+            StageFailure::planned(
+                "workers_joined",
+                format!(
+                    "{alive} workers are alive: rebuilding the {}-stage pipeline with {want} stages",
+                    self.pipeline.stages.len()
+                ),
+            )
         })
     }
 }

@@ -15,10 +15,10 @@ pub(crate) struct StageFailure {
     pub reason: String,
     /// The worker that failed, when it could be identified (it is dropped from the cluster).
     pub worker_id: Option<String>,
-    /// Nothing failed: a better pipeline can be built (workers joined a degraded one). The
-    /// engine drains its micro-batches first, and the move does not count toward a
-    /// sequence's migration limit.
-    pub planned: bool,
+    /// Nothing failed: a better pipeline can be built, for this reason (`workers_joined` a
+    /// degraded one, `measured_drift` of stage times from the plan). The engine drains its
+    /// micro-batches first, and the move does not count toward a sequence's migration limit.
+    pub planned: Option<&'static str>,
 }
 
 impl StageFailure {
@@ -27,7 +27,7 @@ impl StageFailure {
         Self {
             reason: reason.into(),
             worker_id: None,
-            planned: false,
+            planned: None,
         }
     }
 
@@ -39,10 +39,10 @@ impl StageFailure {
         }
     }
 
-    /// A rebuild for a better pipeline, no stage having failed.
-    pub fn planned(reason: impl Into<String>) -> Self {
+    /// A rebuild for a better pipeline (`why`: the metric label), no stage having failed.
+    pub fn planned(why: &'static str, reason: impl Into<String>) -> Self {
         Self {
-            planned: true,
+            planned: Some(why),
             ..Self::new(reason)
         }
     }

@@ -3,6 +3,7 @@
 //! workers and keeps `crate::engine` running on them while they stand.
 
 pub(crate) mod kv_blocks;
+pub mod replan;
 pub mod split;
 mod stage_stats;
 mod supervisor;
@@ -71,6 +72,9 @@ pub struct PipelineConfig {
     /// Longest a request waits for admission: in the queue of a running pipeline, or for a
     /// broken one to be rebuilt (then it fails with a retriable error).
     pub queue_timeout: std::time::Duration,
+    /// Re-plan a measured split while serving when stage times drift from it; None: plan
+    /// once per build.
+    pub live_replan: Option<replan::ReplanPolicy>,
 }
 
 /// Moves a sequence may make to a rebuilt pipeline by default.
@@ -93,7 +97,7 @@ impl PipelineConfig {
     /// `baton serve`: one stage per worker is set by the caller through `stages`; f32 weights,
     /// activations and KV, 64 queued and 8 running requests, 128 tokens a step, blocks of 16
     /// positions, the measured split and prefix caching on, 3 migrations per request and a
-    /// 60-second queue timeout.
+    /// 60-second queue timeout, live re-planning on.
     pub fn new(model: impl Into<String>, config: &ModelConfig, eos_ids: Vec<u32>) -> Self {
         Self {
             model: model.into(),
@@ -118,6 +122,7 @@ impl PipelineConfig {
             prefix_caching: true,
             max_migrations: DEFAULT_MAX_MIGRATIONS,
             queue_timeout: DEFAULT_QUEUE_TIMEOUT,
+            live_replan: Some(replan::ReplanPolicy::default()),
         }
     }
 

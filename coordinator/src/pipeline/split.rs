@@ -40,6 +40,30 @@ pub struct ProfileCache {
     by_worker: HashMap<(String, String, u64), WorkerCosts>,
 }
 
+fn profile_key(w: &WorkerEntry) -> (String, String, u64) {
+    (w.id.clone(), w.address.clone(), w.seq)
+}
+
+impl ProfileCache {
+    /// The cached costs of `workers`, in order, if every one has a profile.
+    pub fn costs_for(&self, workers: &[WorkerEntry]) -> Option<Vec<WorkerCosts>> {
+        workers
+            .iter()
+            .map(|w| self.by_worker.get(&profile_key(w)).cloned())
+            .collect()
+    }
+
+    /// Scale each worker's cached costs by what serving measured (`scales[i]` for
+    /// `workers[i]`), so the next plan is made for the speeds they have now.
+    pub fn slow(&mut self, workers: &[WorkerEntry], scales: &[f64]) {
+        for (w, &f) in workers.iter().zip(scales) {
+            if let Some(c) = self.by_worker.get_mut(&profile_key(w)) {
+                *c = c.slowed(f);
+            }
+        }
+    }
+}
+
 /// Prompt tokens' share of the rows when nothing has been served yet: chunked prompts as many
 /// rows as decode tokens, as with equal prompt and output lengths.
 pub const DEFAULT_PROMPT_SHARE: f64 = 0.5;
@@ -99,7 +123,7 @@ async fn profiles(
     clients: &[AuthedWorkerClient],
     cache: &mut ProfileCache,
 ) -> Result<Vec<WorkerCosts>, String> {
-    let key = |w: &WorkerEntry| (w.id.clone(), w.address.clone(), w.seq);
+    let key = profile_key;
     let asks = workers
         .iter()
         .zip(clients)
@@ -258,6 +282,7 @@ mod tests {
             prefix_caching: true,
             max_migrations: 3,
             queue_timeout: std::time::Duration::from_secs(60),
+            live_replan: None,
         }
     }
 

@@ -14,6 +14,7 @@ use baton_worker::service::{AuthedWorkerClient, MAX_MESSAGE, connect_worker};
 use baton_worker::stage::Stage;
 use tokio::sync::mpsc;
 
+use super::replan::{self, DriftWatch, PlanInputs};
 use super::split::{self, ProfileCache, SplitInfo};
 use super::stage_stats;
 use super::{NewSequence, PipelineConfig, PipelineStatus};
@@ -266,7 +267,9 @@ pub(crate) async fn run(
         }
         let _poller = stage_stats::start(&pipeline, &status);
         let grow_to = (stages < config.stages).then_some(config.stages);
-        let end = match GrpcExecutor::open(&pipeline, &cluster, grow_to).await {
+        let drift = watch_drift(&built_config, &pipeline, workers, &profiles, &status);
+        let due = drift.as_ref().map(|d| d.due.clone());
+        let end = match GrpcExecutor::open(&pipeline, &cluster, grow_to, due).await {
             Ok(mut exec) => {
                 let kv_blocks = pipeline.kv_blocks;
                 engine::run(
@@ -288,6 +291,10 @@ pub(crate) async fn run(
                 if let Some(id) = &failure.worker_id {
                     cluster.remove(id);
                 }
+                // The next plan is made for the speeds the workers showed.
+                if let Some(due) = drift.and_then(|d| d.due.lock().unwrap_or_else(|e| e.into_inner()).take()) {
+                    profiles.slow(workers, &due.scales);
+                }
                 recovery = Some(Recovery {
                     since: std::time::Instant::now(),
                     reason: failure.reason,
@@ -298,10 +305,38 @@ pub(crate) async fn run(
     }
 }
 
+/// Watch a measured split's stage times against its plan, when live re-planning is on.
+fn watch_drift(
+    config: &PipelineConfig,
+    pipeline: &Pipeline,
+    workers: &[WorkerEntry],
+    profiles: &ProfileCache,
+    status: &PipelineStatus,
+) -> Option<DriftWatch> {
+    let policy = config.live_replan?;
+    let split = status.split.lock().unwrap_or_else(|e| e.into_inner()).clone()?;
+    let (workload, _) = split.workload?;
+    if split.policy != "measured" || pipeline.stages.len() < 2 {
+        return None;
+    }
+    let layer_costs = match config.layer_costs.len() == config.num_layers {
+        true => config.layer_costs.clone(),
+        false => vec![1.0; config.num_layers],
+    };
+    let plan = PlanInputs {
+        layer_costs,
+        costs: profiles.costs_for(workers)?,
+        ranges: pipeline.stages.iter().map(|(a, _)| a.layers.clone()).collect(),
+        predicted: split.predicted_seconds,
+        workload,
+    };
+    Some(replan::watch(pipeline, plan, policy))
+}
+
 /// Counters exist from the start (at 0), so dashboards can rate() them before any failure.
 fn zero_counters() {
     metrics::counter!("baton_pipeline_failures_total").increment(0);
-    for reason in ["stage_failed", "workers_joined"] {
+    for reason in ["stage_failed", "workers_joined", "measured_drift"] {
         metrics::counter!("baton_replans_total", "reason" => reason).increment(0);
     }
     for cause in ["stage_failed", "replan"] {
@@ -325,9 +360,9 @@ fn publish_ready(status: &PipelineStatus, assignment: Vec<StageAssignment>, kv_b
 
 /// Count and log a pipeline that ends: broken, or replaced by a better one.
 fn broke(failure: &StageFailure, status: &PipelineStatus) {
-    let reason = if failure.planned {
+    let reason = if let Some(why) = failure.planned {
         tracing::info!("rebuilding the pipeline: {}", failure.reason);
-        "workers_joined"
+        why
     } else {
         tracing::error!("pipeline broke: {}", failure.reason);
         metrics::counter!("baton_pipeline_failures_total").increment(1);

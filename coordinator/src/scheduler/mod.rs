@@ -857,6 +857,7 @@ mod tests {
             prefix_caching: true,
             max_migrations: 2,
             queue_timeout: std::time::Duration::from_secs(60),
+            live_replan: None,
         }
     }
 

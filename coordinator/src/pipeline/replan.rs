@@ -1,0 +1,183 @@
+//! Live re-planning: while a measured split serves, each stage's forward time over served
+//! micro-batches (measured by its worker, read from Health) is compared with the plan. When a
+//! new plan for the speeds measured would make the slowest stage at least `threshold` times
+//! faster, for `windows` windows in a row, a planned rebuild is due: the engine drains, the
+//! supervisor scales the workers' profiles by what was measured and builds the new split, and
+//! the sequences move to it.
+
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use baton_shared::proto::HealthRequest;
+
+use super::supervisor::Pipeline;
+use crate::planner::{self, WorkerCosts, Workload};
+
+/// When stage times drifting from the plan trigger a new split.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReplanPolicy {
+    /// Re-plan when the current split's slowest stage is at least this many times a new
+    /// plan's (1.15: 15% slower than it could be).
+    pub threshold: f64,
+    /// Length of one measurement window.
+    pub window: Duration,
+    /// Windows in a row the drift must hold (so a burst does not move layers).
+    pub windows: u32,
+    /// Nothing is measured this long after a pipeline is built (warm-up, and at most one
+    /// re-plan per this much time).
+    pub settle: Duration,
+    /// Micro-batches every stage must have run in a window for it to count.
+    pub min_batches: u64,
+}
+
+impl Default for ReplanPolicy {
+    /// 15% over 3 windows of 2 s, 10 s after a build, at least 8 micro-batches a window.
+    fn default() -> Self {
+        Self {
+            threshold: 1.15,
+            window: Duration::from_secs(2),
+            windows: 3,
+            settle: Duration::from_secs(10),
+            min_batches: 8,
+        }
+    }
+}
+
+/// What the watch compares: the plan the pipeline was built from.
+pub(crate) struct PlanInputs {
+    pub layer_costs: Vec<f64>,
+    /// The stage workers' costs the plan was made from (their cached profiles).
+    pub costs: Vec<WorkerCosts>,
+    pub ranges: Vec<Range<usize>>,
+    pub predicted: Vec<f64>,
+    pub workload: Workload,
+}
+
+/// A re-plan the watch found due.
+#[derive(Debug, Clone)]
+pub(crate) struct Due {
+    pub reason: String,
+    /// Each stage worker's speed against its profile, relative to the least slowed.
+    pub scales: Vec<f64>,
+}
+
+/// Where a due re-plan is left for the executor (checked every engine step) and the
+/// supervisor (which applies the scales).
+pub(crate) type DueSlot = Arc<Mutex<Option<Due>>>;
+
+/// Watches one pipeline's stage times until dropped.
+pub(crate) struct DriftWatch {
+    pub due: DueSlot,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for DriftWatch {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Forward totals of one stage at one moment.
+#[derive(Debug, Clone, Copy, Default)]
+struct Totals {
+    batches: u64,
+    seconds: f64,
+}
+
+/// Start watching `pipeline`'s stages against `plan`.
+pub(crate) fn watch(pipeline: &Pipeline, plan: PlanInputs, policy: ReplanPolicy) -> DriftWatch {
+    let due: DueSlot = Arc::new(Mutex::new(None));
+    let clients: Vec<_> = pipeline.stages.iter().map(|(_, c)| c.clone()).collect();
+    let slot = due.clone();
+    let task = tokio::spawn(async move {
+        tokio::time::sleep(policy.settle).await;
+        let mut before: Option<Vec<Totals>> = None;
+        let mut streak = 0;
+        let mut tick = tokio::time::interval(policy.window);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let answers = futures::future::join_all(clients.iter().map(|c| {
+                let mut c = c.clone();
+                async move {
+                    let h = tokio::time::timeout(Duration::from_secs(2), c.health(HealthRequest {})).await;
+                    let h = h.ok()?.ok()?.into_inner();
+                    Some(Totals {
+                        batches: h.forward_batches,
+                        seconds: h.forward_seconds,
+                    })
+                }
+            }))
+            .await;
+            // A stage that does not answer is the failure path's business.
+            let Some(now) = answers.into_iter().collect::<Option<Vec<Totals>>>() else {
+                before = None;
+                continue;
+            };
+            let Some(prev) = before.replace(now.clone()) else {
+                continue;
+            };
+            let window: Vec<Totals> = now
+                .iter()
+                .zip(&prev)
+                .map(|(n, p)| Totals {
+                    batches: n.batches.saturating_sub(p.batches),
+                    seconds: n.seconds - p.seconds,
+                })
+                .collect();
+            if window.iter().any(|w| w.batches < policy.min_batches) {
+                streak = 0;
+                continue;
+            }
+            let measured: Vec<f64> = window.iter().map(|w| w.seconds / w.batches as f64).collect();
+            for (i, m) in measured.iter().enumerate() {
+                metrics::gauge!("baton_stage_measured_seconds", "stage" => i.to_string()).set(*m);
+            }
+            let found = planner::drift(
+                &plan.layer_costs,
+                &plan.costs,
+                &plan.ranges,
+                &plan.predicted,
+                &measured,
+                plan.workload,
+                policy.threshold,
+            );
+            let Some(d) = found else {
+                streak = 0;
+                continue;
+            };
+            streak += 1;
+            tracing::info!(streak, scales = ?d.scales, current = ?plan.ranges, better = ?d.better.ranges,
+                "stage times drift from the plan");
+            if streak < policy.windows {
+                continue;
+            }
+            let ms = |v: &[f64]| {
+                v.iter()
+                    .map(|s| format!("{:.2}", s * 1e3))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            let reason = format!(
+                "stage times [{}] ms per micro-batch against a plan of [{}] ms: worker speeds x[{}] of their profiles; \
+                 ranges {:?} would cut the slowest stage {:.2}x",
+                ms(&measured),
+                ms(&plan.predicted),
+                d.scales
+                    .iter()
+                    .map(|s| format!("{s:.2}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                d.better.ranges,
+                d.current / d.better.bottleneck(),
+            );
+            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(Due {
+                reason,
+                scales: d.scales,
+            });
+            return;
+        }
+    });
+    DriftWatch { due, task }
+}
