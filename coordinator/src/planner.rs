@@ -338,31 +338,53 @@ pub struct Drift {
     /// Each stage's worker speed against its profile, relative to the least slowed worker
     /// (1.0 for it; 2.0: half as fast as profiled, relative to the others).
     pub scales: Vec<f64>,
+    /// Each stage's predicted seconds at the served workload, from the profiles.
+    pub predicted: Vec<f64>,
     /// The current split's slowest stage under those speeds, in the plan's seconds.
     pub current: f64,
     /// The plan for those speeds; its bottleneck is at least `threshold` times faster.
     pub better: Plan,
 }
 
-/// Whether the current split should change: `predicted[i]` is stage `i`'s planned seconds for
-/// `workload` under `costs`, `measured[i]` its mean forward seconds over served micro-batches
-/// (every stage sees the same batches, so only the stages' ratios matter, not the batch
-/// size). Each worker's costs are scaled by its measured/predicted ratio, and a new plan is
-/// made; it is returned when the current split's slowest stage is at least `threshold` times
-/// the new plan's and the ranges differ.
+/// Each stage's predicted seconds for one micro-batch of `workload` when worker `i` holds
+/// `ranges[i]`.
+pub fn stage_times(
+    layer_costs: &[f64],
+    workers: &[WorkerCosts],
+    ranges: &[Range<usize>],
+    workload: Workload,
+) -> Vec<f64> {
+    let n = ranges.len();
+    ranges
+        .iter()
+        .zip(workers)
+        .enumerate()
+        .map(|(i, (r, w))| {
+            let layers = layer_costs.get(r.clone()).map_or(0.0, |c| c.iter().sum());
+            stage_cost(w, i, n, layers, workload).0
+        })
+        .collect()
+}
+
+/// Whether the current split should change, from `measured[i]`, stage `i`'s mean forward
+/// seconds over the micro-batches served, whose mean shape was `workload` (every stage runs
+/// the same batches). Each stage is predicted at that workload from `costs`, each worker's
+/// costs are scaled by its measured ÷ predicted ratio, and a new plan is made; it is returned
+/// when the current split's slowest stage is at least `threshold` times the new plan's and the
+/// ranges differ.
 pub fn drift(
     layer_costs: &[f64],
     costs: &[WorkerCosts],
     current: &[Range<usize>],
-    predicted: &[f64],
     measured: &[f64],
     workload: Workload,
     threshold: f64,
 ) -> Option<Drift> {
     let n = costs.len();
-    if n < 2 || current.len() != n || predicted.len() != n || measured.len() != n {
+    if n < 2 || current.len() != n || measured.len() != n {
         return None;
     }
+    let predicted = stage_times(layer_costs, costs, current, workload);
     let ratios: Vec<f64> = predicted
         .iter()
         .zip(measured)
@@ -384,6 +406,7 @@ pub fn drift(
     let better = plan_layers(layer_costs, &slowed, workload).ok()?;
     (better.ranges != current && current_bottleneck >= threshold * better.bottleneck()).then_some(Drift {
         scales,
+        predicted,
         current: current_bottleneck,
         better,
     })
@@ -624,16 +647,21 @@ mod tests {
         let load = Workload { tokens: 8, sampled: 4 };
         let costs = vec![1.0; 30];
         let plan = plan_layers(&costs, &workers, load).unwrap();
-        // Served batches took what the profile says, at any batch size: nothing to change.
+        assert_eq!(stage_times(&costs, &workers, &plan.ranges, load), plan.stage_seconds);
+        let drifted = |measured: &[f64], load| drift(&costs, &workers, &plan.ranges, measured, load, 1.15);
+        // Served batches took what the profile says (at whatever speed): nothing to change.
         let half: Vec<f64> = plan.stage_seconds.iter().map(|s| s * 0.5).collect();
-        assert_eq!(
-            drift(&costs, &workers, &plan.ranges, &plan.stage_seconds, &half, load, 1.15),
-            None
-        );
+        assert_eq!(drifted(&half, load), None);
+        // Decode-only traffic: the head weighs more than in the planned mix, but stage times
+        // that match the profiles at that workload are no drift.
+        let decode = Workload { tokens: 4, sampled: 4 };
+        let at_decode = stage_times(&costs, &workers, &plan.ranges, decode);
+        assert_eq!(drifted(&at_decode, decode), None);
         // The second worker now takes twice as long as profiled (relative to the first).
         let slowed = [plan.stage_seconds[0] * 0.5, plan.stage_seconds[1]];
-        let d = drift(&costs, &workers, &plan.ranges, &plan.stage_seconds, &slowed, load, 1.15).unwrap();
+        let d = drifted(&slowed, load).unwrap();
         assert_eq!(d.scales, [1.0, 2.0]);
+        assert_eq!(d.predicted, plan.stage_seconds);
         assert!(d.better.ranges[1].len() < plan.ranges[1].len(), "{:?}", d.better.ranges);
         assert!(d.current >= 1.15 * d.better.bottleneck());
         // The same plan made from the slowed costs directly.
@@ -641,15 +669,8 @@ mod tests {
         assert_eq!(d.better, direct);
         // A drift smaller than the threshold is left alone (hysteresis against noise).
         let slight = [plan.stage_seconds[0], plan.stage_seconds[1] * 1.05];
-        assert_eq!(
-            drift(&costs, &workers, &plan.ranges, &plan.stage_seconds, &slight, load, 1.15),
-            None
-        );
+        assert_eq!(drifted(&slight, load), None);
         // Nonsense measurements change nothing.
-        let bad = [0.0, plan.stage_seconds[1]];
-        assert_eq!(
-            drift(&costs, &workers, &plan.ranges, &plan.stage_seconds, &bad, load, 1.15),
-            None
-        );
+        assert_eq!(drifted(&[0.0, plan.stage_seconds[1]], load), None);
     }
 }

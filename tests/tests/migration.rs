@@ -450,3 +450,80 @@ fn after_a_coordinator_restart_workers_register_again_and_serving_resumes() {
     assert_eq!(complete(), before);
     drop(coordinator);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joiner_that_cannot_serve_does_not_take_down_the_degraded_pipeline() {
+    use baton_shared::auth::AddToken;
+    use baton_shared::proto::registry_client::RegistryClient;
+    use baton_shared::proto::{HeartbeatRequest, RegisterRequest};
+    let dir = fixtures().join("tiny/llama_tied");
+    let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
+    let w = workload(&dir);
+    let limits = Limits {
+        measured_split: true,
+        heartbeat: Duration::from_secs(1),
+        ..busy_limits()
+    };
+    let mut tc = TestCluster::start_full(&dir, &cfg, vec![], &[1, 2], &[], limits).await;
+    let victim = tc.workers.remove(2);
+    kill(&victim, "-KILL");
+    drop(victim);
+    wait_until_async("the pipeline shrinks to two stages", || async {
+        if tc.generator.ready() && stages(&tc) == 2 {
+            Ok(())
+        } else {
+            Err(format!("{} stages", stages(&tc)))
+        }
+    })
+    .await;
+    // A "worker" registers and heartbeats but nothing listens at its address: growing back to
+    // three stages fails on it, and it is left out for a while instead of every second.
+    let channel = tonic::transport::Channel::from_shared(tc.registry_url.clone())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut registry = RegistryClient::with_interceptor(channel, AddToken::new(&tc.token).unwrap());
+    let address = "http://127.0.0.1:9".to_string();
+    let req = RegisterRequest {
+        address: address.clone(),
+        device_kind: "cpu".into(),
+        kv_cache_bytes: 1 << 30,
+        ..Default::default()
+    };
+    let id = registry.register(req).await.unwrap().into_inner().worker_id;
+    let beats = tokio::spawn(async move {
+        loop {
+            let beat = HeartbeatRequest {
+                worker_id: id.clone(),
+                address: address.clone(),
+            };
+            let _ = registry.heartbeat(beat).await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    });
+    wait_until_async("the grow-back was tried and given up", || async {
+        let last = tc
+            .generator
+            .status
+            .last_replan
+            .lock()
+            .unwrap()
+            .clone()
+            .unwrap_or_default();
+        if last.starts_with("workers_joined") && tc.generator.ready() && stages(&tc) == 2 {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} stages, ready {}, last {last}",
+                stages(&tc),
+                tc.generator.ready()
+            ))
+        }
+    })
+    .await;
+    let (outcomes, _) = run_through(&tc.generator, &w, 0, || async {}).await;
+    assert_all_equal(&outcomes, &w);
+    assert_eq!(stages(&tc), 2, "still the two working stages");
+    beats.abort();
+}

@@ -32,6 +32,8 @@ async fn register_once(url: &str, token: &str, desc: &WorkerDescription) -> Resu
     let channel = Channel::from_shared(url.to_string())
         .map_err(|e| format!("bad coordinator URL '{url}': {e}"))?
         .connect_timeout(Duration::from_secs(3))
+        // A coordinator that accepts the connection but never answers is retried, not waited on.
+        .timeout(Duration::from_secs(10))
         .connect()
         .await
         .map_err(|e| format!("cannot connect to {url}: {e}"))?;
@@ -77,7 +79,9 @@ pub async fn run(url: String, token: String, desc: WorkerDescription, state: Arc
         };
         // Every heartbeat is bounded: without a deadline one sent while the coordinator was
         // restarting waited forever, and the worker never registered with the new process.
-        let deadline = (interval * 2).max(Duration::from_secs(1));
+        // At most one interval, so a timed-out beat and the next one still land within the
+        // three intervals after which the coordinator declares the worker dead.
+        let deadline = interval.max(Duration::from_millis(250));
         let channel = channel.connect_timeout(deadline).timeout(deadline).connect_lazy();
         let Ok(auth) = AddToken::new(&token) else { return };
         let mut client = RegistryClient::with_interceptor(channel, auth);

@@ -35,6 +35,12 @@ pub type AuthedWorkerClient = WorkerClient<InterceptedService<Channel, AddToken>
 pub async fn connect_worker(url: &str, token: &str) -> Result<AuthedWorkerClient, Status> {
     let channel = Channel::from_shared(url.to_string())
         .map_err(|e| Status::invalid_argument(format!("bad worker URL '{url}': {e}")))?
+        .connect_timeout(std::time::Duration::from_secs(5))
+        // Pings find a peer that vanished without closing (a frozen VM, a dropped route) on
+        // long-lived streams, where no request would time out.
+        .http2_keep_alive_interval(std::time::Duration::from_secs(10))
+        .keep_alive_timeout(std::time::Duration::from_secs(20))
+        .keep_alive_while_idle(true)
         .connect()
         .await
         .map_err(|e| Status::unavailable(format!("cannot connect to {url}: {e}")))?;

@@ -21,13 +21,14 @@ pub(crate) struct GrpcExecutor<'a> {
     batch_tx: mpsc::Sender<MicroBatch>,
     results: tonic::Streaming<BatchResult>,
     tick: tokio::time::Interval,
-    /// This pipeline has fewer stages than wanted: rebuild once this many workers are alive.
+    /// This pipeline has fewer stages than wanted: rebuild once this many workers are alive,
+    /// not counting those left out of builds (they failed one).
     grow_to: Option<usize>,
+    left_out: Vec<String>,
     /// Where the drift watch leaves a due re-plan (measured splits only).
     drift: Option<DueSlot>,
-    /// The cluster's membership generation when `grow_to` was last checked (None: never, so
-    /// workers that joined while this pipeline was being built count too).
-    seen_generation: Option<u64>,
+    /// A planned rebuild found due by the latest liveness check (workers joined).
+    grow_due: Option<StageFailure>,
 }
 
 impl<'a> GrpcExecutor<'a> {
@@ -37,6 +38,7 @@ impl<'a> GrpcExecutor<'a> {
         pipeline: &'a Pipeline,
         cluster: &'a Cluster,
         grow_to: Option<usize>,
+        left_out: Vec<String>,
         drift: Option<DueSlot>,
     ) -> Result<Self, StageFailure> {
         let mut stage0 = pipeline.stages[0].1.clone();
@@ -53,8 +55,9 @@ impl<'a> GrpcExecutor<'a> {
             results,
             tick: tokio::time::interval(cluster.heartbeat_interval),
             grow_to,
+            left_out,
             drift,
-            seen_generation: None,
+            grow_due: None,
         })
     }
 
@@ -69,6 +72,24 @@ impl<'a> GrpcExecutor<'a> {
             format!("worker {} ({}) stopped heartbeating", a.worker_id, a.address),
             &a.worker_id,
         ))
+    }
+
+    /// A degraded pipeline: once enough workers are alive (registered, or heartbeating again),
+    /// a rebuild with every stage is due. Checked on the heartbeat tick and when membership
+    /// changes, not per step.
+    fn check_grow(&mut self) {
+        let Some(want) = self.grow_to else { return };
+        let alive = self
+            .cluster
+            .alive()
+            .iter()
+            .filter(|w| !self.left_out.contains(&w.id))
+            .count();
+        if alive >= want && self.grow_due.is_none() {
+            let have = self.pipeline.stages.len();
+            let why = format!("{alive} workers are alive: rebuilding the {have}-stage pipeline with {want} stages");
+            self.grow_due = Some(StageFailure::planned("workers_joined", why));
+        }
     }
 
     /// A broken stream: probe every stage; the first that does not answer is the failed one.
@@ -104,6 +125,7 @@ impl Executor for GrpcExecutor<'_> {
                     if let Some(f) = self.dead_stage() {
                         return Err(f);
                     }
+                    self.check_grow();
                 }
             }
         };
@@ -141,8 +163,9 @@ impl Executor for GrpcExecutor<'_> {
                     if let Some(f) = self.dead_stage() {
                         return f;
                     }
+                    self.check_grow();
                 }
-                () = self.cluster.changed.notified() => {}
+                () = self.cluster.changed.notified() => self.check_grow(),
             }
         }
     }
@@ -153,21 +176,6 @@ impl Executor for GrpcExecutor<'_> {
         {
             return Some(StageFailure::planned("measured_drift", due.reason.clone()));
         }
-        let want = self.grow_to?;
-        let generation = self.cluster.generation();
-        if self.seen_generation == Some(generation) {
-            return None;
-        }
-        self.seen_generation = Some(generation);
-        let alive = self.cluster.alive().len();
-        (alive >= want).then(|| {
-            StageFailure::planned(
-                "workers_joined",
-                format!(
-                    "{alive} workers are alive: rebuilding the {}-stage pipeline with {want} stages",
-                    self.pipeline.stages.len()
-                ),
-            )
-        })
+        self.grow_due.take()
     }
 }

@@ -6,11 +6,13 @@
 //! the sequences move to it.
 
 use std::ops::Range;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use baton_shared::proto::HealthRequest;
 
+use super::PipelineStatus;
 use super::supervisor::Pipeline;
 use crate::planner::{self, WorkerCosts, Workload};
 
@@ -50,8 +52,6 @@ pub(crate) struct PlanInputs {
     /// The stage workers' costs the plan was made from (their cached profiles).
     pub costs: Vec<WorkerCosts>,
     pub ranges: Vec<Range<usize>>,
-    pub predicted: Vec<f64>,
-    pub workload: Workload,
 }
 
 /// A re-plan the watch found due.
@@ -82,17 +82,24 @@ impl Drop for DriftWatch {
 #[derive(Debug, Clone, Copy, Default)]
 struct Totals {
     batches: u64,
+    tokens: u64,
     seconds: f64,
 }
 
-/// Start watching `pipeline`'s stages against `plan`.
-pub(crate) fn watch(pipeline: &Pipeline, plan: PlanInputs, policy: ReplanPolicy) -> DriftWatch {
+/// Start watching `pipeline`'s stages against `plan`; `status` counts the tokens sampled and
+/// micro-batches returned (the served batches' sampled rows).
+pub(crate) fn watch(
+    pipeline: &Pipeline,
+    plan: PlanInputs,
+    policy: ReplanPolicy,
+    status: Arc<PipelineStatus>,
+) -> DriftWatch {
     let due: DueSlot = Arc::new(Mutex::new(None));
     let clients: Vec<_> = pipeline.stages.iter().map(|(_, c)| c.clone()).collect();
     let slot = due.clone();
     let task = tokio::spawn(async move {
         tokio::time::sleep(policy.settle).await;
-        let mut before: Option<Vec<Totals>> = None;
+        let mut before: Option<(Vec<Totals>, (u64, u64))> = None;
         let mut streak = 0;
         let mut tick = tokio::time::interval(policy.window);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -105,6 +112,7 @@ pub(crate) fn watch(pipeline: &Pipeline, plan: PlanInputs, policy: ReplanPolicy)
                     let h = h.ok()?.ok()?.into_inner();
                     Some(Totals {
                         batches: h.forward_batches,
+                        tokens: h.forward_tokens,
                         seconds: h.forward_seconds,
                     })
                 }
@@ -113,9 +121,14 @@ pub(crate) fn watch(pipeline: &Pipeline, plan: PlanInputs, policy: ReplanPolicy)
             // A stage that does not answer is the failure path's business.
             let Some(now) = answers.into_iter().collect::<Option<Vec<Totals>>>() else {
                 before = None;
+                streak = 0;
                 continue;
             };
-            let Some(prev) = before.replace(now.clone()) else {
+            let served = (
+                status.generated_tokens.load(Ordering::Relaxed),
+                status.steps_completed.load(Ordering::Relaxed),
+            );
+            let Some((prev, prev_served)) = before.replace((now.clone(), served)) else {
                 continue;
             };
             let window: Vec<Totals> = now
@@ -123,6 +136,7 @@ pub(crate) fn watch(pipeline: &Pipeline, plan: PlanInputs, policy: ReplanPolicy)
                 .zip(&prev)
                 .map(|(n, p)| Totals {
                     batches: n.batches.saturating_sub(p.batches),
+                    tokens: n.tokens.saturating_sub(p.tokens),
                     seconds: n.seconds - p.seconds,
                 })
                 .collect();
@@ -131,6 +145,15 @@ pub(crate) fn watch(pipeline: &Pipeline, plan: PlanInputs, policy: ReplanPolicy)
                 continue;
             }
             let measured: Vec<f64> = window.iter().map(|w| w.seconds / w.batches as f64).collect();
+            // The served batches' mean shape: rows through the layers (stage 0's count) and
+            // rows sampled by the head (tokens generated per returned micro-batch).
+            let steps = served.1.saturating_sub(prev_served.1).max(1);
+            let workload = Workload {
+                tokens: (window[0].tokens as f64 / window[0].batches as f64).round().max(1.0) as usize,
+                sampled: (served.0.saturating_sub(prev_served.0) as f64 / steps as f64)
+                    .round()
+                    .max(1.0) as usize,
+            };
             for (i, m) in measured.iter().enumerate() {
                 metrics::gauge!("baton_stage_measured_seconds", "stage" => i.to_string()).set(*m);
             }
@@ -138,9 +161,8 @@ pub(crate) fn watch(pipeline: &Pipeline, plan: PlanInputs, policy: ReplanPolicy)
                 &plan.layer_costs,
                 &plan.costs,
                 &plan.ranges,
-                &plan.predicted,
                 &measured,
-                plan.workload,
+                workload,
                 policy.threshold,
             );
             let Some(d) = found else {
@@ -160,10 +182,12 @@ pub(crate) fn watch(pipeline: &Pipeline, plan: PlanInputs, policy: ReplanPolicy)
                     .join(", ")
             };
             let reason = format!(
-                "stage times [{}] ms per micro-batch against a plan of [{}] ms: worker speeds x[{}] of their profiles; \
-                 ranges {:?} would cut the slowest stage {:.2}x",
+                "stage times [{}] ms per micro-batch of {} rows ({} sampled) against [{}] ms from the profiles: \
+                 worker speeds x[{}] of their profiles; ranges {:?} would cut the slowest stage {:.2}x",
                 ms(&measured),
-                ms(&plan.predicted),
+                workload.tokens,
+                workload.sampled,
+                ms(&d.predicted),
                 d.scales
                     .iter()
                     .map(|s| format!("{s:.2}"))

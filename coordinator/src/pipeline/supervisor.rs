@@ -41,20 +41,38 @@ pub(crate) struct Pipeline {
 }
 
 /// The most KV blocks every stage's pool fits in its worker's budget (and the configured cap).
-fn kv_blocks(config: &PipelineConfig, workers: &[WorkerEntry], ranges: &[Range<usize>]) -> Result<usize, String> {
+fn kv_blocks(config: &PipelineConfig, workers: &[WorkerEntry], ranges: &[Range<usize>]) -> Result<usize, BuildError> {
     let mut blocks = config.kv_max_blocks.unwrap_or(usize::MAX);
-    for (w, layers) in workers.iter().zip(ranges) {
+    for (i, (w, layers)) in workers.iter().zip(ranges).enumerate() {
         let per_block = PagedKv::bytes_per_block(layers.len(), config.kv_dim, config.kv_block_size, config.kv_dtype);
         let fits = (w.kv_cache_bytes / per_block as u64) as usize;
         if fits == 0 {
-            return Err(format!(
+            let message = format!(
                 "worker {} ({}) has a KV budget of {} bytes, less than one block of {} positions for layers {:?} ({per_block} bytes): raise its kv_cache_mib",
                 w.id, w.address, w.kv_cache_bytes, config.kv_block_size, layers
-            ));
+            );
+            return Err(BuildError {
+                message,
+                worker: Some(i),
+            });
         }
         blocks = blocks.min(fits);
     }
     Ok(blocks)
+}
+
+/// Why a build failed, and the worker (index into the build's workers) that failed it, when
+/// one did.
+#[derive(Debug)]
+struct BuildError {
+    message: String,
+    worker: Option<usize>,
+}
+
+impl From<String> for BuildError {
+    fn from(message: String) -> Self {
+        Self { message, worker: None }
+    }
 }
 
 async fn build(
@@ -62,12 +80,15 @@ async fn build(
     workers: &[WorkerEntry],
     profiles: &mut ProfileCache,
     status: &PipelineStatus,
-) -> Result<(Pipeline, SplitInfo), String> {
+) -> Result<(Pipeline, SplitInfo), BuildError> {
     let mut clients = Vec::with_capacity(workers.len());
     for (i, w) in workers.iter().enumerate() {
         let client = connect_worker(&w.address, &config.cluster_token)
             .await
-            .map_err(|e| format!("stage {i} ({}): {}", w.address, e.message()))?;
+            .map_err(|e| BuildError {
+                message: format!("stage {i} ({}): {}", w.address, e.message()),
+                worker: Some(i),
+            })?;
         clients.push(client.max_encoding_message_size(MAX_MESSAGE));
     }
     let (mut ranges, mut split) = split::choose(config, workers, &clients, profiles, status).await?;
@@ -75,9 +96,9 @@ async fn build(
         Ok(b) => b,
         // The plan weighs weights, not KV: a stage it loads up may leave no room for a block.
         Err(e) if split.policy == "measured" => {
-            tracing::warn!("the measured split leaves no KV room ({e}); splitting evenly");
+            tracing::warn!("the measured split leaves no KV room ({}); splitting evenly", e.message);
             ranges = even_split(config.num_layers, config.stages);
-            split = SplitInfo::unmeasured("even", Some(e));
+            split = SplitInfo::unmeasured("even", Some(e.message));
             kv_blocks(config, workers, &ranges)?
         }
         Err(e) => return Err(e),
@@ -113,10 +134,10 @@ async fn build(
         };
         let label = format!("stage {i} ({}, layers {:?})", a.address, a.layers);
         async move {
-            client
-                .load_stage(req)
-                .await
-                .map_err(|e| format!("{label}: {}", e.message()))
+            client.load_stage(req).await.map_err(|e| BuildError {
+                message: format!("{label}: {}", e.message()),
+                worker: Some(i),
+            })
         }
     });
     for r in futures::future::join_all(loads).await {
@@ -196,6 +217,48 @@ fn stage_count(config: &PipelineConfig, alive: usize, stood: bool) -> Option<usi
     }
 }
 
+/// Workers left out of builds for a while after they failed one (a joiner that cannot load
+/// the model must not take down the pipeline that works without it). Each failure in a row
+/// doubles the time, from 30 s up to an hour.
+#[derive(Default)]
+struct Quarantine {
+    until: std::collections::HashMap<String, (std::time::Instant, u32)>,
+}
+
+impl Quarantine {
+    fn add(&mut self, id: &str) {
+        let strikes = self.until.get(id).map_or(0, |e| e.1) + 1;
+        let secs = (30u64 << (strikes - 1).min(7)).min(3600);
+        tracing::warn!(worker = id, seconds = secs, "leaving the worker out of pipeline builds");
+        self.until.insert(
+            id.to_string(),
+            (std::time::Instant::now() + Duration::from_secs(secs), strikes),
+        );
+    }
+
+    /// Whether a worker may be built on now.
+    fn allows(&self, id: &str) -> bool {
+        self.until.get(id).is_none_or(|e| std::time::Instant::now() >= e.0)
+    }
+
+    /// Workers left out now.
+    fn left_out(&self) -> Vec<String> {
+        let now = std::time::Instant::now();
+        self.until
+            .iter()
+            .filter(|(_, e)| now < e.0)
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
+    /// A worker that served in a pipeline is forgiven.
+    fn clear(&mut self, workers: &[WorkerEntry]) {
+        for w in workers {
+            self.until.remove(&w.id);
+        }
+    }
+}
+
 /// Supervise forever: wait for workers, build, serve, and rebuild after failures, moving the
 /// sequences of a broken pipeline to the next one.
 pub(crate) async fn run(
@@ -208,22 +271,19 @@ pub(crate) async fn run(
     let mut profiles = ProfileCache::default();
     let mut backlog = VecDeque::new();
     let mut recovery: Option<Recovery> = None;
+    let mut quarantine = Quarantine::default();
     loop {
         status.ready.store(false, Ordering::Release);
-        let wait = |recovery: &Option<Recovery>, backlog: &mut VecDeque<NewSequence>, submit_rx: &mut _, why: &str| {
-            match recovery {
-                Some(r) => r.hold(&config, backlog, submit_rx, &status),
-                None => reject_waiting(submit_rx, why),
-            }
-        };
-        let workers = cluster.alive();
+        let workers: Vec<WorkerEntry> = cluster
+            .alive()
+            .into_iter()
+            .filter(|w| quarantine.allows(&w.id))
+            .collect();
         let Some(stages) = stage_count(&config, workers.len(), recovery.is_some()) else {
-            wait(
-                &recovery,
-                &mut backlog,
-                &mut submit_rx,
-                "the pipeline is not ready: waiting for workers",
-            );
+            match &recovery {
+                Some(r) => r.hold(&config, &mut backlog, &mut submit_rx, &status),
+                None => reject_waiting(&mut submit_rx, "the pipeline is not ready: waiting for workers"),
+            }
             let changed = cluster.changed.notified();
             let _ = tokio::time::timeout(cluster.heartbeat_interval, changed).await;
             continue;
@@ -236,41 +296,63 @@ pub(crate) async fn run(
         let workers = &workers[..stages];
         let span = tracing::info_span!("pipeline.build", stages, wanted = config.stages);
         let built = build(&built_config, workers, &mut profiles, &status);
-        let built = tracing::Instrument::instrument(built, span).await;
+        let built = tracing::Instrument::instrument(built, span);
+        // A build waits on workers (profiles, loads): meanwhile held requests still time out,
+        // and a worker that stops heartbeating ends the wait instead of stalling it forever.
+        let built = {
+            tokio::pin!(built);
+            let mut tick = tokio::time::interval(cluster.heartbeat_interval);
+            loop {
+                tokio::select! {
+                    r = &mut built => break r,
+                    _ = tick.tick() => {
+                        if let Some(r) = &recovery {
+                            r.hold(&config, &mut backlog, &mut submit_rx, &status);
+                        }
+                        if let Some(i) = workers.iter().position(|w| !cluster.is_alive(&w.id)) {
+                            break Err(BuildError {
+                                message: format!("worker {} ({}) stopped heartbeating", workers[i].id, workers[i].address),
+                                worker: Some(i),
+                            });
+                        }
+                    }
+                }
+            }
+        };
         let (pipeline, split) = match built {
             Ok(p) => p,
             Err(e) => {
-                tracing::warn!("building the pipeline failed: {e}; retrying");
-                wait(
-                    &recovery,
-                    &mut backlog,
-                    &mut submit_rx,
-                    &format!("the pipeline is not ready: {e}"),
-                );
+                tracing::warn!("building the pipeline failed: {}; retrying", e.message);
+                if let Some(i) = e.worker {
+                    quarantine.add(&workers[i].id);
+                }
+                match &recovery {
+                    Some(r) => r.hold(&config, &mut backlog, &mut submit_rx, &status),
+                    None => reject_waiting(&mut submit_rx, &format!("the pipeline is not ready: {}", e.message)),
+                }
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 continue;
             }
         };
         let assignment: Vec<_> = pipeline.stages.iter().map(|(a, _)| a.clone()).collect();
-        tracing::info!(?assignment, "pipeline ready");
         for (i, secs) in split.predicted_seconds.iter().enumerate() {
             metrics::gauge!("baton_stage_predicted_seconds", "stage" => i.to_string()).set(*secs);
         }
         *status.split.lock().unwrap_or_else(|e| e.into_inner()) = Some(split);
-        publish_ready(&status, assignment, pipeline.kv_blocks);
-        if let Some(r) = recovery.take() {
-            tracing::info!(
-                down_seconds = r.since.elapsed().as_secs_f64(),
-                resumed = backlog.len(),
-                "pipeline rebuilt"
-            );
-        }
         let _poller = stage_stats::start(&pipeline, &status);
         let grow_to = (stages < config.stages).then_some(config.stages);
         let drift = watch_drift(&built_config, &pipeline, workers, &profiles, &status);
         let due = drift.as_ref().map(|d| d.due.clone());
-        let end = match GrpcExecutor::open(&pipeline, &cluster, grow_to, due).await {
+        let left_out = quarantine.left_out();
+        let end = match GrpcExecutor::open(&pipeline, &cluster, grow_to, left_out, due).await {
             Ok(mut exec) => {
+                tracing::info!(?assignment, "pipeline ready");
+                publish_ready(&status, assignment, pipeline.kv_blocks);
+                quarantine.clear(workers);
+                if let Some(r) = recovery.take() {
+                    let down = r.since.elapsed().as_secs_f64();
+                    tracing::info!(down_seconds = down, resumed = backlog.len(), "pipeline rebuilt");
+                }
                 let kv_blocks = pipeline.kv_blocks;
                 engine::run(
                     &built_config,
@@ -282,11 +364,17 @@ pub(crate) async fn run(
                 )
                 .await
             }
-            Err(failure) => EngineEnd::Interrupted(failure),
+            Err(failure) => {
+                // Nothing ran: keep waiting as before (the same recovery and its clock).
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                EngineEnd::Interrupted(failure)
+            }
         };
         match end {
             EngineEnd::Shutdown => return,
             EngineEnd::Interrupted(failure) => {
+                // Recovering before not ready: a submission in between is queued, not refused.
+                status.recovering.store(true, Ordering::Release);
                 broke(&failure, &status);
                 if let Some(id) = &failure.worker_id {
                     cluster.remove(id);
@@ -295,11 +383,12 @@ pub(crate) async fn run(
                 if let Some(due) = drift.and_then(|d| d.due.lock().unwrap_or_else(|e| e.into_inner()).take()) {
                     profiles.slow(workers, &due.scales);
                 }
-                recovery = Some(Recovery {
-                    since: std::time::Instant::now(),
-                    reason: failure.reason,
-                });
-                status.recovering.store(true, Ordering::Release);
+                if recovery.is_none() {
+                    recovery = Some(Recovery {
+                        since: std::time::Instant::now(),
+                        reason: failure.reason,
+                    });
+                }
             }
         }
     }
@@ -311,11 +400,10 @@ fn watch_drift(
     pipeline: &Pipeline,
     workers: &[WorkerEntry],
     profiles: &ProfileCache,
-    status: &PipelineStatus,
+    status: &Arc<PipelineStatus>,
 ) -> Option<DriftWatch> {
     let policy = config.live_replan?;
     let split = status.split.lock().unwrap_or_else(|e| e.into_inner()).clone()?;
-    let (workload, _) = split.workload?;
     if split.policy != "measured" || pipeline.stages.len() < 2 {
         return None;
     }
@@ -327,10 +415,8 @@ fn watch_drift(
         layer_costs,
         costs: profiles.costs_for(workers)?,
         ranges: pipeline.stages.iter().map(|(a, _)| a.layers.clone()).collect(),
-        predicted: split.predicted_seconds,
-        workload,
     };
-    Some(replan::watch(pipeline, plan, policy))
+    Some(replan::watch(pipeline, plan, policy, status.clone()))
 }
 
 /// Counters exist from the start (at 0), so dashboards can rate() them before any failure.

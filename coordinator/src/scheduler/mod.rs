@@ -369,15 +369,12 @@ impl<'a> Scheduler<'a> {
                     alloc.block_size(),
                     alloc.total()
                 );
+                // A moved sequence that no longer fits (a pipeline rebuilt on fewer workers
+                // holds fewer blocks) may fit again later: retriable, unlike a new prompt.
+                let retriable = s.resume.is_some();
                 let seq = new_seq(s);
                 record_outcome(&seq, "failed");
-                out.event(
-                    seq.id,
-                    TokenEvent::Failed {
-                        message,
-                        retriable: false,
-                    },
-                );
+                out.event(seq.id, TokenEvent::Failed { message, retriable });
                 continue;
             }
             // The whole prompt's blocks are reserved even if some are cached now: cached blocks
