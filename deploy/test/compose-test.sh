@@ -6,8 +6,9 @@
 #      the host (BATON_BIN; default target/release/baton, built if missing)
 #   3. `docker compose --profile cpu up`: coordinator + two worker containers; /ready must turn 200
 #   4. a greedy completion through the coordinator must equal `baton generate` on the host
-#   5. stop one worker container: /ready must turn 503 (and a completion must get 503) within a
-#      bound; start it again: /ready 200 and the same completion again
+#   5. stop one worker container: /ready must turn 503 within a bound, then 200 again once the
+#      pipeline is rebuilt on the worker left (one stage), serving the same completion; start it
+#      again: the pipeline grows back to two stages and serves the same completion again
 # Everything it created (containers, network, volumes, test images, temp files) is removed on exit;
 # the cached base image `baton-base:*` is kept (BATON_TEST_DROP_BASE=1 removes it too).
 #
@@ -279,15 +280,29 @@ if wait_status ready 503 "$DOWN_S"; then
 else
   fail "/ready not 503 within $DOWN_S s of stopping cpu-worker-1 (last: $(status ready))"
 fi
-got=$(complete)
-if [ "$got" = "HTTP:503" ]; then pass "completion answered 503 while a worker is missing"
-else fail "completion while a worker is missing: $got (expected HTTP:503)"; fi
+# No cuts fix the stage count, so the pipeline is rebuilt on the worker left.
+t0=$SECONDS
+if wait_status ready 200 "$READY_S"; then
+  pass "/ready 200 again $((SECONDS - t0)) s later: rebuilt on cpu-worker-0 alone"
+  check_completion "one worker left"
+else
+  fail "/ready not 200 within $READY_S s with one worker left (last: $(status ready))"
+fi
 
 # --- it comes back ------------------------------------------------------------------------------
 timeout 60 "${COMPOSE[@]}" start cpu-worker-1 >/dev/null 2>&1 || log "compose start returned non-zero"
 t0=$SECONDS
 if wait_status ready 200 "$READY_S"; then
-  pass "/ready 200 again $((SECONDS - t0)) s after cpu-worker-1 restarted"
+  pass "/ready 200 $((SECONDS - t0)) s after cpu-worker-1 restarted"
+  stages=""
+  for _ in $(seq 1 "$READY_S"); do
+    metrics=$(curl -s --max-time 5 "$API/metrics")
+    stages=$(awk '$1 == "baton_pipeline_stages" {print $2}' <<<"$metrics")
+    [ "$stages" = 2 ] && break
+    sleep 1
+  done
+  if [ "$stages" = 2 ]; then pass "the pipeline grew back to two stages"
+  else fail "the pipeline has ${stages:-no} stages after cpu-worker-1 returned (expected 2)"; fi
   check_completion "after recovery"
 else
   fail "/ready not 200 within $READY_S s of restarting cpu-worker-1 (last: $(status ready))"

@@ -164,6 +164,18 @@ fn stages(tc: &TestCluster) -> usize {
     tc.generator.status.assignment.lock().unwrap().len()
 }
 
+/// Wait until the pipeline is ready with `n` stages.
+async fn wait_stages(tc: &TestCluster, n: usize) {
+    wait_until_async(&format!("the pipeline is ready with {n} stages"), || async {
+        if tc.generator.ready() && stages(tc) == n {
+            Ok(())
+        } else {
+            Err(format!("{} stages, ready: {}", stages(tc), tc.generator.ready()))
+        }
+    })
+    .await;
+}
+
 fn counter(tc: &TestCluster, what: fn(&baton_coordinator::pipeline::PipelineStatus) -> &AtomicU64) -> u64 {
     what(&tc.generator.status).load(Ordering::Relaxed)
 }
@@ -202,28 +214,15 @@ async fn a_three_stage_pipeline_shrinks_when_a_worker_dies_and_grows_back_when_o
     let generator = tc.generator.clone();
     let (outcomes, finished) = run_through(&generator, &w, 40, || async {
         kill(&victim, "-KILL");
-        wait_until_async("the pipeline is rebuilt on the two workers left", || async {
-            if tc.generator.ready() && stages(&tc) == 2 {
-                Ok(())
-            } else {
-                Err(format!("{} stages, ready: {}", stages(&tc), tc.generator.ready()))
-            }
-        })
-        .await;
+        // Rebuilt on the two workers left.
+        wait_stages(&tc, 2).await;
         // A replacement joins while the streams run: the pipeline grows back to three stages.
         tc.workers.push(spawn_worker(&tc.registry_url, &tc.token));
     })
     .await;
     assert_mid_run(finished);
     assert_all_equal(&outcomes, &w);
-    wait_until_async("the pipeline grows back to three stages", || async {
-        if tc.generator.ready() && stages(&tc) == 3 {
-            Ok(())
-        } else {
-            Err(format!("{} stages", stages(&tc)))
-        }
-    })
-    .await;
+    wait_stages(&tc, 3).await;
     assert_eq!(
         counter(&tc, |s| &s.replans),
         2,
@@ -468,14 +467,7 @@ async fn a_joiner_that_cannot_serve_does_not_take_down_the_degraded_pipeline() {
     let victim = tc.workers.remove(2);
     kill(&victim, "-KILL");
     drop(victim);
-    wait_until_async("the pipeline shrinks to two stages", || async {
-        if tc.generator.ready() && stages(&tc) == 2 {
-            Ok(())
-        } else {
-            Err(format!("{} stages", stages(&tc)))
-        }
-    })
-    .await;
+    wait_stages(&tc, 2).await;
     // A "worker" registers and heartbeats but nothing listens at its address: growing back to
     // three stages fails on it, and it is left out for a while instead of every second.
     let channel = tonic::transport::Channel::from_shared(tc.registry_url.clone())

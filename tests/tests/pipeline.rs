@@ -606,3 +606,60 @@ async fn chunked_prefill_gives_the_same_tokens() {
     assert_eq!(a.unwrap().0, want_short);
     assert_eq!(b.unwrap().0, want_long);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_loaded_beside_the_served_one_takes_over_only_when_activated() {
+    let dir = fixtures().join("tiny/llama_untied");
+    let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
+    let tc = TestCluster::start(&dir, &cfg, vec![], &[1]).await;
+    let assignment = tc.generator.status.assignment.lock().unwrap().clone();
+    let mut last = connect_worker(&assignment[1].address, &tc.token).await.unwrap();
+    let kv_blocks = tc
+        .generator
+        .status
+        .kv_blocks_total
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let range = |h: baton_shared::proto::HealthResponse| h.stage.map(|s| (s.layer_start, s.layer_end));
+    // Layers 2..3 loaded beside the served 1..3: the worker keeps serving 1..3.
+    let staged = baton_shared::proto::LoadStageRequest {
+        model: dir.display().to_string(),
+        layer_start: 2,
+        layer_end: 3,
+        weights: "f32".into(),
+        stage_index: 1,
+        kv_blocks,
+        kv_block_size: 16,
+        staged: true,
+        ..Default::default()
+    };
+    last.load_stage(staged).await.unwrap();
+    let h = last.health(HealthRequest {}).await.unwrap().into_inner();
+    assert_eq!(range(h), Some((1, 3)), "a staged load serves nothing yet");
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(6)
+    };
+    let prompt = [4u32, 40, 44];
+    let want = engine_tokens(&dir, &prompt, &params, false);
+    let (got, _) = tc.generate(&prompt, params.clone()).await.unwrap();
+    assert_eq!(got, want, "the pipeline serves on, undisturbed");
+    assert_eq!(
+        tc.generator.status.replans.load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    // Activated, it serves 2..3.
+    let info = last
+        .activate_stage(baton_shared::proto::ActivateStageRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.stage.map(|s| (s.layer_start, s.layer_end)), Some((2, 3)));
+    let h = last.health(HealthRequest {}).await.unwrap().into_inner();
+    assert_eq!(range(h), Some((2, 3)));
+    // Nothing is staged any more.
+    let e = last
+        .activate_stage(baton_shared::proto::ActivateStageRequest {})
+        .await
+        .unwrap_err();
+    assert!(e.message().contains("no staged stage"), "{}", e.message());
+}

@@ -59,14 +59,20 @@ pub struct WorkerArgs {
 }
 
 fn total_memory() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
+    meminfo("MemTotal:").unwrap_or(0)
+}
+
+/// A `/proc/meminfo` field in bytes (Linux only; None elsewhere or when unreadable).
+pub(crate) fn meminfo(field: &str) -> Option<u64> {
+    let m = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb = m
+        .lines()
+        .find(|l| l.starts_with(field))?
+        .split_whitespace()
+        .nth(1)?
+        .parse::<u64>()
+        .ok()?;
+    Some(kb * 1024)
 }
 
 /// Run a worker until the process is stopped.

@@ -11,8 +11,8 @@ use baton_shared::model_source::resolve_model;
 use baton_shared::proto::worker_client::WorkerClient;
 use baton_shared::proto::worker_server::Worker;
 use baton_shared::proto::{
-    BatchResult, CostPoint, Dtype, FreeRequest, FreeResponse, HealthRequest, HealthResponse, LoadStageRequest,
-    LoadStageResponse, MicroBatch, ProfileRequest, ProfileResponse, TrimRequest, TrimResponse,
+    ActivateStageRequest, BatchResult, CostPoint, Dtype, FreeRequest, FreeResponse, HealthRequest, HealthResponse,
+    LoadStageRequest, LoadStageResponse, MicroBatch, ProfileRequest, ProfileResponse, TrimRequest, TrimResponse,
 };
 use futures::StreamExt;
 use tokio::sync::mpsc;
@@ -58,6 +58,8 @@ pub struct WorkerState {
     /// stage that was current when it opened, so a stream of an older pipeline (from a
     /// coordinator that moved on while this worker was frozen) cannot touch the new one.
     loads: Arc<std::sync::atomic::AtomicU64>,
+    /// A stage loaded beside the served one (and its next stage's URL), until ActivateStage.
+    staged: Mutex<Option<(Stage, String)>>,
     next_stage: Mutex<String>,
     token: String,
     home: std::path::PathBuf,
@@ -86,6 +88,7 @@ impl WorkerState {
             worker_id: Mutex::new(String::new()),
             stage: Arc::new(Mutex::new(None)),
             loads: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            staged: Mutex::new(None),
             next_stage: Mutex::new(String::new()),
             token,
             home,
@@ -116,6 +119,27 @@ impl WorkerState {
 
     /// Backend options on this worker's device for weights in `format` (the KV geometry is the
     /// caller's to fill in).
+    /// Whether this host has the memory to load a stage with a KV pool of `pool_bytes` beside
+    /// the one it serves: its weights are estimated at 1.5 times the served stage's (a re-plan
+    /// moves a few layers), and the host's available memory must hold both.
+    fn room_beside_current(&self, pool_bytes: u128) -> Result<(), Status> {
+        let served = lock(&self.stage)
+            .as_ref()
+            .map_or(0, |s| s.backend().info().weight_bytes) as u128;
+        let need = pool_bytes + served * 3 / 2;
+        let available = crate::run::meminfo("MemAvailable:").ok_or_else(|| {
+            Status::resource_exhausted(
+                "this host's available memory is unknown: not loading a stage beside the served one",
+            )
+        })?;
+        if need > available as u128 {
+            return Err(Status::resource_exhausted(format!(
+                "a stage beside the served one needs about {need} bytes; this host has {available} available"
+            )));
+        }
+        Ok(())
+    }
+
     fn backend_options(&self, format: WeightFormat) -> BackendOptions {
         BackendOptions {
             device: self.device,
@@ -150,6 +174,31 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl WorkerService {
+    /// Serve `stage` from now on (forwarding to `next`): streams opened before close.
+    fn install(&self, stage: Stage, next: String) {
+        let info = stage.info();
+        tracing::info!(layers = ?(info.layer_start..info.layer_end), first = info.first, last = info.last, next = %next, "stage loaded");
+        // Per-stage counters start at 0, so dashboards see them before the first error.
+        let label = [("stage", stage.stage_index.to_string())];
+        metrics::counter!("baton_stage_errors_total", &label).increment(0);
+        if !info.last {
+            metrics::counter!("baton_transfer_bytes_total", &label).increment(0);
+        }
+        let b = stage.backend().info();
+        let kv = stage.backend().kv();
+        metrics::gauge!("baton_stage_backend_info",
+            "stage" => stage.stage_index.to_string(), "device" => b.device.kind(), "kernels" => b.kernels,
+            "threads" => b.threads.to_string(), "weights" => b.weights.to_string(), "kv_dtype" => kv.dtype.to_string())
+        .set(1.0);
+        metrics::gauge!("baton_worker_kv_bytes").set(kv.bytes as f64);
+        // A stage prepared beside the old one is not kept past a load that replaces both.
+        lock(&self.state.staged).take();
+        let mut slot = lock(&self.state.stage);
+        *slot = Some(stage);
+        self.state.loads.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        *lock(&self.state.next_stage) = next;
+    }
+
     /// Run `f` on the stage. The stage is locked for a whole micro-batch, so waiting for it
     /// happens off the runtime's worker threads: a Free arriving mid-batch must not stall the
     /// tasks queued behind it (heartbeats among them, or the coordinator declares us dead).
@@ -163,6 +212,7 @@ impl Worker for WorkerService {
     async fn load_stage(&self, req: Request<LoadStageRequest>) -> Result<Response<LoadStageResponse>, Status> {
         let metadata = req.metadata().clone();
         let r = req.into_inner();
+        let r_staged = r.staged;
         let state = self.state.clone();
         let span = tracing::info_span!("stage.load", stage = r.stage_index, layers = ?(r.layer_start..r.layer_end));
         baton_shared::trace_context::set_parent_from_metadata(&span, &metadata);
@@ -183,6 +233,9 @@ impl Worker for WorkerService {
                 ..state.backend_options(format)
             };
             let pool_bytes = opts.kv_bytes(&cfg, start..end);
+            if r.staged {
+                state.room_beside_current(pool_bytes)?;
+            }
             if pool_bytes > state.kv_cache_bytes as u128 {
                 return Err(Status::resource_exhausted(format!(
                     "{} KV blocks of {} positions for layers {start}..{end} take {pool_bytes} bytes, \
@@ -208,26 +261,21 @@ impl Worker for WorkerService {
         if !info.last && next.is_empty() {
             return Err(Status::invalid_argument("a stage that is not last needs next_stage"));
         }
-        tracing::info!(layers = ?(info.layer_start..info.layer_end), first = info.first, last = info.last, next = %next, "stage loaded");
-        // Per-stage counters start at 0, so dashboards see them before the first error.
-        let label = [("stage", stage.stage_index.to_string())];
-        metrics::counter!("baton_stage_errors_total", &label).increment(0);
-        if !info.last {
-            metrics::counter!("baton_transfer_bytes_total", &label).increment(0);
+        if r_staged {
+            tracing::info!(layers = ?(info.layer_start..info.layer_end), "stage loaded beside the served one");
+            *lock(&self.state.staged) = Some((stage, next));
+            return Ok(Response::new(LoadStageResponse { stage: Some(info) }));
         }
-        let b = stage.backend().info();
-        let kv = stage.backend().kv();
-        metrics::gauge!("baton_stage_backend_info",
-            "stage" => stage.stage_index.to_string(), "device" => b.device.kind(), "kernels" => b.kernels,
-            "threads" => b.threads.to_string(), "weights" => b.weights.to_string(), "kv_dtype" => kv.dtype.to_string())
-        .set(1.0);
-        metrics::gauge!("baton_worker_kv_bytes").set(kv.bytes as f64);
-        {
-            let mut slot = lock(&self.state.stage);
-            *slot = Some(stage);
-            self.state.loads.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-        }
-        *lock(&self.state.next_stage) = next;
+        self.install(stage, next);
+        Ok(Response::new(LoadStageResponse { stage: Some(info) }))
+    }
+
+    async fn activate_stage(&self, _req: Request<ActivateStageRequest>) -> Result<Response<LoadStageResponse>, Status> {
+        let (stage, next) = lock(&self.state.staged)
+            .take()
+            .ok_or_else(|| Status::failed_precondition("no staged stage to activate: send a staged LoadStage first"))?;
+        let info = stage.info();
+        self.install(stage, next);
         Ok(Response::new(LoadStageResponse { stage: Some(info) }))
     }
 

@@ -12,9 +12,13 @@ use std::time::Duration;
 
 use baton_shared::proto::HealthRequest;
 
-use super::PipelineStatus;
+use baton_shared::proto::LoadStageRequest;
+use baton_worker::service::AuthedWorkerClient;
+
 use super::supervisor::Pipeline;
+use super::{PipelineConfig, PipelineStatus};
 use crate::planner::{self, WorkerCosts, Workload};
+use crate::registry::WorkerEntry;
 
 /// When stage times drifting from the plan trigger a new split.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -60,6 +64,64 @@ pub(crate) struct Due {
     pub reason: String,
     /// Each stage worker's speed against its profile, relative to the least slowed.
     pub scales: Vec<f64>,
+    /// The new ranges, already loaded beside the served stages on every worker (None: they
+    /// could not be, so the switch rebuilds).
+    pub staged: Option<Staged>,
+}
+
+/// New ranges every worker holds beside the stage it serves, ready for ActivateStage.
+#[derive(Debug, Clone)]
+pub(crate) struct Staged {
+    pub ranges: Vec<Range<usize>>,
+    pub kv_blocks: usize,
+    pub plan: planner::Plan,
+}
+
+/// What loading new ranges beside the served stages needs.
+pub(crate) struct Staging {
+    pub config: PipelineConfig,
+    pub workers: Vec<WorkerEntry>,
+}
+
+/// Load `ranges` on every stage's worker beside the stage it serves (in parallel).
+async fn stage_beside(
+    clients: &[(String, AuthedWorkerClient)],
+    staging: &Staging,
+    ranges: &[Range<usize>],
+) -> Result<usize, String> {
+    let config = &staging.config;
+    let kv_blocks = super::supervisor::kv_blocks(config, &staging.workers, ranges).map_err(|e| e.message)?;
+    let loads = clients
+        .iter()
+        .zip(ranges)
+        .enumerate()
+        .map(|(i, ((address, client), r))| {
+            let mut client = client.clone();
+            let req = LoadStageRequest {
+                model: config.model.clone(),
+                layer_start: r.start as u32,
+                layer_end: r.end as u32,
+                weights: config.weights.clone(),
+                kv_blocks: kv_blocks as u64,
+                kv_block_size: config.kv_block_size as u32,
+                kv_dtype: config.kv_dtype.to_string(),
+                activation_dtype: config.activation_dtype as i32,
+                next_stage: clients.get(i + 1).map(|(a, _)| a.clone()).unwrap_or_default(),
+                stage_index: i as u32,
+                staged: true,
+            };
+            let label = format!("stage {i} ({address}, layers {r:?})");
+            async move {
+                client
+                    .load_stage(req)
+                    .await
+                    .map_err(|e| format!("{label}: {}", e.message()))
+            }
+        });
+    for r in futures::future::join_all(loads).await {
+        r?;
+    }
+    Ok(kv_blocks)
 }
 
 /// Where a due re-plan is left for the executor (checked every engine step) and the
@@ -93,8 +155,14 @@ pub(crate) fn watch(
     plan: PlanInputs,
     policy: ReplanPolicy,
     status: Arc<PipelineStatus>,
+    staging: Staging,
 ) -> DriftWatch {
     let due: DueSlot = Arc::new(Mutex::new(None));
+    let stage_clients: Vec<_> = pipeline
+        .stages
+        .iter()
+        .map(|(a, c)| (a.address.clone(), c.clone()))
+        .collect();
     let clients: Vec<_> = pipeline.stages.iter().map(|(_, c)| c.clone()).collect();
     let slot = due.clone();
     let task = tokio::spawn(async move {
@@ -196,7 +264,21 @@ pub(crate) fn watch(
                 d.better.ranges,
                 d.current / d.better.bottleneck(),
             );
+            // The new ranges load while the old pipeline serves; then the switch is a drain and
+            // an activation, not a reload. Without the memory for both, it rebuilds.
+            let staged = match stage_beside(&stage_clients, &staging, &d.better.ranges).await {
+                Ok(kv_blocks) => Some(Staged {
+                    ranges: d.better.ranges.clone(),
+                    kv_blocks,
+                    plan: d.better.clone(),
+                }),
+                Err(e) => {
+                    tracing::warn!("could not load the new ranges beside the served stages ({e}); rebuilding instead");
+                    None
+                }
+            };
             *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(Due {
+                staged,
                 reason,
                 scales: d.scales,
             });

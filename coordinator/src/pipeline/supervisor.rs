@@ -8,13 +8,13 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use baton_shared::proto::LoadStageRequest;
+use baton_shared::proto::{ActivateStageRequest, LoadStageRequest};
 use baton_worker::kv_cache::PagedKv;
 use baton_worker::service::{AuthedWorkerClient, MAX_MESSAGE, connect_worker};
 use baton_worker::stage::Stage;
 use tokio::sync::mpsc;
 
-use super::replan::{self, DriftWatch, PlanInputs};
+use super::replan::{self, DriftWatch, PlanInputs, Staged, Staging};
 use super::split::{self, ProfileCache, SplitInfo};
 use super::stage_stats;
 use super::{NewSequence, PipelineConfig, PipelineStatus};
@@ -41,7 +41,11 @@ pub(crate) struct Pipeline {
 }
 
 /// The most KV blocks every stage's pool fits in its worker's budget (and the configured cap).
-fn kv_blocks(config: &PipelineConfig, workers: &[WorkerEntry], ranges: &[Range<usize>]) -> Result<usize, BuildError> {
+pub(super) fn kv_blocks(
+    config: &PipelineConfig,
+    workers: &[WorkerEntry],
+    ranges: &[Range<usize>],
+) -> Result<usize, BuildError> {
     let mut blocks = config.kv_max_blocks.unwrap_or(usize::MAX);
     for (i, (w, layers)) in workers.iter().zip(ranges).enumerate() {
         let per_block = PagedKv::bytes_per_block(layers.len(), config.kv_dim, config.kv_block_size, config.kv_dtype);
@@ -64,9 +68,9 @@ fn kv_blocks(config: &PipelineConfig, workers: &[WorkerEntry], ranges: &[Range<u
 /// Why a build failed, and the worker (index into the build's workers) that failed it, when
 /// one did.
 #[derive(Debug)]
-struct BuildError {
-    message: String,
-    worker: Option<usize>,
+pub(super) struct BuildError {
+    pub message: String,
+    pub worker: Option<usize>,
 }
 
 impl From<String> for BuildError {
@@ -131,6 +135,7 @@ async fn build(
             activation_dtype: config.activation_dtype as i32,
             next_stage: next,
             stage_index: i as u32,
+            staged: false,
         };
         let label = format!("stage {i} ({}, layers {:?})", a.address, a.layers);
         async move {
@@ -272,67 +277,86 @@ pub(crate) async fn run(
     let mut backlog = VecDeque::new();
     let mut recovery: Option<Recovery> = None;
     let mut quarantine = Quarantine::default();
+    // A pipeline whose stages were loaded beside the old one and activated: served next
+    // without a build.
+    let mut switched: Option<Switched> = None;
     loop {
         status.ready.store(false, Ordering::Release);
-        let workers: Vec<WorkerEntry> = cluster
-            .alive()
-            .into_iter()
-            .filter(|w| quarantine.allows(&w.id))
-            .collect();
-        let Some(stages) = stage_count(&config, workers.len(), recovery.is_some()) else {
-            match &recovery {
-                Some(r) => r.hold(&config, &mut backlog, &mut submit_rx, &status),
-                None => reject_waiting(&mut submit_rx, "the pipeline is not ready: waiting for workers"),
-            }
-            let changed = cluster.changed.notified();
-            let _ = tokio::time::timeout(cluster.heartbeat_interval, changed).await;
-            continue;
-        };
-        // Degraded (fewer stages than configured) until enough workers are alive again.
-        let built_config = PipelineConfig {
-            stages,
-            ..config.clone()
-        };
-        let workers = &workers[..stages];
-        let span = tracing::info_span!("pipeline.build", stages, wanted = config.stages);
-        let built = build(&built_config, workers, &mut profiles, &status);
-        let built = tracing::Instrument::instrument(built, span);
-        // A build waits on workers (profiles, loads): meanwhile held requests still time out,
-        // and a worker that stops heartbeating ends the wait instead of stalling it forever.
-        let built = {
-            tokio::pin!(built);
-            let mut tick = tokio::time::interval(cluster.heartbeat_interval);
-            loop {
-                tokio::select! {
-                    r = &mut built => break r,
-                    _ = tick.tick() => {
-                        if let Some(r) = &recovery {
-                            r.hold(&config, &mut backlog, &mut submit_rx, &status);
+        let (workers, pipeline, split) = match switched.take() {
+            Some(next) => (next.workers, next.pipeline, next.split),
+            None => {
+                let workers: Vec<WorkerEntry> = cluster
+                    .alive()
+                    .into_iter()
+                    .filter(|w| quarantine.allows(&w.id))
+                    .collect();
+                let Some(stages) = stage_count(&config, workers.len(), recovery.is_some()) else {
+                    match &recovery {
+                        Some(r) => r.hold(&config, &mut backlog, &mut submit_rx, &status),
+                        None => reject_waiting(&mut submit_rx, "the pipeline is not ready: waiting for workers"),
+                    }
+                    let changed = cluster.changed.notified();
+                    let _ = tokio::time::timeout(cluster.heartbeat_interval, changed).await;
+                    continue;
+                };
+                // Degraded (fewer stages than configured) until enough workers are alive again.
+                let built_config = PipelineConfig {
+                    stages,
+                    ..config.clone()
+                };
+                let workers: Vec<WorkerEntry> = workers[..stages].to_vec();
+                let workers = &workers[..];
+                // Traced with why it is built: the first build, or the re-plan that replaced a pipeline.
+                let trigger = recovery.as_ref().map_or("start", |r| r.reason.as_str());
+                let span = tracing::info_span!("pipeline.build", stages, wanted = config.stages, trigger);
+                let built = build(&built_config, workers, &mut profiles, &status);
+                let built = tracing::Instrument::instrument(built, span);
+                // A build waits on workers (profiles, loads): meanwhile held requests still time out,
+                // and a worker that stops heartbeating ends the wait instead of stalling it forever.
+                let built = {
+                    tokio::pin!(built);
+                    let mut tick = tokio::time::interval(cluster.heartbeat_interval);
+                    loop {
+                        tokio::select! {
+                            r = &mut built => break r,
+                            _ = tick.tick() => {
+                                if let Some(r) = &recovery {
+                                    r.hold(&config, &mut backlog, &mut submit_rx, &status);
+                                }
+                                if let Some(i) = workers.iter().position(|w| !cluster.is_alive(&w.id)) {
+                                    break Err(BuildError {
+                                        message: format!("worker {} ({}) stopped heartbeating", workers[i].id, workers[i].address),
+                                        worker: Some(i),
+                                    });
+                                }
+                            }
                         }
-                        if let Some(i) = workers.iter().position(|w| !cluster.is_alive(&w.id)) {
-                            break Err(BuildError {
-                                message: format!("worker {} ({}) stopped heartbeating", workers[i].id, workers[i].address),
-                                worker: Some(i),
-                            });
+                    }
+                };
+                match built {
+                    Ok((pipeline, split)) => (workers.to_vec(), pipeline, split),
+                    Err(e) => {
+                        tracing::warn!("building the pipeline failed: {}; retrying", e.message);
+                        if let Some(i) = e.worker {
+                            quarantine.add(&workers[i].id);
                         }
+                        match &recovery {
+                            Some(r) => r.hold(&config, &mut backlog, &mut submit_rx, &status),
+                            None => {
+                                reject_waiting(&mut submit_rx, &format!("the pipeline is not ready: {}", e.message))
+                            }
+                        }
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        continue;
                     }
                 }
             }
         };
-        let (pipeline, split) = match built {
-            Ok(p) => p,
-            Err(e) => {
-                tracing::warn!("building the pipeline failed: {}; retrying", e.message);
-                if let Some(i) = e.worker {
-                    quarantine.add(&workers[i].id);
-                }
-                match &recovery {
-                    Some(r) => r.hold(&config, &mut backlog, &mut submit_rx, &status),
-                    None => reject_waiting(&mut submit_rx, &format!("the pipeline is not ready: {}", e.message)),
-                }
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                continue;
-            }
+        let stages = workers.len();
+        let workers = &workers[..];
+        let built_config = PipelineConfig {
+            stages,
+            ..config.clone()
         };
         let assignment: Vec<_> = pipeline.stages.iter().map(|(a, _)| a.clone()).collect();
         for (i, secs) in split.predicted_seconds.iter().enumerate() {
@@ -382,6 +406,10 @@ pub(crate) async fn run(
                 // The next plan is made for the speeds the workers showed.
                 if let Some(due) = drift.and_then(|d| d.due.lock().unwrap_or_else(|e| e.into_inner()).take()) {
                     profiles.slow(workers, &due.scales);
+                    // Only a drained pipeline switches; after a failure the stages are rebuilt.
+                    if let Some(staged) = due.staged.filter(|_| failure.planned == Some("measured_drift")) {
+                        switched = activate(&pipeline, workers, staged, &status).await;
+                    }
                 }
                 if recovery.is_none() {
                     recovery = Some(Recovery {
@@ -392,6 +420,75 @@ pub(crate) async fn run(
             }
         }
     }
+}
+
+/// A pipeline made by activating stages loaded beside the old ones.
+struct Switched {
+    workers: Vec<WorkerEntry>,
+    pipeline: Pipeline,
+    split: SplitInfo,
+}
+
+/// Switch every worker of `old` to the stage it loaded beside the served one; None (after
+/// which the supervisor builds as usual) when any worker fails to.
+async fn activate(
+    old: &Pipeline,
+    workers: &[WorkerEntry],
+    staged: Staged,
+    status: &PipelineStatus,
+) -> Option<Switched> {
+    let activations = old.stages.iter().map(|(a, c)| {
+        let mut c = c.clone();
+        let address = a.address.clone();
+        async move {
+            c.activate_stage(ActivateStageRequest {})
+                .await
+                .map_err(|e| format!("{address}: {}", e.message()))
+        }
+    });
+    for r in futures::future::join_all(activations).await {
+        if let Err(e) = r {
+            tracing::warn!("activating the stages loaded beside the old pipeline failed ({e}); rebuilding");
+            return None;
+        }
+    }
+    let stages = old
+        .stages
+        .iter()
+        .zip(&staged.ranges)
+        .map(|((a, c), r)| {
+            let a = StageAssignment {
+                layers: r.clone(),
+                ..a.clone()
+            };
+            (a, c.clone())
+        })
+        .collect();
+    let share = status
+        .split
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()
+        .and_then(|s| s.workload)
+        .map_or(0.0, |w| w.1);
+    let split = SplitInfo {
+        policy: "measured",
+        workload: Some((staged.plan.workload, share)),
+        predicted_seconds: staged.plan.stage_seconds.clone(),
+        note: Some("re-planned while serving: stages loaded beside the old ones, then activated".into()),
+    };
+    if let Some(last) = status.last_replan.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+        last.push_str(" (switched to stages loaded beside the old ones)");
+    }
+    tracing::info!(ranges = ?staged.ranges, "switched to the stages loaded beside the old pipeline");
+    Some(Switched {
+        workers: workers.to_vec(),
+        pipeline: Pipeline {
+            stages,
+            kv_blocks: staged.kv_blocks,
+        },
+        split,
+    })
 }
 
 /// Watch a measured split's stage times against its plan, when live re-planning is on.
@@ -416,7 +513,11 @@ fn watch_drift(
         costs: profiles.costs_for(workers)?,
         ranges: pipeline.stages.iter().map(|(a, _)| a.layers.clone()).collect(),
     };
-    Some(replan::watch(pipeline, plan, policy, status.clone()))
+    let staging = Staging {
+        config: config.clone(),
+        workers: workers.to_vec(),
+    };
+    Some(replan::watch(pipeline, plan, policy, status.clone(), staging))
 }
 
 /// Counters exist from the start (at 0), so dashboards can rate() them before any failure.
