@@ -21,6 +21,14 @@ const CRASH_LOOP: u32 = 3;
 /// How often exits are looked for.
 const POLL: Duration = Duration::from_millis(100);
 
+/// The wait before restarting a worker after its `exits`-th exit in a row (each soon after
+/// its start): 0.5 s, doubling, at most 30 s.
+fn restart_backoff(exits: u32) -> Duration {
+    MIN_BACKOFF
+        .saturating_mul(1 << exits.saturating_sub(1).min(6))
+        .min(MAX_BACKOFF)
+}
+
 /// How to start one worker process (the same command every time, so a restart is the same
 /// worker).
 pub(super) struct WorkerCommand {
@@ -135,9 +143,7 @@ impl LocalWorkers {
                 slot.child = None;
                 let ran = slot.started.elapsed();
                 slot.quick_exits = if ran < HEALTHY_RUN { slot.quick_exits + 1 } else { 1 };
-                let backoff = MIN_BACKOFF
-                    .saturating_mul(1 << (slot.quick_exits - 1).min(6))
-                    .min(MAX_BACKOFF);
+                let backoff = restart_backoff(slot.quick_exits);
                 slot.restart_at = Some(Instant::now() + backoff);
                 if slot.quick_exits >= CRASH_LOOP {
                     tracing::error!(worker = i, %status, exits_in_a_row = slot.quick_exits, restart_in = ?backoff,
@@ -171,5 +177,42 @@ impl LocalWorkers {
         for child in self.slots.iter_mut().filter_map(|s| s.child.as_mut()) {
             let _ = child.wait().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn restarts_back_off_from_half_a_second_to_thirty() {
+        let waits: Vec<f64> = (1..=9).map(|n| restart_backoff(n).as_secs_f64()).collect();
+        assert_eq!(waits, [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]);
+        assert_eq!(restart_backoff(u32::MAX), MAX_BACKOFF);
+    }
+
+    #[tokio::test]
+    async fn an_exited_worker_is_started_again_and_a_crash_loop_backs_off() {
+        // `false` exits at once: every start is a quick exit.
+        let command = WorkerCommand {
+            program: "false".into(),
+            args: Vec::new(),
+            envs: Vec::new(),
+        };
+        let mut workers = LocalWorkers::start(command, 1).unwrap();
+        let start = Instant::now();
+        while workers.slots[0].quick_exits < 3 {
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "the worker was not restarted"
+            );
+            workers.check();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Three exits in a row: 0.5 + 1 s of backoff at least, and 2 s before the next start.
+        assert!(start.elapsed() >= Duration::from_millis(1500), "{:?}", start.elapsed());
+        let next = workers.slots[0].restart_at.expect("a restart is scheduled");
+        assert!(next > Instant::now() + Duration::from_millis(1500));
+        workers.stop().await;
     }
 }
