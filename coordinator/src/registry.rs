@@ -80,12 +80,8 @@ impl Cluster {
     /// Forget a worker (e.g. after its stream broke), so it must register again.
     pub fn remove(&self, id: &str) {
         if self.lock().remove(id).is_some() {
-            self.membership_changed();
+            self.changed.notify_waiters();
         }
-    }
-
-    fn membership_changed(&self) {
-        self.changed.notify_waiters();
     }
 }
 
@@ -129,7 +125,7 @@ impl Registry for RegistryService {
         };
         tracing::info!(worker = %id, address = %entry.address, device = %entry.device_kind, "worker registered");
         self.cluster.lock().insert(id.clone(), entry);
-        self.cluster.membership_changed();
+        self.cluster.changed.notify_waiters();
         Ok(Response::new(RegisterResponse {
             worker_id: id,
             heartbeat_interval_ms: self.cluster.heartbeat_interval.as_millis() as u64,

@@ -43,6 +43,14 @@ fn workload(model: &std::path::Path) -> Workload {
     Workload { prompts, params, want }
 }
 
+/// A fixture model (its path under the fixtures), its config and its workload.
+fn tiny(name: &str) -> (std::path::PathBuf, baton_shared::model_config::ModelConfig, Workload) {
+    let dir = fixtures().join(name);
+    let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
+    let w = workload(&dir);
+    (dir, cfg, w)
+}
+
 /// Limits that keep the 16 streams busy for many steps: 8 running, 16 prompt tokens a step.
 fn busy_limits() -> Limits {
     Limits {
@@ -182,9 +190,7 @@ fn counter(tc: &TestCluster, what: fn(&baton_coordinator::pipeline::PipelineStat
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_stage_is_replaced_by_a_standby_and_no_stream_is_lost() {
-    let dir = fixtures().join("tiny/llama_tied");
-    let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
-    let w = workload(&dir);
+    let (dir, cfg, w) = tiny("tiny/llama_tied");
     let mut tc = TestCluster::start_full(&dir, &cfg, vec![], &[1], &[], busy_limits()).await;
     tc.workers.push(spawn_worker(&tc.registry_url, &tc.token));
     wait_alive(&tc, 3).await;
@@ -200,9 +206,7 @@ async fn a_killed_stage_is_replaced_by_a_standby_and_no_stream_is_lost() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_three_stage_pipeline_shrinks_when_a_worker_dies_and_grows_back_when_one_joins() {
-    let dir = fixtures().join("tiny/llama_untied");
-    let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
-    let w = workload(&dir);
+    let (dir, cfg, w) = tiny("tiny/llama_untied");
     // The planner chooses the ranges (no explicit cuts), so the pipeline may change shape.
     let limits = Limits {
         measured_split: true,
@@ -237,9 +241,7 @@ async fn a_three_stage_pipeline_shrinks_when_a_worker_dies_and_grows_back_when_o
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_fixed_cuts_requests_wait_for_a_replacement_worker() {
-    let dir = fixtures().join("tiny/qwen3");
-    let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
-    let w = workload(&dir);
+    let (dir, cfg, w) = tiny("tiny/qwen3");
     let mut tc = TestCluster::start_full(&dir, &cfg, vec![], &[1], &[], busy_limits()).await;
     let victim = tc.workers.remove(0);
     let generator = tc.generator.clone();
@@ -286,9 +288,7 @@ async fn with_fixed_cuts_requests_wait_for_a_replacement_worker() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_worker_is_detected_by_heartbeat_and_corrupts_nothing_when_it_thaws() {
-    let dir = fixtures().join("tiny/llama_tied");
-    let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
-    let w = workload(&dir);
+    let (dir, cfg, w) = tiny("tiny/llama_tied");
     let limits = Limits {
         // Dead after three missed beats: 3 s.
         heartbeat: Duration::from_secs(1),
@@ -319,9 +319,7 @@ async fn a_frozen_worker_is_detected_by_heartbeat_and_corrupts_nothing_when_it_t
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_its_migration_limit_a_request_fails_with_a_retriable_error() {
-    let dir = fixtures().join("tiny/llama_tied");
-    let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
-    let w = workload(&dir);
+    let (dir, cfg, w) = tiny("tiny/llama_tied");
     let limits = Limits {
         max_migrations: 0,
         ..busy_limits()
@@ -346,9 +344,7 @@ async fn past_its_migration_limit_a_request_fails_with_a_retriable_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_seeded_sampler_continues_its_stream_after_a_migration() {
-    let dir = fixtures().join("tiny/llama_tied");
-    let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
-    let mut w = workload(&dir);
+    let (dir, cfg, mut w) = tiny("tiny/llama_tied");
     w.params = SamplingParams {
         temperature: 0.9,
         top_p: 0.95,
@@ -455,9 +451,7 @@ async fn a_joiner_that_cannot_serve_does_not_take_down_the_degraded_pipeline() {
     use baton_shared::auth::AddToken;
     use baton_shared::proto::registry_client::RegistryClient;
     use baton_shared::proto::{HeartbeatRequest, RegisterRequest};
-    let dir = fixtures().join("tiny/llama_tied");
-    let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
-    let w = workload(&dir);
+    let (dir, cfg, w) = tiny("tiny/llama_tied");
     let limits = Limits {
         measured_split: true,
         heartbeat: Duration::from_secs(1),

@@ -74,6 +74,16 @@ impl<'a> GrpcExecutor<'a> {
         ))
     }
 
+    /// The heartbeat tick's checks: a stage that died, else whether a degraded pipeline can
+    /// grow (left in `grow_due`).
+    fn on_tick(&mut self) -> Option<StageFailure> {
+        let dead = self.dead_stage();
+        if dead.is_none() {
+            self.check_grow();
+        }
+        dead
+    }
+
     /// A degraded pipeline: once enough workers are alive (registered, or heartbeating again),
     /// a rebuild with every stage is due. Checked on the heartbeat tick and when membership
     /// changes, not per step.
@@ -122,10 +132,9 @@ impl Executor for GrpcExecutor<'_> {
             tokio::select! {
                 r = self.results.next() => break r,
                 _ = self.tick.tick() => {
-                    if let Some(f) = self.dead_stage() {
+                    if let Some(f) = self.on_tick() {
                         return Err(f);
                     }
-                    self.check_grow();
                 }
             }
         };
@@ -160,10 +169,9 @@ impl Executor for GrpcExecutor<'_> {
             }
             tokio::select! {
                 _ = self.tick.tick() => {
-                    if let Some(f) = self.dead_stage() {
+                    if let Some(f) = self.on_tick() {
                         return f;
                     }
-                    self.check_grow();
                 }
                 () = self.cluster.changed.notified() => self.check_grow(),
             }

@@ -1,9 +1,10 @@
 //! Live re-planning: while a measured split serves, each stage's forward time over served
 //! micro-batches (measured by its worker, read from Health) is compared with the plan. When a
 //! new plan for the speeds measured would make the slowest stage at least `threshold` times
-//! faster, for `windows` windows in a row, a planned rebuild is due: the engine drains, the
-//! supervisor scales the workers' profiles by what was measured and builds the new split, and
-//! the sequences move to it.
+//! faster, for `windows` windows in a row, the new ranges are loaded beside the served stages
+//! and a planned switch is due: the engine drains, the supervisor activates them (or builds
+//! the new split when they could not be loaded) and scales the workers' profiles by what was
+//! measured, and the sequences move to it.
 
 use std::ops::Range;
 use std::sync::atomic::Ordering;
@@ -11,11 +12,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use baton_shared::proto::HealthRequest;
-
-use baton_shared::proto::LoadStageRequest;
 use baton_worker::service::AuthedWorkerClient;
 
-use super::supervisor::Pipeline;
+use super::supervisor::{self, Pipeline, StageAssignment};
 use super::{PipelineConfig, PipelineStatus};
 use crate::planner::{self, WorkerCosts, Workload};
 use crate::registry::WorkerEntry;
@@ -69,10 +68,11 @@ pub(crate) struct Due {
     pub staged: Option<Staged>,
 }
 
-/// New ranges every worker holds beside the stage it serves, ready for ActivateStage.
+/// New ranges every worker holds beside the stage it serves, ready for ActivateStage: the
+/// pipeline's stages with the plan's ranges.
 #[derive(Debug, Clone)]
 pub(crate) struct Staged {
-    pub ranges: Vec<Range<usize>>,
+    pub stages: Vec<(StageAssignment, AuthedWorkerClient)>,
     pub kv_blocks: usize,
     pub plan: planner::Plan,
 }
@@ -83,45 +83,33 @@ pub(crate) struct Staging {
     pub workers: Vec<WorkerEntry>,
 }
 
-/// Load `ranges` on every stage's worker beside the stage it serves (in parallel).
+/// Load `plan`'s ranges on every stage's worker beside the stage it serves (in parallel).
 async fn stage_beside(
-    clients: &[(String, AuthedWorkerClient)],
+    stages: &[(StageAssignment, AuthedWorkerClient)],
     staging: &Staging,
-    ranges: &[Range<usize>],
-) -> Result<usize, String> {
+    plan: &planner::Plan,
+) -> Result<Staged, String> {
     let config = &staging.config;
-    let kv_blocks = super::supervisor::kv_blocks(config, &staging.workers, ranges).map_err(|e| e.message)?;
-    let loads = clients
+    let kv_blocks = supervisor::kv_blocks(config, &staging.workers, &plan.ranges).map_err(|e| e.message)?;
+    let stages: Vec<_> = stages
         .iter()
-        .zip(ranges)
-        .enumerate()
-        .map(|(i, ((address, client), r))| {
-            let mut client = client.clone();
-            let req = LoadStageRequest {
-                model: config.model.clone(),
-                layer_start: r.start as u32,
-                layer_end: r.end as u32,
-                weights: config.weights.clone(),
-                kv_blocks: kv_blocks as u64,
-                kv_block_size: config.kv_block_size as u32,
-                kv_dtype: config.kv_dtype.to_string(),
-                activation_dtype: config.activation_dtype as i32,
-                next_stage: clients.get(i + 1).map(|(a, _)| a.clone()).unwrap_or_default(),
-                stage_index: i as u32,
-                staged: true,
+        .zip(&plan.ranges)
+        .map(|((a, c), r)| {
+            let a = StageAssignment {
+                layers: r.clone(),
+                ..a.clone()
             };
-            let label = format!("stage {i} ({address}, layers {r:?})");
-            async move {
-                client
-                    .load_stage(req)
-                    .await
-                    .map_err(|e| format!("{label}: {}", e.message()))
-            }
-        });
-    for r in futures::future::join_all(loads).await {
-        r?;
-    }
-    Ok(kv_blocks)
+            (a, c.clone())
+        })
+        .collect();
+    supervisor::load_stages(config, &stages, kv_blocks, true)
+        .await
+        .map_err(|e| e.message)?;
+    Ok(Staged {
+        stages,
+        kv_blocks,
+        plan: plan.clone(),
+    })
 }
 
 /// Where a due re-plan is left for the executor (checked every engine step) and the
@@ -158,12 +146,7 @@ pub(crate) fn watch(
     staging: Staging,
 ) -> DriftWatch {
     let due: DueSlot = Arc::new(Mutex::new(None));
-    let stage_clients: Vec<_> = pipeline
-        .stages
-        .iter()
-        .map(|(a, c)| (a.address.clone(), c.clone()))
-        .collect();
-    let clients: Vec<_> = pipeline.stages.iter().map(|(_, c)| c.clone()).collect();
+    let stages = pipeline.stages.clone();
     let slot = due.clone();
     let task = tokio::spawn(async move {
         tokio::time::sleep(policy.settle).await;
@@ -173,7 +156,7 @@ pub(crate) fn watch(
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            let answers = futures::future::join_all(clients.iter().map(|c| {
+            let answers = futures::future::join_all(stages.iter().map(|(_, c)| {
                 let mut c = c.clone();
                 async move {
                     let h = tokio::time::timeout(Duration::from_secs(2), c.health(HealthRequest {})).await;
@@ -266,12 +249,8 @@ pub(crate) fn watch(
             );
             // The new ranges load while the old pipeline serves; then the switch is a drain and
             // an activation, not a reload. Without the memory for both, it rebuilds.
-            let staged = match stage_beside(&stage_clients, &staging, &d.better.ranges).await {
-                Ok(kv_blocks) => Some(Staged {
-                    ranges: d.better.ranges.clone(),
-                    kv_blocks,
-                    plan: d.better.clone(),
-                }),
+            let staged = match stage_beside(&stages, &staging, &d.better).await {
+                Ok(staged) => Some(staged),
                 Err(e) => {
                     tracing::warn!("could not load the new ranges beside the served stages ({e}); rebuilding instead");
                     None

@@ -121,6 +121,18 @@ async fn build(
         })
         .collect();
     // Load every stage (they load in parallel: SmolLM2 takes seconds per stage).
+    load_stages(config, &stages, kv_blocks, false).await?;
+    Ok((Pipeline { stages, kv_blocks }, split))
+}
+
+/// LoadStage on every stage's worker at once: stage `i` holds its assignment's layers and
+/// forwards to stage `i + 1`; `staged` loads each beside the stage it serves.
+pub(super) async fn load_stages(
+    config: &PipelineConfig,
+    stages: &[(StageAssignment, AuthedWorkerClient)],
+    kv_blocks: usize,
+    staged: bool,
+) -> Result<(), BuildError> {
     let loads = stages.iter().enumerate().map(|(i, (a, client))| {
         let mut client = client.clone();
         let next = stages.get(i + 1).map(|(n, _)| n.address.clone()).unwrap_or_default();
@@ -135,7 +147,7 @@ async fn build(
             activation_dtype: config.activation_dtype as i32,
             next_stage: next,
             stage_index: i as u32,
-            staged: false,
+            staged,
         };
         let label = format!("stage {i} ({}, layers {:?})", a.address, a.layers);
         async move {
@@ -148,7 +160,7 @@ async fn build(
     for r in futures::future::join_all(loads).await {
         r?;
     }
-    Ok((Pipeline { stages, kv_blocks }, split))
+    Ok(())
 }
 
 /// Fail every waiting submission while the pipeline is down.
@@ -207,6 +219,35 @@ impl Recovery {
         status.recovering.store(accepting, Ordering::Release);
         metrics::gauge!("baton_queue_depth").set((submit_rx.len() + backlog.len()) as f64);
     }
+}
+
+/// While no pipeline serves: hold requests when one stood before (`recovery`), else refuse
+/// them with `why`.
+fn wait_without_pipeline(
+    recovery: &Option<Recovery>,
+    config: &PipelineConfig,
+    backlog: &mut VecDeque<NewSequence>,
+    submit_rx: &mut mpsc::Receiver<NewSequence>,
+    status: &PipelineStatus,
+    why: &str,
+) {
+    match recovery {
+        Some(r) => r.hold(config, backlog, submit_rx, status),
+        None => reject_waiting(submit_rx, why),
+    }
+}
+
+/// A pipeline ended (broke, or was replaced): count it, and hold requests from now on,
+/// timed from the first break since a pipeline last served (a rebuild that fails to open
+/// keeps that clock).
+fn pipeline_ended(failure: &StageFailure, recovery: &mut Option<Recovery>, status: &PipelineStatus) {
+    // Recovering before not ready: a submission in between is queued, not refused.
+    status.recovering.store(true, Ordering::Release);
+    broke(failure, status);
+    recovery.get_or_insert_with(|| Recovery {
+        since: std::time::Instant::now(),
+        reason: failure.reason.clone(),
+    });
 }
 
 /// How many stages to build with `alive` workers: as many as configured; fewer (one per live
@@ -285,16 +326,14 @@ pub(crate) async fn run(
         let (workers, pipeline, split) = match switched.take() {
             Some(next) => (next.workers, next.pipeline, next.split),
             None => {
-                let workers: Vec<WorkerEntry> = cluster
+                let mut workers: Vec<WorkerEntry> = cluster
                     .alive()
                     .into_iter()
                     .filter(|w| quarantine.allows(&w.id))
                     .collect();
                 let Some(stages) = stage_count(&config, workers.len(), recovery.is_some()) else {
-                    match &recovery {
-                        Some(r) => r.hold(&config, &mut backlog, &mut submit_rx, &status),
-                        None => reject_waiting(&mut submit_rx, "the pipeline is not ready: waiting for workers"),
-                    }
+                    let why = "the pipeline is not ready: waiting for workers";
+                    wait_without_pipeline(&recovery, &config, &mut backlog, &mut submit_rx, &status, why);
                     let changed = cluster.changed.notified();
                     let _ = tokio::time::timeout(cluster.heartbeat_interval, changed).await;
                     continue;
@@ -304,12 +343,11 @@ pub(crate) async fn run(
                     stages,
                     ..config.clone()
                 };
-                let workers: Vec<WorkerEntry> = workers[..stages].to_vec();
-                let workers = &workers[..];
+                workers.truncate(stages);
                 // Traced with why it is built: the first build, or the re-plan that replaced a pipeline.
                 let trigger = recovery.as_ref().map_or("start", |r| r.reason.as_str());
                 let span = tracing::info_span!("pipeline.build", stages, wanted = config.stages, trigger);
-                let built = build(&built_config, workers, &mut profiles, &status);
+                let built = build(&built_config, &workers, &mut profiles, &status);
                 let built = tracing::Instrument::instrument(built, span);
                 // A build waits on workers (profiles, loads): meanwhile held requests still time out,
                 // and a worker that stops heartbeating ends the wait instead of stalling it forever.
@@ -334,18 +372,14 @@ pub(crate) async fn run(
                     }
                 };
                 match built {
-                    Ok((pipeline, split)) => (workers.to_vec(), pipeline, split),
+                    Ok((pipeline, split)) => (workers, pipeline, split),
                     Err(e) => {
                         tracing::warn!("building the pipeline failed: {}; retrying", e.message);
                         if let Some(i) = e.worker {
                             quarantine.add(&workers[i].id);
                         }
-                        match &recovery {
-                            Some(r) => r.hold(&config, &mut backlog, &mut submit_rx, &status),
-                            None => {
-                                reject_waiting(&mut submit_rx, &format!("the pipeline is not ready: {}", e.message))
-                            }
-                        }
+                        let why = format!("the pipeline is not ready: {}", e.message);
+                        wait_without_pipeline(&recovery, &config, &mut backlog, &mut submit_rx, &status, &why);
                         tokio::time::sleep(Duration::from_secs(1)).await;
                         continue;
                     }
@@ -397,9 +431,7 @@ pub(crate) async fn run(
         match end {
             EngineEnd::Shutdown => return,
             EngineEnd::Interrupted(failure) => {
-                // Recovering before not ready: a submission in between is queued, not refused.
-                status.recovering.store(true, Ordering::Release);
-                broke(&failure, &status);
+                pipeline_ended(&failure, &mut recovery, &status);
                 if let Some(id) = &failure.worker_id {
                     cluster.remove(id);
                 }
@@ -408,14 +440,8 @@ pub(crate) async fn run(
                     profiles.slow(workers, &due.scales);
                     // Only a drained pipeline switches; after a failure the stages are rebuilt.
                     if let Some(staged) = due.staged.filter(|_| failure.planned == Some("measured_drift")) {
-                        switched = activate(&pipeline, workers, staged, &status).await;
+                        switched = activate(workers, staged, &status).await;
                     }
-                }
-                if recovery.is_none() {
-                    recovery = Some(Recovery {
-                        since: std::time::Instant::now(),
-                        reason: failure.reason,
-                    });
                 }
             }
         }
@@ -429,15 +455,10 @@ struct Switched {
     split: SplitInfo,
 }
 
-/// Switch every worker of `old` to the stage it loaded beside the served one; None (after
-/// which the supervisor builds as usual) when any worker fails to.
-async fn activate(
-    old: &Pipeline,
-    workers: &[WorkerEntry],
-    staged: Staged,
-    status: &PipelineStatus,
-) -> Option<Switched> {
-    let activations = old.stages.iter().map(|(a, c)| {
+/// Switch every worker to the stage it loaded beside the served one; None (after which the
+/// supervisor builds as usual) when any worker fails to.
+async fn activate(workers: &[WorkerEntry], staged: Staged, status: &PipelineStatus) -> Option<Switched> {
+    let activations = staged.stages.iter().map(|(a, c)| {
         let mut c = c.clone();
         let address = a.address.clone();
         async move {
@@ -452,18 +473,6 @@ async fn activate(
             return None;
         }
     }
-    let stages = old
-        .stages
-        .iter()
-        .zip(&staged.ranges)
-        .map(|((a, c), r)| {
-            let a = StageAssignment {
-                layers: r.clone(),
-                ..a.clone()
-            };
-            (a, c.clone())
-        })
-        .collect();
     let share = status
         .split
         .lock()
@@ -480,11 +489,11 @@ async fn activate(
     if let Some(last) = status.last_replan.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
         last.push_str(" (switched to stages loaded beside the old ones)");
     }
-    tracing::info!(ranges = ?staged.ranges, "switched to the stages loaded beside the old pipeline");
+    tracing::info!(ranges = ?staged.plan.ranges, "switched to the stages loaded beside the old pipeline");
     Some(Switched {
         workers: workers.to_vec(),
         pipeline: Pipeline {
-            stages,
+            stages: staged.stages,
             kv_blocks: staged.kv_blocks,
         },
         split,
@@ -590,10 +599,8 @@ pub(crate) async fn run_local(
                     Ok(s) => s,
                     Err(e) => {
                         tracing::warn!("loading the in-process stage failed: {e}; retrying");
-                        match &recovery {
-                            Some(r) => r.hold(&config, &mut backlog, &mut submit_rx, &status),
-                            None => reject_waiting(&mut submit_rx, &format!("the model is not ready: {e}")),
-                        }
+                        let why = format!("the model is not ready: {e}");
+                        wait_without_pipeline(&recovery, &config, &mut backlog, &mut submit_rx, &status, &why);
                         tokio::time::sleep(Duration::from_secs(1)).await;
                         continue;
                     }
@@ -616,16 +623,10 @@ pub(crate) async fn run_local(
             }
         };
         publish_ready(&status, vec![assignment], kv_blocks);
+        recovery = None;
         match engine::run(&config, &mut exec, kv_blocks, &mut submit_rx, &mut backlog, &status).await {
             EngineEnd::Shutdown => return,
-            EngineEnd::Interrupted(failure) => {
-                broke(&failure, &status);
-                recovery = Some(Recovery {
-                    since: std::time::Instant::now(),
-                    reason: failure.reason,
-                });
-                status.recovering.store(true, Ordering::Release);
-            }
+            EngineEnd::Interrupted(failure) => pipeline_ended(&failure, &mut recovery, &status),
         }
     }
 }

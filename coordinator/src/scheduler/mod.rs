@@ -347,16 +347,8 @@ impl<'a> Scheduler<'a> {
                     "the request waited longer than the queue timeout of {:?} for a slot; retry later",
                     self.config.queue_timeout
                 );
-                let seq = new_seq(s);
-                record_outcome(&seq, "failed");
                 metrics::counter!("baton_http_limit_hits_total", "limit" => "queue_timeout").increment(1);
-                out.event(
-                    seq.id,
-                    TokenEvent::Failed {
-                        message,
-                        retriable: true,
-                    },
-                );
+                refuse(s, message, true, out);
                 continue;
             }
             let alloc = &self.alloc;
@@ -372,9 +364,7 @@ impl<'a> Scheduler<'a> {
                 // A moved sequence that no longer fits (a pipeline rebuilt on fewer workers
                 // holds fewer blocks) may fit again later: retriable, unlike a new prompt.
                 let retriable = s.resume.is_some();
-                let seq = new_seq(s);
-                record_outcome(&seq, "failed");
-                out.event(seq.id, TokenEvent::Failed { message, retriable });
+                refuse(s, message, retriable, out);
                 continue;
             }
             // The whole prompt's blocks are reserved even if some are cached now: cached blocks
@@ -742,6 +732,13 @@ impl Seq {
             }),
         }
     }
+}
+
+/// End a request that is not admitted, with `message`.
+fn refuse(s: SeqRequest, message: String, retriable: bool, out: &mut Outbox) {
+    let seq = new_seq(s);
+    record_outcome(&seq, "failed");
+    out.event(seq.id, TokenEvent::Failed { message, retriable });
 }
 
 fn new_seq(s: SeqRequest) -> Seq {
