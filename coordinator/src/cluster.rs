@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use baton_shared::grpc_limits::GrpcLimits;
 use tokio::net::TcpListener;
 
 use crate::pipeline::{PipelineConfig, PipelineGenerator};
@@ -21,14 +22,15 @@ pub struct ClusterServer {
     pub registry_addr: SocketAddr,
 }
 
-/// Serve the registry on `listener` and start the pipeline generator (must run inside tokio).
-pub fn start(listener: TcpListener, config: PipelineConfig) -> std::io::Result<ClusterServer> {
+/// Serve the registry on `listener` within `limits` and start the pipeline generator (must run
+/// inside tokio).
+pub fn start(listener: TcpListener, config: PipelineConfig, limits: GrpcLimits) -> std::io::Result<ClusterServer> {
     let registry_addr = listener.local_addr()?;
     let cluster = Arc::new(Cluster::new(HEARTBEAT_INTERVAL));
-    let token = config.cluster_token.clone();
+    let peer = config.peer.clone();
     let c = cluster.clone();
     tokio::spawn(async move {
-        if let Err(e) = registry::serve(listener, c, &token, std::future::pending()).await {
+        if let Err(e) = registry::serve(listener, c, &peer, &limits, std::future::pending()).await {
             tracing::error!(error = %e, "registry server stopped");
         }
     });

@@ -151,24 +151,39 @@ impl Registry for RegistryService {
     }
 }
 
-/// Serve the registry on `listener`, accepting only calls with the cluster `token`.
+/// Serve the registry on `listener`, accepting only calls with the cluster token (and, with TLS
+/// on, only workers whose certificate chains to the cluster CA), within `limits`.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     cluster: std::sync::Arc<Cluster>,
-    token: &str,
+    peer: &baton_shared::auth::PeerAuth,
+    limits: &baton_shared::grpc_limits::GrpcLimits,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> Result<(), tonic::transport::Error> {
-    use baton_shared::auth::CheckToken;
+) -> Result<(), ServeError> {
     use baton_shared::proto::registry_server::RegistryServer;
     use tonic::service::interceptor::InterceptedService;
-    let svc = InterceptedService::new(RegistryServer::new(RegistryService { cluster }), CheckToken::new(token));
-    tonic::transport::Server::builder()
+    let svc = InterceptedService::new(
+        RegistryServer::new(RegistryService { cluster }).max_decoding_message_size(64 << 10),
+        peer.check_token(),
+    );
+    limits
+        .apply(peer.server()?)
         .add_service(svc)
         .serve_with_incoming_shutdown(
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
             shutdown,
         )
-        .await
+        .await?;
+    Ok(())
+}
+
+/// Why the registry server could not start or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Peer(#[from] baton_shared::auth::PeerError),
+    #[error("registry server: {0}")]
+    Transport(#[from] tonic::transport::Error),
 }
 
 #[cfg(test)]

@@ -577,7 +577,12 @@ async fn client_disconnect_cancels_generation() {
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let server = tokio::spawn(api::serve(listener, app(&g), std::future::pending()));
+    let server = tokio::spawn(api::serve(
+        listener,
+        app(&g),
+        Default::default(),
+        std::future::pending(),
+    ));
 
     let body = json!({"messages": [{"role": "user", "content": "a"}], "stream": true, "max_tokens": 20}).to_string();
     let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();

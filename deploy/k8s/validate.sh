@@ -105,7 +105,17 @@ need(svc["spec"].get("clusterIP") == "None" and sts["spec"]["serviceName"] == "b
 cms = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("baton-config")]
 toml = tomllib.loads(cms[0]["data"]["baton.toml"])
 need(toml["coordinator"]["workers"] == sts["spec"]["replicas"], "StatefulSet replicas != [coordinator] workers")
-need(toml["worker"]["coordinator"].startswith("http://baton-coordinator:"), "workers do not reach the coordinator by its Service DNS name")
+need(toml["worker"]["coordinator"].startswith("https://baton-coordinator:"), "workers do not reach the coordinator by its Service DNS name over TLS")
+need(toml.get("tls_ca", "").startswith("/etc/baton-tls/"), "no tls_ca from the baton-tls Secret in baton.toml")
+for kind, n, role in [("Deployment", "baton-coordinator", "coordinator"), ("StatefulSet", "baton-worker", "worker")]:
+    spec = by[(kind, n)]["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    env = {e["name"]: e.get("value") for e in c.get("env", [])}
+    need(env.get("BATON_TLS_CERT") == f"/etc/baton-tls/{role}.pem" and env.get("BATON_TLS_KEY") == f"/etc/baton-tls/{role}.key", f"{n}: no TLS certificate and key from the Secret")
+    vols = {v["name"]: v for v in spec.get("volumes", [])}
+    need(vols.get("tls", {}).get("secret", {}).get("secretName") == "baton-tls", f"{n}: the baton-tls Secret is not mounted")
+    need(any(m["name"] == "tls" and m["mountPath"] == "/etc/baton-tls" for m in c.get("volumeMounts", [])), f"{n}: tls volume not at /etc/baton-tls")
+need(any("--advertise=https://" in a for a in worker["args"]), "workers do not advertise https:// addresses")
 need(("PodDisruptionBudget", "baton-worker") in by, "no PodDisruptionBudget for workers")
 for kind, n in [("Deployment", "baton-coordinator"), ("StatefulSet", "baton-worker")]:
     ann = by[(kind, n)]["spec"]["template"]["metadata"].get("annotations", {})
@@ -124,7 +134,7 @@ print("; ".join(problems))
 sys.exit(1 if problems else 0)
 EOF
   ); then
-    pass "$target: probes, headless Service, PDB, requests, scrape annotations, replicas = [coordinator] workers"
+    pass "$target: probes, headless Service, PDB, requests, scrape annotations, replicas = [coordinator] workers, mutual TLS from the baton-tls Secret"
   else
     fail "$target: $out"
   fi

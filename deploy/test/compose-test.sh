@@ -174,7 +174,14 @@ export BATON_IMAGE="$IMAGE" BATON_CUDA_IMAGE="$CUDA_IMAGE" BATON_MODELS="$TMP/ho
 COMPOSE+=(-f "$ROOT/deploy/compose.yaml" -p "$PROJECT" --profile cpu)
 API="http://127.0.0.1:$PORT"
 STARTED=1
-# Workers first, alone: the name `coordinator` does not resolve yet, so they must keep retrying
+# The worker plane's certificates first (a one-shot service; the full `up` runs it again and
+# reuses the CA).
+if timeout 60 "${COMPOSE[@]}" run --rm --no-deps certs >"$TMP/certs.log" 2>&1; then
+  pass "certs: a development CA and node certificates in the baton-certs volume"
+else
+  sed 's/^/  | /' "$TMP/certs.log"; fail "compose run certs"; exit 1
+fi
+# Workers next, alone: the name `coordinator` does not resolve yet, so they must keep retrying
 # registration (not exit) until it does.
 if ! timeout 120 "${COMPOSE[@]}" up -d --no-build --no-deps cpu-worker-0 cpu-worker-1 >"$TMP/up.log" 2>&1; then
   sed 's/^/  | /' "$TMP/up.log"; fail "compose up (workers)"; exit 1
@@ -254,6 +261,21 @@ for w in cpu-worker-0 cpu-worker-1; do
     fail "$w has no baton_stage_forward_seconds on :9100/metrics"
   fi
 done
+
+# The worker plane is mutual TLS: a client without a cluster certificate, or in plain text, is
+# refused by a worker (curl inside the coordinator's container, which has the CA but is not
+# given a certificate), and one with the coordinator's certificate gets through the handshake.
+in_coord() { timeout 10 "${COMPOSE[@]}" exec -T coordinator "$@" >/dev/null 2>&1; }
+if in_coord curl -s --max-time 3 --cacert /etc/baton/certs/ca.pem -o /dev/null https://cpu-worker-0:50052/; then
+  fail "cpu-worker-0 completed a TLS handshake with a client that has no certificate"
+elif in_coord curl -s --max-time 3 --http2-prior-knowledge -o /dev/null http://cpu-worker-0:50052/; then
+  fail "cpu-worker-0 answered plain-text HTTP/2"
+elif in_coord curl -s --max-time 3 --cacert /etc/baton/certs/ca.pem --cert /etc/baton/certs/coordinator.pem \
+    --key /etc/baton/certs/coordinator.key -o /dev/null https://cpu-worker-0:50052/; then
+  pass "worker plane is mutual TLS: no certificate and plain text refused, a cluster certificate accepted"
+else
+  fail "cpu-worker-0 refused the coordinator's own certificate (curl)"
+fi
 
 # Docker's own view: every container's healthcheck (curl /ready, bash /dev/tcp) reports healthy.
 wait_healthy() { # service seconds

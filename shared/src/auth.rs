@@ -1,10 +1,109 @@
-//! The cluster token: every gRPC call between coordinator and workers carries
-//! `authorization: Bearer <token>` (and the caller's trace context); servers reject calls
-//! without the right token.
+//! Worker-plane credentials: every gRPC call between coordinator and workers carries
+//! `authorization: Bearer <token>` (and the caller's trace context), and servers reject calls
+//! without the right token; with TLS on, connections are also mutually authenticated by
+//! certificates from the cluster CA ([`PeerAuth`]).
+
+use std::sync::Arc;
 
 use tonic::metadata::MetadataValue;
 use tonic::service::Interceptor;
+use tonic::transport::{Endpoint, Server};
 use tonic::{Request, Status};
+
+use crate::tls::{ClusterTls, TlsError};
+
+/// What a process presents on the worker plane: the cluster token on every call and, unless the
+/// plane is plain text, its TLS identity for every connection it makes or accepts.
+#[derive(Clone)]
+pub struct PeerAuth {
+    pub token: String,
+    pub tls: Option<Arc<ClusterTls>>,
+}
+
+impl std::fmt::Debug for PeerAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerAuth")
+            .field("token", &"<redacted>")
+            .field("tls", &self.tls.is_some())
+            .finish()
+    }
+}
+
+/// A worker-plane connection that could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum PeerError {
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error("bad peer URL '{url}': {reason}")]
+    Url { url: String, reason: String },
+    #[error("TLS configuration rejected: {0}")]
+    Config(String),
+}
+
+impl From<PeerError> for Status {
+    fn from(e: PeerError) -> Self {
+        Status::invalid_argument(e.to_string())
+    }
+}
+
+impl PeerAuth {
+    /// Token only, plain-text connections (loopback, or an explicitly trusted network).
+    pub fn plaintext(token: impl Into<String>) -> Self {
+        Self {
+            token: token.into(),
+            tls: None,
+        }
+    }
+
+    /// Token and mutual TLS.
+    pub fn with_tls(token: impl Into<String>, tls: ClusterTls) -> Self {
+        Self {
+            token: token.into(),
+            tls: Some(Arc::new(tls)),
+        }
+    }
+
+    /// `https` with TLS, else `http`: how this node's peers are addressed.
+    pub fn scheme(&self) -> &'static str {
+        crate::tls::scheme(self.tls.is_some())
+    }
+
+    /// An endpoint for `url`, with this node's client certificate when TLS is on.
+    pub fn endpoint(&self, url: &str) -> Result<Endpoint, PeerError> {
+        crate::tls::check_scheme(url, self.tls.is_some())?;
+        let endpoint = Endpoint::from_shared(url.to_string()).map_err(|e| PeerError::Url {
+            url: url.into(),
+            reason: e.to_string(),
+        })?;
+        match &self.tls {
+            Some(tls) => endpoint
+                .tls_config(tls.client_config())
+                .map_err(|e| PeerError::Config(e.to_string())),
+            None => Ok(endpoint),
+        }
+    }
+
+    /// A gRPC server that, with TLS on, accepts only clients with a cluster certificate.
+    pub fn server(&self) -> Result<Server, PeerError> {
+        let server = Server::builder();
+        match &self.tls {
+            Some(tls) => server
+                .tls_config(tls.server_config())
+                .map_err(|e| PeerError::Config(e.to_string())),
+            None => Ok(server),
+        }
+    }
+
+    /// The interceptor that adds the token to outgoing calls.
+    pub fn add_token(&self) -> Result<AddToken, Status> {
+        AddToken::new(&self.token)
+    }
+
+    /// The interceptor that checks incoming calls for the token.
+    pub fn check_token(&self) -> CheckToken {
+        CheckToken::new(&self.token)
+    }
+}
 
 /// Adds the cluster token to outgoing calls.
 #[derive(Clone)]

@@ -165,6 +165,16 @@ pub struct Settings {
     pub check_weights: bool,
     /// Shared secret every gRPC call between coordinator and workers carries.
     pub cluster_token: Option<String>,
+    /// This node's certificate chain (PEM) for mutual TLS on the worker plane (`baton certs`).
+    pub tls_cert: Option<PathBuf>,
+    /// This node's private key (PEM).
+    pub tls_key: Option<PathBuf>,
+    /// The cluster CA (PEM): peers are accepted only with certificates it signed.
+    pub tls_ca: Option<PathBuf>,
+    /// Serve the worker plane in plain text on a non-loopback address (a network you trust).
+    pub allow_plaintext: bool,
+    /// Limits every gRPC server of this node puts on its peers.
+    pub grpc: crate::grpc_limits::GrpcLimits,
     /// `baton serve`.
     pub serve: ServeSettings,
     /// `baton coordinator`.
@@ -175,6 +185,14 @@ pub struct Settings {
 
 /// Default request body limit of the HTTP API (4 MiB).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 4 << 20;
+/// Default bound on the HTTP API's open connections.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 2048;
+/// Default time a client has to send a request's headers (and an idle connection stays open).
+pub const DEFAULT_HEADER_TIMEOUT_SECS: u64 = 10;
+/// Default time a client has to send a request's body.
+pub const DEFAULT_BODY_TIMEOUT_SECS: u64 = 30;
+/// Default bound on a request's head (request line and headers).
+pub const DEFAULT_MAX_HEADER_BYTES: usize = 32 << 10;
 
 /// Settings of the pipeline both `baton serve` and `baton coordinator` drive: the same keys in
 /// `[serve]` and `[coordinator]` (flattened into each), `BATON_SERVE__*` /
@@ -205,6 +223,15 @@ pub struct PipelineSettings {
     pub prefix_caching: bool,
     /// Largest request body in bytes (HTTP 413 beyond).
     pub max_body_bytes: usize,
+    /// Open HTTP connections at once; one more is answered 503 with `Retry-After` and closed.
+    pub max_connections: usize,
+    /// Seconds a client has to send a request's headers, from connecting or from the previous
+    /// response; a slower or idle connection is closed (slowloris).
+    pub header_timeout_secs: u64,
+    /// Seconds a client has to send a request's body (HTTP 408 beyond).
+    pub body_timeout_secs: u64,
+    /// Largest request head in bytes (HTTP 431 beyond; at least 8192).
+    pub max_header_bytes: usize,
     /// A key the OpenAI API requires as `Authorization: Bearer KEY` (401 otherwise); prefer
     /// `BATON_SERVE__API_KEY` / `BATON_COORDINATOR__API_KEY` or `api_key_file` to a flag,
     /// which other users of the machine can see.
@@ -247,6 +274,10 @@ impl Default for PipelineSettings {
             split: SplitSetting::Measured,
             prefix_caching: true,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            header_timeout_secs: DEFAULT_HEADER_TIMEOUT_SECS,
+            body_timeout_secs: DEFAULT_BODY_TIMEOUT_SECS,
+            max_header_bytes: DEFAULT_MAX_HEADER_BYTES,
             api_key: None,
             api_key_file: None,
             protect_admin: false,
@@ -367,6 +398,11 @@ impl Default for Settings {
             otlp_endpoint: None,
             check_weights: true,
             cluster_token: None,
+            tls_cert: None,
+            tls_key: None,
+            tls_ca: None,
+            allow_plaintext: false,
+            grpc: Default::default(),
             serve: ServeSettings::default(),
             coordinator: CoordinatorSettings::default(),
             worker: WorkerSettings::default(),
@@ -390,10 +426,14 @@ const ENV_SETTINGS: &[&str] = &[
     "otlp_endpoint",
     "check_weights",
     "cluster_token",
+    "tls_cert",
+    "tls_key",
+    "tls_ca",
+    "allow_plaintext",
 ];
 /// The sections [`PipelineSettings`] is flattened into.
 const PIPELINE_SECTIONS: [&str; 2] = ["serve", "coordinator"];
-const ENV_SECTIONS: &[&str] = &["serve__", "coordinator__", "worker__"];
+const ENV_SECTIONS: &[&str] = &["serve__", "coordinator__", "worker__", "grpc__"];
 
 fn is_env_setting(key: &str) -> bool {
     let key = key.to_ascii_lowercase();
@@ -446,6 +486,19 @@ impl Settings {
             .clone()
             .filter(|h| !h.as_os_str().is_empty())
             .unwrap_or_else(fetch::baton_home)
+    }
+
+    /// This node's worker-plane credentials: `token`, and TLS when its files are set.
+    pub fn peer_auth(&self, token: String) -> Result<crate::auth::PeerAuth, crate::tls::TlsError> {
+        let paths = crate::tls::TlsPaths {
+            cert: self.tls_cert.clone(),
+            key: self.tls_key.clone(),
+            ca: self.tls_ca.clone(),
+        };
+        Ok(match paths.load()? {
+            Some(tls) => crate::auth::PeerAuth::with_tls(token, tls),
+            None => crate::auth::PeerAuth::plaintext(token),
+        })
     }
 
     /// Model download sources.

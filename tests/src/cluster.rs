@@ -10,6 +10,8 @@ use baton_coordinator::generation::{FinishReason, GenerationRequest, Generator, 
 use baton_coordinator::pipeline::{PipelineConfig, PipelineGenerator};
 use baton_coordinator::planner::SplitPolicy;
 use baton_coordinator::registry::{self, Cluster};
+use baton_shared::auth::PeerAuth;
+use baton_shared::grpc_limits::GrpcLimits;
 use baton_shared::model_config::ModelConfig;
 use baton_shared::proto::Dtype;
 use baton_shared::sampling::SamplingParams;
@@ -72,12 +74,40 @@ impl Default for Limits {
     }
 }
 
+/// TLS files of a test cluster: the coordinator's identity and one shared by the workers.
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    pub ca: std::path::PathBuf,
+    pub coordinator: (std::path::PathBuf, std::path::PathBuf),
+    pub worker: (std::path::PathBuf, std::path::PathBuf),
+}
+
+impl TlsFiles {
+    /// Environment that gives a worker process its TLS identity.
+    fn worker_env(&self) -> [(&'static str, &Path); 3] {
+        [
+            ("BATON_TLS_CERT", &self.worker.0),
+            ("BATON_TLS_KEY", &self.worker.1),
+            ("BATON_TLS_CA", &self.ca),
+        ]
+    }
+
+    /// The coordinator's credentials with `token`.
+    pub fn coordinator_peer(&self, token: &str) -> PeerAuth {
+        let tls = baton_shared::tls::ClusterTls::load(&self.coordinator.0, &self.coordinator.1, &self.ca)
+            .expect("loading the coordinator's TLS files");
+        PeerAuth::with_tls(token, tls)
+    }
+}
+
 /// A running test cluster; workers are killed when it is dropped.
 pub struct TestCluster {
     pub generator: Arc<PipelineGenerator>,
     pub cluster: Arc<Cluster>,
     pub registry_url: String,
     pub token: String,
+    /// The coordinator's worker-plane credentials.
+    pub peer: PeerAuth,
     pub workers: Vec<Child>,
 }
 
@@ -93,14 +123,31 @@ pub fn spawn_worker_with(registry_url: &str, token: &str, extra: &[String]) -> C
 
 /// Start a worker process on CPU core `core` only (`taskset`), with one thread.
 pub fn spawn_worker_pinned(registry_url: &str, token: &str, core: usize, extra: &[String]) -> Child {
+    start_worker(pinned_command(core), registry_url, token, extra)
+}
+
+fn pinned_command(core: usize) -> Command {
     let mut cmd = Command::new("taskset");
     cmd.args(["-c", &core.to_string()])
         .arg(crate::baton_bin())
         .args(["worker", "--device", "cpu:1"]);
-    start_worker(cmd, registry_url, token, extra)
+    cmd
 }
 
-fn start_worker(mut cmd: Command, registry_url: &str, token: &str, extra: &[String]) -> Child {
+fn start_worker(cmd: Command, registry_url: &str, token: &str, extra: &[String]) -> Child {
+    start_worker_in(cmd, registry_url, token, extra, None)
+}
+
+fn start_worker_in(
+    mut cmd: Command,
+    registry_url: &str,
+    token: &str,
+    extra: &[String],
+    tls: Option<&TlsFiles>,
+) -> Child {
+    if let Some(tls) = tls {
+        cmd.envs(tls.worker_env());
+    }
     cmd.args(["--listen", "127.0.0.1:0", "--coordinator", registry_url])
         .args(extra)
         .env("BATON_CLUSTER_TOKEN", token)
@@ -153,12 +200,35 @@ impl TestCluster {
         worker_flags: &[Vec<String>],
         limits: Limits,
     ) -> Self {
+        Self::start_secured(model, cfg, eos_ids, cuts, worker_flags, limits, None).await
+    }
+
+    /// A cluster whose worker plane runs mutual TLS with `tls`'s certificates.
+    pub async fn start_tls(model: &Path, cfg: &ModelConfig, cuts: &[usize], tls: &TlsFiles) -> Self {
+        Self::start_secured(model, cfg, vec![], cuts, &[], Limits::default(), Some(tls)).await
+    }
+
+    async fn start_secured(
+        model: &Path,
+        cfg: &ModelConfig,
+        eos_ids: Vec<u32>,
+        cuts: &[usize],
+        worker_flags: &[Vec<String>],
+        limits: Limits,
+        tls: Option<&TlsFiles>,
+    ) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let registry_url = format!("http://{}", listener.local_addr().unwrap());
         let token = "test-cluster-token".to_string();
+        let peer = match tls {
+            Some(files) => files.coordinator_peer(&token),
+            None => PeerAuth::plaintext(token.clone()),
+        };
+        let registry_url = format!("{}://{}", peer.scheme(), listener.local_addr().unwrap());
         let cluster = Arc::new(Cluster::new(limits.heartbeat));
-        let (c, t) = (cluster.clone(), token.clone());
-        tokio::spawn(async move { registry::serve(listener, c, &t, std::future::pending()).await });
+        let (c, p) = (cluster.clone(), peer.clone());
+        tokio::spawn(
+            async move { registry::serve(listener, c, &p, &GrpcLimits::default(), std::future::pending()).await },
+        );
         let stages = cuts.len() + 1;
         let config = PipelineConfig {
             model: model.display().to_string(),
@@ -170,7 +240,7 @@ impl TestCluster {
             stages,
             cuts: (!cuts.is_empty() && !limits.measured_split).then(|| cuts.to_vec()),
             split: SplitPolicy::Measured,
-            cluster_token: token.clone(),
+            peer: peer.clone(),
             activation_dtype: Dtype::F32,
             max_queue: limits.max_queue,
             max_running: limits.max_running,
@@ -190,7 +260,7 @@ impl TestCluster {
         for i in 0..stages {
             let flags = worker_flags.get(i).map_or(&[][..], Vec::as_slice);
             if limits.pin_cores {
-                workers.push(spawn_worker_pinned(&registry_url, &token, i, flags));
+                workers.push(start_worker_in(pinned_command(i), &registry_url, &token, flags, tls));
                 // One at a time, so stage i is worker i on core i (stages follow registration).
                 let start = Instant::now();
                 while cluster.alive().len() <= i {
@@ -198,7 +268,7 @@ impl TestCluster {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
             } else {
-                workers.push(spawn_worker_with(&registry_url, &token, flags));
+                workers.push(start_worker_in(worker_command(), &registry_url, &token, flags, tls));
             }
         }
         let tc = Self {
@@ -206,6 +276,7 @@ impl TestCluster {
             cluster,
             registry_url,
             token,
+            peer,
             workers,
         };
         tc.wait_ready(2 * crate::PATIENCE).await;
@@ -247,7 +318,9 @@ impl TestCluster {
         let assignment = self.generator.status.assignment.lock().unwrap().clone();
         let mut out = Vec::new();
         for a in assignment {
-            let channel = tonic::transport::Endpoint::from_shared(a.address.clone())
+            let channel = self
+                .peer
+                .endpoint(&a.address)
                 .expect("worker address")
                 .connect()
                 .await

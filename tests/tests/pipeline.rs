@@ -202,7 +202,16 @@ async fn worker_retries_until_the_coordinator_appears() {
     let cluster = std::sync::Arc::new(baton_coordinator::registry::Cluster::new(Duration::from_secs(2)));
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.unwrap();
     let c = cluster.clone();
-    tokio::spawn(async move { baton_coordinator::registry::serve(listener, c, "t0k", std::future::pending()).await });
+    tokio::spawn(async move {
+        baton_coordinator::registry::serve(
+            listener,
+            c,
+            &baton_shared::auth::PeerAuth::plaintext("t0k"),
+            &Default::default(),
+            std::future::pending(),
+        )
+        .await
+    });
     wait_until_async("the worker registers once the coordinator is up", || async {
         if cluster.alive().is_empty() {
             Err("no worker alive".into())
@@ -228,8 +237,8 @@ async fn workers_take_new_layer_ranges_without_restarting_and_stale_streams_clos
     let tc = TestCluster::start(&dir, &cfg, vec![], &[1]).await;
     let assignment = tc.generator.status.assignment.lock().unwrap().clone();
     let (mut first, mut second) = (
-        connect_worker(&assignment[0].address, &tc.token).await.unwrap(),
-        connect_worker(&assignment[1].address, &tc.token).await.unwrap(),
+        connect_worker(&assignment[0].address, &tc.peer).await.unwrap(),
+        connect_worker(&assignment[1].address, &tc.peer).await.unwrap(),
     );
     // Move the cut from 1 to 2 on the live processes, with pools as large as the coordinator's
     // allocator (it hands out ids below its block count).
@@ -383,7 +392,7 @@ async fn trim_keeps_a_prefix_and_a_cached_prefix_starts_a_sequence() {
     let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
     let tc = TestCluster::start(&dir, &cfg, vec![], &[]).await;
     let address = tc.generator.status.assignment.lock().unwrap()[0].address.clone();
-    let mut client = connect_worker(&address, &tc.token).await.unwrap();
+    let mut client = connect_worker(&address, &tc.peer).await.unwrap();
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     let mut results = client
         .forward(tokio_stream::wrappers::ReceiverStream::new(rx))
@@ -503,7 +512,16 @@ async fn a_stopping_worker_deregisters() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let c = cluster.clone();
-    tokio::spawn(async move { baton_coordinator::registry::serve(listener, c, "tok", std::future::pending()).await });
+    tokio::spawn(async move {
+        baton_coordinator::registry::serve(
+            listener,
+            c,
+            &baton_shared::auth::PeerAuth::plaintext("tok"),
+            &Default::default(),
+            std::future::pending(),
+        )
+        .await
+    });
     let mut worker = spawn_worker(&url, "tok");
     wait_until_async("the worker registers", || async {
         if cluster.alive().is_empty() {
@@ -613,7 +631,7 @@ async fn a_stage_loaded_beside_the_served_one_takes_over_only_when_activated() {
     let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
     let tc = TestCluster::start(&dir, &cfg, vec![], &[1]).await;
     let assignment = tc.generator.status.assignment.lock().unwrap().clone();
-    let mut last = connect_worker(&assignment[1].address, &tc.token).await.unwrap();
+    let mut last = connect_worker(&assignment[1].address, &tc.peer).await.unwrap();
     let kv_blocks = tc
         .generator
         .status

@@ -223,7 +223,7 @@ async fn the_profile_rpc_answers_and_refuses_bad_requests() {
     let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
     let tc = TestCluster::start(&dir, &cfg, vec![], &[]).await;
     let address = tc.generator.status.assignment.lock().unwrap()[0].address.clone();
-    let mut client = connect_worker(&address, &tc.token).await.unwrap();
+    let mut client = connect_worker(&address, &tc.peer).await.unwrap();
     let req = |weights: &str, counts: Vec<u32>| ProfileRequest {
         model: dir.display().to_string(),
         weights: weights.into(),

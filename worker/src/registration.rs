@@ -5,10 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use baton_shared::auth::AddToken;
+use baton_shared::auth::PeerAuth;
 use baton_shared::proto::registry_client::RegistryClient;
 use baton_shared::proto::{DeregisterRequest, HeartbeatRequest, RegisterRequest};
-use tonic::transport::Channel;
 
 use crate::service::WorkerState;
 
@@ -28,17 +27,17 @@ pub struct WorkerDescription {
 const MIN_BACKOFF: Duration = Duration::from_millis(200);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
-async fn register_once(url: &str, token: &str, desc: &WorkerDescription) -> Result<(String, Duration), String> {
-    let channel = Channel::from_shared(url.to_string())
-        .map_err(|e| format!("bad coordinator URL '{url}': {e}"))?
+async fn register_once(url: &str, peer: &PeerAuth, desc: &WorkerDescription) -> Result<(String, Duration), String> {
+    let channel = peer
+        .endpoint(url)
+        .map_err(|e| format!("coordinator URL: {e}"))?
         .connect_timeout(Duration::from_secs(3))
         // A coordinator that accepts the connection but never answers is retried, not waited on.
         .timeout(Duration::from_secs(10))
         .connect()
         .await
         .map_err(|e| format!("cannot connect to {url}: {e}"))?;
-    let mut client =
-        RegistryClient::with_interceptor(channel, AddToken::new(token).map_err(|e| e.message().to_string())?);
+    let mut client = RegistryClient::with_interceptor(channel, peer.add_token().map_err(|e| e.message().to_string())?);
     let resp = client
         .register(RegisterRequest {
             worker_id: desc.worker_id.clone(),
@@ -59,10 +58,10 @@ async fn register_once(url: &str, token: &str, desc: &WorkerDescription) -> Resu
 }
 
 /// Register and heartbeat forever (until the process ends).
-pub async fn run(url: String, token: String, desc: WorkerDescription, state: Arc<WorkerState>) {
+pub async fn run(url: String, peer: PeerAuth, desc: WorkerDescription, state: Arc<WorkerState>) {
     let mut backoff = MIN_BACKOFF;
     loop {
-        let (id, interval) = match register_once(&url, &token, &desc).await {
+        let (id, interval) = match register_once(&url, &peer, &desc).await {
             Ok(ok) => ok,
             Err(why) => {
                 tracing::warn!(coordinator = %url, retry_in = ?backoff, "cannot register: {why}");
@@ -74,7 +73,7 @@ pub async fn run(url: String, token: String, desc: WorkerDescription, state: Arc
         backoff = MIN_BACKOFF;
         tracing::info!(worker_id = %id, coordinator = %url, "registered");
         *state.worker_id.lock().unwrap_or_else(|e| e.into_inner()) = id.clone();
-        let Ok(channel) = Channel::from_shared(url.clone()) else {
+        let Ok(channel) = peer.endpoint(&url) else {
             return;
         };
         // Every heartbeat is bounded: without a deadline one sent while the coordinator was
@@ -83,7 +82,7 @@ pub async fn run(url: String, token: String, desc: WorkerDescription, state: Arc
         // three intervals after which the coordinator declares the worker dead.
         let deadline = interval.max(Duration::from_millis(250));
         let channel = channel.connect_timeout(deadline).timeout(deadline).connect_lazy();
-        let Ok(auth) = AddToken::new(&token) else { return };
+        let Ok(auth) = peer.add_token() else { return };
         let mut client = RegistryClient::with_interceptor(channel, auth);
         let mut misses = 0;
         loop {
@@ -112,13 +111,13 @@ pub async fn run(url: String, token: String, desc: WorkerDescription, state: Arc
 
 /// Tell the coordinator this worker is leaving (best effort, bounded to one second), so it
 /// re-plans at once instead of waiting for missed heartbeats.
-pub async fn deregister(url: &str, token: &str, worker_id: &str) {
+pub async fn deregister(url: &str, peer: &PeerAuth, worker_id: &str) {
     if worker_id.is_empty() {
         return;
     }
     let attempt = async {
-        let channel = Channel::from_shared(url.to_string()).ok()?.connect().await.ok()?;
-        let mut client = RegistryClient::with_interceptor(channel, AddToken::new(token).ok()?);
+        let channel = peer.endpoint(url).ok()?.connect().await.ok()?;
+        let mut client = RegistryClient::with_interceptor(channel, peer.add_token().ok()?);
         client
             .deregister(DeregisterRequest {
                 worker_id: worker_id.to_string(),

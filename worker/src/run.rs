@@ -4,7 +4,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use baton_shared::auth::CheckToken;
 use baton_shared::proto::worker_server::WorkerServer;
 use baton_shared::settings::Settings;
 use tonic::service::interceptor::InterceptedService;
@@ -51,11 +50,50 @@ pub struct WorkerArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_cache_mib: Option<u64>,
+    /// Mutual TLS on the worker plane.
+    #[command(flatten)]
+    #[serde(skip)]
+    pub tls: TlsArgs,
     /// Exit when standard input closes: `baton serve` holds the other end, so its workers end
     /// with it even when it is killed outright.
     #[arg(long, hide = true)]
     #[serde(skip)]
     pub exit_with_stdin: bool,
+}
+
+/// Worker-plane TLS flags, shared by `baton worker` and `baton coordinator`; each overrides the
+/// top-level `tls_cert`, `tls_key`, `tls_ca` and `allow_plaintext` settings (`BATON_TLS_*`).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct TlsArgs {
+    /// This node's certificate chain (PEM), e.g. from `baton certs`.
+    #[arg(long)]
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// This node's private key (PEM).
+    #[arg(long)]
+    pub tls_key: Option<std::path::PathBuf>,
+    /// The cluster CA certificate (PEM); peers must present certificates it signed.
+    #[arg(long)]
+    pub tls_ca: Option<std::path::PathBuf>,
+    /// Allow a plain-text worker plane on a non-loopback address (a network you trust).
+    #[arg(long)]
+    pub allow_plaintext: bool,
+}
+
+impl TlsArgs {
+    /// `settings` with these flags applied over them.
+    pub fn apply(&self, mut settings: Settings) -> Settings {
+        if self.tls_cert.is_some() {
+            settings.tls_cert = self.tls_cert.clone();
+        }
+        if self.tls_key.is_some() {
+            settings.tls_key = self.tls_key.clone();
+        }
+        if self.tls_ca.is_some() {
+            settings.tls_ca = self.tls_ca.clone();
+        }
+        settings.allow_plaintext |= self.allow_plaintext;
+        settings
+    }
 }
 
 fn total_memory() -> u64 {
@@ -77,6 +115,7 @@ pub(crate) fn meminfo(field: &str) -> Option<u64> {
 
 /// Run a worker until the process is stopped.
 pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
+    let settings = args.tls.apply(settings);
     let w = &settings.worker;
     let coordinator = w.coordinator.clone().filter(|c| !c.is_empty()).context(
         "the coordinator's registry URL is required: pass --coordinator, set BATON_WORKER__COORDINATOR, \
@@ -86,20 +125,29 @@ pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
         "a cluster token is required: pass --cluster-token, set BATON_CLUSTER_TOKEN, or put cluster_token in baton.toml \
          (the same on coordinator and workers)",
     )?;
+    let peer = settings.peer_auth(token)?;
+    baton_shared::tls::check_listen(w.listen, peer.tls.is_some(), settings.allow_plaintext)?;
     let device: Device = w.device.parse()?;
     device.check_available()?;
     let listener = tokio::net::TcpListener::bind(w.listen)
         .await
         .with_context(|| format!("binding {}", w.listen))?;
     let bound = listener.local_addr()?;
-    let address = w.advertise.clone().unwrap_or_else(|| format!("http://{bound}"));
+    let address = w
+        .advertise
+        .clone()
+        .unwrap_or_else(|| format!("{}://{bound}", peer.scheme()));
+    // Checked here so a mismatch is one clear start-up error, not a coordinator that cannot
+    // reach the worker (or a worker that cannot register).
+    baton_shared::tls::check_scheme(&address, peer.tls.is_some()).context("--advertise")?;
+    baton_shared::tls::check_scheme(&coordinator, peer.tls.is_some()).context("--coordinator")?;
     let cores = match device {
         Device::Cpu { threads: Some(n) } => n as u32,
         _ => std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
     };
     let kernels = crate::kernels::cpu::dispatch::Kernels::detect();
     let state = Arc::new(WorkerState::new(
-        token.clone(),
+        peer.clone(),
         settings.home(),
         settings.sources(),
         settings.check_weights,
@@ -110,9 +158,9 @@ pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
     let service = WorkerService { state: state.clone() };
     let server = InterceptedService::new(
         WorkerServer::new(service)
-            .max_decoding_message_size(MAX_MESSAGE)
+            .max_decoding_message_size(settings.grpc.max_message_bytes())
             .max_encoding_message_size(MAX_MESSAGE),
-        CheckToken::new(&token),
+        peer.check_token(),
     );
     let desc = WorkerDescription {
         worker_id: w.worker_id.clone(),
@@ -148,14 +196,16 @@ pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
             std::process::exit(0);
         });
     }
-    tracing::info!(%address, coordinator = %coordinator, "worker listening");
+    tracing::info!(%address, coordinator = %coordinator, tls = peer.tls.is_some(), "worker listening");
     let membership = tokio::spawn(registration::run(
         coordinator.clone(),
-        token.clone(),
+        peer.clone(),
         desc,
         state.clone(),
     ));
-    tonic::transport::Server::builder()
+    settings
+        .grpc
+        .apply(peer.server()?)
         .add_service(server)
         // Small messages (sampled ids) must not wait for Nagle's algorithm.
         .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), shutdown_signal())
@@ -163,7 +213,7 @@ pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
         .context("worker gRPC server")?;
     membership.abort();
     let id = state.worker_id.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    registration::deregister(&coordinator, &token, &id).await;
+    registration::deregister(&coordinator, &peer, &id).await;
     Ok(())
 }
 

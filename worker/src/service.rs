@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use baton_shared::auth::AddToken;
+use baton_shared::auth::{AddToken, PeerAuth};
 use baton_shared::fetch::Sources;
 use baton_shared::model_config::ModelConfig;
 use baton_shared::model_files::ModelFiles;
@@ -31,10 +31,10 @@ use crate::stage::{Stage, StageOutput};
 /// Client for a worker, with the cluster token attached.
 pub type AuthedWorkerClient = WorkerClient<InterceptedService<Channel, AddToken>>;
 
-/// Connect to a worker at `url` with the cluster token.
-pub async fn connect_worker(url: &str, token: &str) -> Result<AuthedWorkerClient, Status> {
-    let channel = Channel::from_shared(url.to_string())
-        .map_err(|e| Status::invalid_argument(format!("bad worker URL '{url}': {e}")))?
+/// Connect to a worker at `url` with this node's credentials (token, and TLS when on).
+pub async fn connect_worker(url: &str, peer: &PeerAuth) -> Result<AuthedWorkerClient, Status> {
+    let channel = peer
+        .endpoint(url)?
         .connect_timeout(std::time::Duration::from_secs(5))
         // Pings find a peer that vanished without closing (a frozen VM, a dropped route) on
         // long-lived streams, where no request would time out.
@@ -44,11 +44,12 @@ pub async fn connect_worker(url: &str, token: &str) -> Result<AuthedWorkerClient
         .connect()
         .await
         .map_err(|e| Status::unavailable(format!("cannot connect to {url}: {e}")))?;
-    Ok(WorkerClient::with_interceptor(channel, AddToken::new(token)?).max_decoding_message_size(MAX_MESSAGE))
+    Ok(WorkerClient::with_interceptor(channel, peer.add_token()?).max_decoding_message_size(MAX_MESSAGE))
 }
 
-/// Largest gRPC message accepted (hidden states of a large prefill chunk).
-pub const MAX_MESSAGE: usize = 256 << 20;
+/// Largest gRPC message a client accepts or sends (hidden states of a large prefill chunk); a
+/// server's own limit is `[grpc] max_message_mib`.
+pub const MAX_MESSAGE: usize = baton_shared::grpc_limits::DEFAULT_MAX_MESSAGE_MIB << 20;
 
 /// Everything a worker process knows.
 pub struct WorkerState {
@@ -61,7 +62,7 @@ pub struct WorkerState {
     /// A stage loaded beside the served one (and its next stage's URL), until ActivateStage.
     staged: Mutex<Option<(Stage, String)>>,
     next_stage: Mutex<String>,
-    token: String,
+    peer: PeerAuth,
     home: std::path::PathBuf,
     sources: Sources,
     check_weights: bool,
@@ -74,9 +75,9 @@ pub struct WorkerState {
 }
 
 impl WorkerState {
-    /// State for a worker that resolves models under `home` and talks with `token`.
+    /// State for a worker that resolves models under `home` and calls its next stage as `peer`.
     pub fn new(
-        token: String,
+        peer: PeerAuth,
         home: std::path::PathBuf,
         sources: Sources,
         check_weights: bool,
@@ -90,7 +91,7 @@ impl WorkerState {
             loads: Arc::new(std::sync::atomic::AtomicU64::new(0)),
             staged: Mutex::new(None),
             next_stage: Mutex::new(String::new()),
-            token,
+            peer,
             home,
             sources,
             check_weights,
@@ -288,7 +289,7 @@ impl Worker for WorkerService {
         let loads = self.state.loads.clone();
         let opened = loads.load(std::sync::atomic::Ordering::Acquire);
         let next_url = lock(&self.state.next_stage).clone();
-        let token = self.state.token.clone();
+        let peer = self.state.peer.clone();
         let worker_id = lock(&self.state.worker_id).clone();
         tokio::spawn(async move {
             let mut down: Option<mpsc::Sender<MicroBatch>> = None;
@@ -333,7 +334,7 @@ impl Worker for WorkerService {
                         .is_ok(),
                     Ok(StageOutput::Forward(mut mb)) => {
                         if down.is_none() {
-                            match open_downstream(&next_url, &token, up_tx.clone()).await {
+                            match open_downstream(&next_url, &peer, up_tx.clone()).await {
                                 Ok(tx) => down = Some(tx),
                                 Err(e) => {
                                     let _ = up_tx.send(Err(e)).await;
@@ -450,10 +451,10 @@ impl Worker for WorkerService {
 /// Open the Forward stream to the next stage; its results are relayed into `up_tx`.
 async fn open_downstream(
     url: &str,
-    token: &str,
+    peer: &PeerAuth,
     up_tx: mpsc::Sender<Result<BatchResult, Status>>,
 ) -> Result<mpsc::Sender<MicroBatch>, Status> {
-    let mut client = connect_worker(url, token).await?;
+    let mut client = connect_worker(url, peer).await?;
     client = client.max_encoding_message_size(MAX_MESSAGE);
     let (tx, rx) = mpsc::channel::<MicroBatch>(64);
     let mut responses = client

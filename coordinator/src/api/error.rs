@@ -126,6 +126,17 @@ impl ApiError {
         e.at_limit("max_body_bytes")
     }
 
+    /// 408 for a body not received within the deadline.
+    pub fn body_timeout(deadline: std::time::Duration) -> Self {
+        let mut e = Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            format!("the request body did not arrive within {} s", deadline.as_secs()),
+        );
+        e.code = Some("request_timeout");
+        e.at_limit("body_timeout_secs")
+    }
+
     /// 503: nothing can serve the request right now; clients may retry.
     pub fn unavailable(message: impl Into<String>) -> Self {
         let mut e = Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message);

@@ -11,6 +11,7 @@ pub mod error;
 pub mod output;
 pub mod params;
 pub mod respond;
+pub mod server;
 pub mod stream;
 pub mod types;
 
@@ -46,6 +47,8 @@ pub struct AppState {
     pub max_context: usize,
     /// Larger request bodies are answered with 413.
     pub max_body_bytes: usize,
+    /// Time a client has to send a request's body; slower ones are answered with 408.
+    pub body_timeout: std::time::Duration,
     /// Sampling values for fields a request leaves out (the model's recommendation).
     pub sampling_defaults: SamplingDefaults,
     pub generator: Arc<dyn Generator>,
@@ -77,6 +80,7 @@ impl AppState {
             chat_template,
             max_context,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            body_timeout: std::time::Duration::from_secs(baton_shared::settings::DEFAULT_BODY_TIMEOUT_SECS),
             sampling_defaults: SamplingDefaults::default(),
             generator,
             started: unix_now(),
@@ -88,6 +92,10 @@ impl AppState {
 /// The API's routes over `state`.
 pub fn router(state: AppState) -> Router {
     let limit = state.max_body_bytes;
+    let body_limits = BodyLimits {
+        max_bytes: limit,
+        deadline: state.body_timeout,
+    };
     let keys = state.api_keys.clone().map(Arc::new);
     let router = Router::new()
         .route("/v1/completions", post(completions::completions))
@@ -103,6 +111,7 @@ pub fn router(state: AppState) -> Router {
         .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(limit))
         .layer(Extension(BodyLimit(limit)))
+        .layer(axum::middleware::from_fn_with_state(body_limits, read_body_in_time))
         .with_state(Arc::new(state));
     match keys {
         // Outermost, so an unauthenticated request is refused before its body is read.
@@ -111,18 +120,53 @@ pub fn router(state: AppState) -> Router {
     }
 }
 
-/// Serve `router` on `listener` until `shutdown` completes, then finish in-flight requests.
+/// Serve `router` on `listener` within `limits` until `shutdown` completes, then finish
+/// in-flight requests.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
+    limits: server::HttpLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    use axum::serve::ListenerExt;
-    // Streamed tokens are small writes; Nagle's algorithm would hold them back.
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    axum::serve(listener, router).with_graceful_shutdown(shutdown).await
+    server::serve(listener, router, limits, shutdown).await
+}
+
+/// What a request body may be: its size and the time to receive it.
+#[derive(Debug, Clone, Copy)]
+struct BodyLimits {
+    max_bytes: usize,
+    deadline: std::time::Duration,
+}
+
+/// Receive the whole body within the deadline (408 otherwise) and the size limit (413), before
+/// any handler runs: a client trickling its body cannot hold a request open for long.
+async fn read_body_in_time(
+    State(limits): State<BodyLimits>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    use futures::StreamExt;
+    let (parts, body) = req.into_parts();
+    let receive = async {
+        let mut stream = body.into_data_stream();
+        let mut bytes = Vec::new();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| ApiError::bad_request(format!("could not read the request body: {e}")))?;
+            if bytes.len() + chunk.len() > limits.max_bytes {
+                return Err(ApiError::too_large(limits.max_bytes));
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        Ok(bytes)
+    };
+    match tokio::time::timeout(limits.deadline, receive).await {
+        Ok(Ok(bytes)) => {
+            next.run(axum::extract::Request::from_parts(parts, axum::body::Body::from(bytes)))
+                .await
+        }
+        Ok(Err(e)) => e.into_response(),
+        Err(_) => ApiError::body_timeout(limits.deadline).into_response(),
+    }
 }
 
 fn model_card(state: &AppState) -> ModelCard {

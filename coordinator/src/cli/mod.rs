@@ -1,6 +1,7 @@
 //! Subcommand definitions and dispatch; each subcommand lives in its own module.
 
 mod bench;
+mod certs;
 mod convert;
 mod coordinator;
 mod generate;
@@ -84,6 +85,9 @@ pub enum Command {
     /// Measure batch-1 decode or prefill speed on this machine per weight format and thread
     /// count, with the memory-bandwidth roofline for the same bytes.
     Bench(bench::BenchArgs),
+    /// Make a development CA and a certificate per node for mutual TLS between coordinator and
+    /// workers.
+    Certs(certs::CertsArgs),
 }
 
 /// Shared state for running a subcommand.
@@ -150,6 +154,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Coordinator(a) => coordinator::run(&ctx, a),
         Command::Worker(a) => worker::run(&ctx, a),
         Command::Bench(a) => bench::run(&ctx, a),
+        Command::Certs(a) => certs::run(a),
     }
 }
 

@@ -4,6 +4,7 @@
 
 use anyhow::{Result, anyhow};
 use baton_coordinator::api::auth::ApiKeys;
+use baton_coordinator::api::server::HttpLimits;
 use baton_coordinator::pipeline::PipelineConfig;
 use baton_coordinator::planner::SplitPolicy;
 use baton_shared::model_files::ModelFiles;
@@ -71,6 +72,23 @@ pub struct PipelineArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_body_bytes: Option<usize>,
+    /// Open HTTP connections at once; one more gets HTTP 503 with Retry-After [default: 2048].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_connections: Option<usize>,
+    /// Seconds a client has to send request headers; slower or idle connections are closed
+    /// [default: 10].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub header_timeout_secs: Option<u64>,
+    /// Seconds a client has to send a request body (HTTP 408 beyond) [default: 30].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub body_timeout_secs: Option<u64>,
+    /// Largest request head in bytes (HTTP 431 beyond) [default: 32768].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_header_bytes: Option<usize>,
     /// A key the OpenAI API requires as `Authorization: Bearer KEY` (HTTP 401 otherwise); the
     /// environment (`BATON_SERVE__API_KEY`, `BATON_COORDINATOR__API_KEY`) or --api-key-file keep
     /// it out of the process list.
@@ -136,6 +154,18 @@ fn activation_dtype(s: ActivationDtypeSetting) -> Dtype {
         ActivationDtypeSetting::Bf16 => Dtype::Bf16,
         ActivationDtypeSetting::F16 => Dtype::F16,
     }
+}
+
+/// The HTTP API's connection limits from the settings.
+pub(super) fn http_limits(p: &PipelineSettings) -> Result<HttpLimits> {
+    anyhow::ensure!(p.max_connections > 0, "max_connections must be at least 1");
+    anyhow::ensure!(p.header_timeout_secs > 0, "header_timeout_secs must be at least 1");
+    anyhow::ensure!(p.body_timeout_secs > 0, "body_timeout_secs must be at least 1");
+    Ok(HttpLimits {
+        max_connections: p.max_connections,
+        header_timeout: std::time::Duration::from_secs(p.header_timeout_secs),
+        max_header_bytes: p.max_header_bytes,
+    })
 }
 
 /// The API keys the settings configure (the key and every key in the key file), or `None`

@@ -18,7 +18,7 @@ use baton_shared::model_source::LoadedModel;
 use baton_shared::settings::ServeSettings;
 
 use super::local_workers::{LocalWorkers, WorkerCommand};
-use super::pipeline_args::{PipelineArgs, api_keys, pipeline_config, weight_format};
+use super::pipeline_args::{PipelineArgs, api_keys, http_limits, pipeline_config, weight_format};
 use super::{Ctx, ModelArg};
 
 /// Flags of `baton serve`; each overrides `[serve]` in baton.toml and `BATON_SERVE__*`
@@ -101,9 +101,11 @@ pub fn run(ctx: &Ctx, args: ServeArgs) -> Result<()> {
         let shutdown = shutdown_signal()?;
         // A bad key or key file fails before any worker starts.
         let api_keys = api_keys(&a.pipeline)?;
+        let http_limits = http_limits(&a.pipeline)?;
         let (generator, mut workers) = build_generator(ctx, a, &model_path, model, max_context).await?;
         let state = AppState {
             max_body_bytes: a.pipeline.max_body_bytes,
+            body_timeout: std::time::Duration::from_secs(a.pipeline.body_timeout_secs),
             api_keys,
             sampling_defaults,
             ..AppState::new(name.clone(), tokenizer, max_context, generator.clone())
@@ -123,7 +125,7 @@ pub fn run(ctx: &Ctx, args: ServeArgs) -> Result<()> {
         tracing::info!(%addr, model = %name, workers = a.workers, "serving");
 
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let mut server = tokio::spawn(api::serve(listener, api::router(state), async {
+        let mut server = tokio::spawn(api::serve(listener, api::router(state), http_limits, async {
             let _ = stop_rx.await;
         }));
         let outcome = tokio::select! {
@@ -175,16 +177,18 @@ async fn build_generator(
         return Ok((Arc::new(generator), LocalWorkers::none()));
     }
     // Pipeline mode: a registry on loopback and `a.workers` worker processes that join it with
-    // a token made for this run.
+    // a token made for this run. The plane never leaves loopback, so it is plain text (a TLS
+    // identity from the settings is for `baton coordinator` / `baton worker`, and is cleared
+    // for the local workers below).
     let token = baton_shared::auth::random_token();
     let registry = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .context("binding the worker registry")?;
     let config = PipelineConfig {
-        cluster_token: token.clone(),
+        peer: baton_shared::auth::PeerAuth::plaintext(token.clone()),
         ..config
     };
-    let server = cluster::start(registry, config)?;
+    let server = cluster::start(registry, config, ctx.settings.grpc)?;
     let registry_url = format!("http://{}", server.registry_addr);
     // The workers share this machine: split its cores among them.
     let device = format!("cpu:{}", (cores() / a.workers).max(1));
@@ -198,6 +202,9 @@ async fn build_generator(
         ("BATON_HOME".into(), ctx.settings.home().display().to_string()),
         ("BATON_LOG_LEVEL".into(), ctx.settings.log_level.clone()),
         ("BATON_CHECK_WEIGHTS".into(), ctx.settings.check_weights.to_string()),
+        ("BATON_TLS_CERT".into(), String::new()),
+        ("BATON_TLS_KEY".into(), String::new()),
+        ("BATON_TLS_CA".into(), String::new()),
     ];
     if let Some(endpoint) = &ctx.settings.otlp_endpoint {
         envs.push(("BATON_OTLP_ENDPOINT".into(), endpoint.clone()));

@@ -44,7 +44,8 @@ pub struct PipelineConfig {
     pub cuts: Option<Vec<usize>>,
     /// How layers are split without explicit cuts: from measured worker costs, or evenly.
     pub split: SplitPolicy,
-    pub cluster_token: String,
+    /// The token and TLS identity the coordinator presents to workers.
+    pub peer: baton_shared::auth::PeerAuth,
     /// Wire type of hidden states between stages.
     pub activation_dtype: Dtype,
     /// Weight format the workers hold (`f32`, `q8_0`, `q4_0`, `q4_1`, `native`).
@@ -109,7 +110,7 @@ impl PipelineConfig {
             stages: 1,
             cuts: None,
             split: SplitPolicy::Measured,
-            cluster_token: String::new(),
+            peer: baton_shared::auth::PeerAuth::plaintext(""),
             activation_dtype: Dtype::F32,
             weights: "f32".into(),
             max_queue: 64,

@@ -269,7 +269,7 @@ mod tests {
             stages,
             cuts: None,
             split: SplitPolicy::Measured,
-            cluster_token: String::new(),
+            peer: baton_shared::auth::PeerAuth::plaintext(""),
             activation_dtype: baton_shared::proto::Dtype::F32,
             weights: "f32".into(),
             max_queue: 1,

@@ -87,12 +87,10 @@ async fn build(
 ) -> Result<(Pipeline, SplitInfo), BuildError> {
     let mut clients = Vec::with_capacity(workers.len());
     for (i, w) in workers.iter().enumerate() {
-        let client = connect_worker(&w.address, &config.cluster_token)
-            .await
-            .map_err(|e| BuildError {
-                message: format!("stage {i} ({}): {}", w.address, e.message()),
-                worker: Some(i),
-            })?;
+        let client = connect_worker(&w.address, &config.peer).await.map_err(|e| BuildError {
+            message: format!("stage {i} ({}): {}", w.address, e.message()),
+            worker: Some(i),
+        })?;
         clients.push(client.max_encoding_message_size(MAX_MESSAGE));
     }
     let (mut ranges, mut split) = split::choose(config, workers, &clients, profiles, status).await?;

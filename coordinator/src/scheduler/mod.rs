@@ -838,7 +838,7 @@ mod tests {
             stages: 2,
             cuts: None,
             split: crate::planner::SplitPolicy::Even,
-            cluster_token: String::new(),
+            peer: baton_shared::auth::PeerAuth::plaintext(""),
             activation_dtype: baton_shared::proto::Dtype::F32,
             weights: "f32".into(),
             max_queue: 8,
