@@ -2,6 +2,8 @@
 //! from GGUF metadata (`tokenizer.ggml.*`), plus the model's special ids and chat template, and a
 //! UTF-8-safe incremental decoder.
 
+mod check;
+
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -154,6 +156,12 @@ impl Tokenizer {
                     })
             })
             .collect::<Result<Vec<_>, _>>()?;
+        check::check_merges(
+            &name,
+            |t| vocab.contains_key(t),
+            merges.iter().map(|(a, b)| (a.as_str(), b.as_str())),
+            "",
+        )?;
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
             .build()
@@ -170,7 +178,8 @@ impl Tokenizer {
             .map(|(tok, t)| AddedToken::from(tok.to_string(), *t == 3).normalized(false))
             .collect();
         inner.add_special_tokens(added).map_err(|e| load_err(&name, e))?;
-        let id = |key: &str| g.get_u64(key).map(|v| v as u32);
+        // An id past u32 is kept out of range (not truncated) so check_ids names it.
+        let id = |key: &str| g.get_u64(key).map(|v| u32::try_from(v).unwrap_or(u32::MAX));
         let mut eos_ids: Vec<u32> = [
             "tokenizer.ggml.eos_token_id",
             "tokenizer.ggml.eot_token_id",
@@ -200,7 +209,12 @@ impl Tokenizer {
     pub fn from_hf_dir(dir: &Path) -> Result<Self, TokenizerError> {
         let path = dir.join("tokenizer.json");
         let name = path.display().to_string();
-        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| load_err(&name, e))?;
+        let bytes = std::fs::read(&path).map_err(|e| load_err(&name, e))?;
+        // Parsed to a value first: a syntax error is named here, and `tokenizers` then builds
+        // from a checked value (its own parser panics on some malformed files).
+        let json: Value = serde_json::from_slice(&bytes).map_err(|e| load_err(&name, format!("invalid JSON: {e}")))?;
+        check::check_tokenizer_json(&name, &json)?;
+        let inner: tokenizers::Tokenizer = serde_json::from_value(json).map_err(|e| load_err(&name, e))?;
         let read_json = |file: &str| -> Result<Option<Value>, TokenizerError> {
             let p: PathBuf = dir.join(file);
             match std::fs::read_to_string(&p) {
@@ -219,8 +233,12 @@ impl Tokenizer {
         };
         let ids_of = |v: &Value| -> Vec<u32> {
             match v {
-                Value::Number(n) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-                Value::Array(a) => a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect(),
+                Value::Number(n) => n.as_u64().and_then(|x| u32::try_from(x).ok()).into_iter().collect(),
+                Value::Array(a) => a
+                    .iter()
+                    .filter_map(Value::as_u64)
+                    .filter_map(|x| u32::try_from(x).ok())
+                    .collect(),
                 _ => vec![],
             }
         };
@@ -432,6 +450,25 @@ mod tests {
             tok.decode(&[7], false),
             Err(TokenizerError::IdOutOfRange { id: 7, vocab: 7 })
         ));
+    }
+
+    /// Files the fuzzer found panicking inside `tokenizers` (fuzz/regressions/tokenizer_json)
+    /// are refused with an error naming the file.
+    #[test]
+    fn hostile_tokenizer_json_is_an_error_not_a_panic() {
+        let dir = tempfile::tempdir().unwrap();
+        for (text, want) in [
+            (r#"{"decoder":{"a"}}"#, "invalid JSON"),
+            (
+                r#"{"model":{"type":"BPE","vocab":{"a":0,"b":1},"merges":["a b"]}}"#,
+                "merged token 'ab'",
+            ),
+            (r#"{"normalizer":{"type":"Precompiled"}}"#, "normalizer 'Precompiled'"),
+        ] {
+            std::fs::write(dir.path().join("tokenizer.json"), text).unwrap();
+            let e = Tokenizer::from_hf_dir(dir.path()).unwrap_err().to_string();
+            assert!(e.contains("tokenizer.json") && e.contains(want), "{text}: {e}");
+        }
     }
 
     #[test]
