@@ -134,6 +134,12 @@ fn pinned_command(core: usize) -> Command {
     cmd
 }
 
+/// Start the worker `cmd` (e.g. [`worker_command`] with extra environment) that registers at
+/// `registry_url`.
+pub fn spawn_worker_from(cmd: Command, registry_url: &str, token: &str, extra: &[String]) -> Child {
+    start_worker(cmd, registry_url, token, extra)
+}
+
 fn start_worker(cmd: Command, registry_url: &str, token: &str, extra: &[String]) -> Child {
     start_worker_in(cmd, registry_url, token, extra, None)
 }

@@ -296,6 +296,13 @@ impl Worker for WorkerService {
             while let Some(msg) = inbound.next().await {
                 let batch = match msg {
                     Ok(b) => b,
+                    Err(e) if e.code() == tonic::Code::OutOfRange => {
+                        // Over grpc.max_message_mib: the upstream gets the error (and the
+                        // server's limit metric counts it) instead of a stream that just ends.
+                        tracing::warn!(error = %e, "a micro-batch over the message size limit ended the forward stream");
+                        let _ = up_tx.send(Err(e)).await;
+                        break;
+                    }
                     Err(e) => {
                         tracing::debug!(error = %e, "upstream closed the forward stream");
                         break;
