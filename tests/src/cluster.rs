@@ -134,6 +134,18 @@ fn pinned_command(core: usize) -> Command {
     cmd
 }
 
+/// Wait until `cluster` has a live worker, or panic naming `what` after the tests' patience.
+pub async fn wait_for_a_worker(cluster: &Cluster, what: &str) {
+    crate::wait_until_async(what, || async {
+        if cluster.alive().is_empty() {
+            Err("no worker alive".into())
+        } else {
+            Ok(())
+        }
+    })
+    .await;
+}
+
 /// Start the worker `cmd` (e.g. [`worker_command`] with extra environment) that registers at
 /// `registry_url`.
 pub fn spawn_worker_from(cmd: Command, registry_url: &str, token: &str, extra: &[String]) -> Child {

@@ -9,8 +9,7 @@ use std::time::Duration;
 use baton_coordinator::registry::{self, Cluster};
 use baton_shared::auth::PeerAuth;
 use baton_shared::proto::{HealthRequest, LoadStageRequest, MicroBatch, Tensor};
-use baton_tests::cluster::{spawn_worker_from, worker_command};
-use baton_tests::wait_until_async;
+use baton_tests::cluster::{spawn_worker_from, wait_for_a_worker, worker_command};
 use baton_worker::service::connect_worker;
 
 fn hits(metrics: &str) -> u64 {
@@ -45,14 +44,7 @@ async fn oversized_messages_are_refused_counted_and_the_worker_serves_on() {
     let mut cmd = worker_command();
     cmd.env("BATON_GRPC__MAX_MESSAGE_MIB", "1");
     let _worker = spawn_worker_from(cmd, &url, token, &["--metrics-listen".into(), metrics_addr.clone()]);
-    wait_until_async("the worker registers", || async {
-        if cluster.alive().is_empty() {
-            Err("no worker alive".into())
-        } else {
-            Ok(())
-        }
-    })
-    .await;
+    wait_for_a_worker(&cluster, "the worker registers").await;
     let address = cluster.alive()[0].address.clone();
     let peer = PeerAuth::plaintext(token);
     let mut client = connect_worker(&address, &peer).await.unwrap();

@@ -12,7 +12,7 @@ use baton_shared::model_source::LoadedModel;
 use baton_shared::proto::worker_client::WorkerClient;
 use baton_shared::proto::{HealthRequest, RegisterRequest};
 use baton_shared::sampling::SamplingParams;
-use baton_tests::cluster::{TestCluster, spawn_worker, worker_command};
+use baton_tests::cluster::{TestCluster, spawn_worker, wait_for_a_worker, worker_command};
 use baton_tests::{PATIENCE, default_model, fixtures, wait_until_async};
 use baton_worker::engine::Engine;
 use baton_worker::model::StageWeights;
@@ -212,14 +212,7 @@ async fn worker_retries_until_the_coordinator_appears() {
         )
         .await
     });
-    wait_until_async("the worker registers once the coordinator is up", || async {
-        if cluster.alive().is_empty() {
-            Err("no worker alive".into())
-        } else {
-            Ok(())
-        }
-    })
-    .await;
+    wait_for_a_worker(&cluster, "the worker registers once the coordinator is up").await;
     worker.kill().await.unwrap();
     worker.wait().await.unwrap();
     reader.await.unwrap();
@@ -523,14 +516,7 @@ async fn a_stopping_worker_deregisters() {
         .await
     });
     let mut worker = spawn_worker(&url, "tok");
-    wait_until_async("the worker registers", || async {
-        if cluster.alive().is_empty() {
-            Err("no worker alive".into())
-        } else {
-            Ok(())
-        }
-    })
-    .await;
+    wait_for_a_worker(&cluster, "the worker registers").await;
     let pid = worker.id().unwrap().to_string();
     assert!(
         std::process::Command::new("kill")
