@@ -212,10 +212,6 @@ impl IntoResponse for ApiError {
 #[derive(Debug)]
 pub struct JsonBody<T>(pub T);
 
-/// The body limit in force, for the 413 message (set by the router as an extension).
-#[derive(Debug, Clone, Copy)]
-pub struct BodyLimit(pub usize);
-
 impl<S, T> FromRequest<S> for JsonBody<T>
 where
     S: Send + Sync,
@@ -224,13 +220,9 @@ where
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let limit = req.extensions().get::<BodyLimit>().map_or(0, |l| l.0);
+        // The body's size and deadline were enforced before (api::read_body_in_time).
         let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
-            if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::too_large(limit)
-            } else {
-                ApiError::bad_request(format!("could not read the request body: {}", rejection.body_text()))
-            }
+            ApiError::bad_request(format!("could not read the request body: {}", rejection.body_text()))
         })?;
         parse_json(&bytes).map(JsonBody)
     }

@@ -25,11 +25,11 @@ use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::{Method, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Extension, Json, Router};
+use axum::{Json, Router};
 use baton_shared::chat_template::ChatTemplate;
 use baton_shared::tokenizer::Tokenizer;
 
-use self::error::{ApiError, BodyLimit};
+use self::error::ApiError;
 use self::types::{ModelCard, ModelList};
 use crate::generation::Generator;
 
@@ -91,9 +91,8 @@ impl AppState {
 
 /// The API's routes over `state`.
 pub fn router(state: AppState) -> Router {
-    let limit = state.max_body_bytes;
     let body_limits = BodyLimits {
-        max_bytes: limit,
+        max_bytes: state.max_body_bytes,
         deadline: state.body_timeout,
     };
     let keys = state.api_keys.clone().map(Arc::new);
@@ -109,8 +108,9 @@ pub fn router(state: AppState) -> Router {
         .route("/dashboard", get(dashboard::page))
         .fallback(unknown_route)
         .method_not_allowed_fallback(wrong_method)
-        .layer(DefaultBodyLimit::max(limit))
-        .layer(Extension(BodyLimit(limit)))
+        // read_body_in_time has already held the body to max_body_bytes (413) and its deadline
+        // (408) before any extractor runs, so axum's own 2 MB default must not apply again.
+        .layer(DefaultBodyLimit::disable())
         .layer(axum::middleware::from_fn_with_state(body_limits, read_body_in_time))
         .with_state(Arc::new(state));
     match keys {
