@@ -612,6 +612,35 @@ async fn chunked_prefill_gives_the_same_tokens() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_long_prompt_has_a_chunk_on_every_stage_and_the_same_tokens() {
+    // Wavefront prefill: three stages, 6 tokens a step (2 a micro-batch), one 41-token prompt
+    // and nothing else running. Its chunks follow each other through the stages, up to one per
+    // stage at a time, and the greedy continuation equals the single engine's.
+    use baton_tests::cluster::Limits;
+    let dir = fixtures().join("tiny/qwen2");
+    let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(8)
+    };
+    let long: Vec<u32> = (0..41).map(|i| (i * 11 % 300) as u32 + 3).collect();
+    let want = engine_tokens(&dir, &long, &params, false);
+    let limits = Limits {
+        max_batch_tokens: 6,
+        ..Limits::default()
+    };
+    let tc = TestCluster::start_full(&dir, &cfg, vec![], &[1, 2], &[], limits).await;
+    let (got, _) = tc.generate(&long, params).await.unwrap();
+    assert_eq!(got, want);
+    let most = tc
+        .generator
+        .status
+        .max_in_flight
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(most, 3, "one sequence alone had a micro-batch on each of the 3 stages");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stage_loaded_beside_the_served_one_takes_over_only_when_activated() {
     let dir = fixtures().join("tiny/llama_untied");
     let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();

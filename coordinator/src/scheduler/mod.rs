@@ -4,9 +4,13 @@
 //! [`Outbox`] (micro-batches to send, sequences to free, events for requests) that the engine
 //! (`crate::engine`) carries out on an executor.
 //!
-//! Up to one micro-batch per stage is in flight, over disjoint sequences. A new (or preempted)
-//! sequence first takes the cached blocks its tokens start with (`kv_blocks`), and blocks its
-//! micro-batches fill are indexed for later prompts when they come back.
+//! Up to one micro-batch per stage is in flight. A decoding sequence is in one of them at a
+//! time (its next token needs the last one); a prompt's chunks may be in several, one per
+//! micro-batch (a wavefront: chunk k + 1 enters stage 0 while chunk k is on stage 1), since
+//! every stage runs its micro-batches in the order they were sent and so has the earlier
+//! chunks' K/V before a later chunk's attention needs it. A new (or preempted) sequence first
+//! takes the cached blocks its tokens start with (`kv_blocks`), and blocks its micro-batches
+//! fill are indexed for later prompts when they come back.
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -55,8 +59,17 @@ struct Seq {
     indexed: IndexProgress,
     /// The request has been told how many prompt tokens came from the prefix cache.
     cached_reported: bool,
-    /// Part of a micro-batch that has not come back yet.
-    in_flight: bool,
+    /// Micro-batches holding a chunk of it that have not come back yet (more than one only
+    /// while its prompt is prefilled as a wavefront).
+    in_flight: u32,
+    /// Positions whose K/V every stage has written: the end of its latest chunk that came back.
+    landed: usize,
+    /// Its client went away while chunks were in flight: nothing more is sent for it, and it
+    /// is stopped once they are back.
+    cancelled: bool,
+    /// A micro-batch of it failed while other chunks were in flight: the request has been
+    /// told, and its KV is released once those chunks are back (a stage still writes them).
+    failed: bool,
     /// Id of the latest micro-batch it was part of (0: none yet).
     last_batch: u64,
     /// Times it moved to a rebuilt pipeline.
@@ -76,25 +89,27 @@ impl Seq {
         self.prefilled == self.prefill_len
     }
 
+    /// Whether a chunk of it may join the next micro-batch: when none is in flight, or while
+    /// its prompt still has chunks to send (they follow the ones in flight through every
+    /// stage in order).
+    fn schedulable(&self) -> bool {
+        !self.cancelled && !self.failed && (self.in_flight == 0 || !self.decoding())
+    }
+
     /// Drop this sequence's KV to make room for others; it is prefilled again from all its
     /// tokens later and then continues where it was (greedy output is unchanged; a seeded
     /// sampler skips the draws it made, so its random stream continues too).
     fn preempt(&mut self, alloc: &mut BlockAllocator) {
+        debug_assert!(
+            self.in_flight == 0,
+            "a sequence with chunks in flight is never preempted"
+        );
         alloc.release(&mut self.blocks);
         self.prefilled = 0;
+        self.landed = 0;
         self.reused = 0;
         self.indexed = IndexProgress::Start;
         self.prefill_len = self.tokens.len();
-    }
-
-    /// Positions whose K/V every stage has written (call when no micro-batch of it is in
-    /// flight): a decoding sequence's last token is not computed yet.
-    fn computed(&self) -> usize {
-        if self.decoding() {
-            self.tokens.len() - 1
-        } else {
-            self.prefilled
-        }
     }
 
     /// Before the first chunk of a (re)start: take the cached blocks the tokens to prefill start
@@ -104,6 +119,7 @@ impl Seq {
         let reused = alloc.take_prefix(&mut self.blocks, &self.tokens[..self.prefill_len]);
         self.reused = reused;
         self.prefilled = reused;
+        self.landed = reused;
         self.indexed = IndexProgress::Indexed(reused / alloc.block_size());
         self.span.record("cached_tokens", reused);
         // Reported once per request (usage.prompt_tokens_details), not again after a preemption.
@@ -192,7 +208,7 @@ fn micro_batch_share(running: usize, idle: usize, depth: usize, free: usize) -> 
 /// one a capped batch left behind goes next); then prompts in arrival order.
 fn pick_idle(active: &mut [Seq], depth: usize, free: usize) -> Vec<&mut Seq> {
     let running = active.len();
-    let mut idle: Vec<&mut Seq> = active.iter_mut().filter(|s| !s.in_flight).collect();
+    let mut idle: Vec<&mut Seq> = active.iter_mut().filter(|s| s.schedulable()).collect();
     let share = micro_batch_share(running, idle.len(), depth, free);
     // Stable: ties keep arrival order.
     idle.sort_by_key(|s| (!s.decoding(), if s.decoding() { s.last_batch } else { 0 }));
@@ -263,7 +279,7 @@ fn preemption_victim(active: &[Seq], starved: &[u64], in_flight: bool, alloc: &B
     let candidates = || {
         active.iter().enumerate().rev().filter(|(_, s)| {
             let spared = in_flight && starved.contains(&s.id);
-            let unavailable = s.in_flight || s.blocks.is_empty() || spared;
+            let unavailable = s.in_flight > 0 || s.blocks.is_empty() || spared;
             !unavailable
         })
     };
@@ -385,8 +401,8 @@ impl<'a> Scheduler<'a> {
     }
 
     /// Stop sequences whose requests went away and free their KV; returns the ids it stopped.
-    /// One with a micro-batch in flight stays until that batch returns (so Free cannot overtake
-    /// it): abort it again then.
+    /// One with micro-batches in flight stays (sending nothing more) until they return, so
+    /// Free cannot overtake them: abort it again then.
     pub fn abort(&mut self, ids: &[u64], out: &mut Outbox) -> Vec<u64> {
         if ids.is_empty() {
             return Vec::new();
@@ -399,8 +415,11 @@ impl<'a> Scheduler<'a> {
         }
         let (mut gone, kept): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut self.active)
             .into_iter()
-            .partition(|s| ids.contains(&s.id) && !s.in_flight);
+            .partition(|s| ids.contains(&s.id) && s.in_flight == 0);
         self.active = kept;
+        for s in self.active.iter_mut().filter(|s| ids.contains(&s.id)) {
+            s.cancelled = true;
+        }
         for s in &mut gone {
             record_outcome(s, "cancelled");
             self.alloc.release(&mut s.blocks);
@@ -447,14 +466,20 @@ impl<'a> Scheduler<'a> {
                     break;
                 }
                 let members: Vec<u64> = seqs.iter().map(|c| c.seq_id).collect();
+                let ends: Vec<usize> = seqs.iter().map(|c| c.pos0 as usize + c.tokens.len()).collect();
                 self.batch_id += 1;
                 let batch_id = self.batch_id;
+                // Prompt chunks sent while an earlier chunk of theirs is still on a stage.
+                let mut wavefront = 0;
                 for s in idle.iter_mut().filter(|s| members.contains(&s.id)) {
-                    s.in_flight = true;
+                    wavefront += usize::from(s.in_flight > 0);
+                    s.in_flight += 1;
                     s.last_batch = batch_id;
                 }
+                metrics::counter!("baton_wavefront_chunks_total").increment(wavefront as u64);
                 let batch_tokens: usize = seqs.iter().map(|c| c.tokens.len()).sum();
                 let span = step_span(batch_id, &idle, &members, batch_tokens, decode);
+                span.record("wavefront_chunks", wavefront);
                 metrics::counter!("baton_prefill_tokens_total").increment((batch_tokens - decode) as u64);
                 self.status
                     .prompt_tokens
@@ -478,6 +503,7 @@ impl<'a> Scheduler<'a> {
                 self.in_flight.push_back(InFlight {
                     batch_id,
                     members,
+                    ends,
                     sent: Instant::now(),
                     span,
                 });
@@ -559,34 +585,34 @@ impl<'a> Scheduler<'a> {
         metrics::histogram!("baton_step_seconds").record(done_batch.sent.elapsed().as_secs_f64());
         self.status.record_step(done_batch.sent.elapsed());
         metrics::gauge!("baton_micro_batches_in_flight").set(self.in_flight.len() as f64);
-        for s in self.active.iter_mut().filter(|s| done_batch.members.contains(&s.id)) {
-            s.in_flight = false;
+        for (id, end) in done_batch.members.iter().zip(&done_batch.ends) {
+            if let Some(s) = self.active.iter_mut().find(|s| s.id == *id) {
+                s.in_flight -= 1;
+                s.landed = s.landed.max(*end);
+            }
         }
         if !reply.error.is_empty() {
             // A bad batch (not a dead stage): fail its sequences, keep serving the others.
             tracing::warn!(error = %reply.error, "micro-batch failed");
-            let (mut failed, kept): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut self.active)
-                .into_iter()
-                .partition(|s| done_batch.members.contains(&s.id));
-            self.active = kept;
-            for s in &mut failed {
-                self.alloc.release(&mut s.blocks);
-                record_outcome(s, "failed");
-                out.event(
-                    s.id,
-                    TokenEvent::Failed {
-                        message: reply.error.clone(),
-                        retriable: false,
-                    },
-                );
+            for s in self.active.iter_mut().filter(|s| done_batch.members.contains(&s.id)) {
+                if !s.failed {
+                    s.failed = true;
+                    record_outcome(s, "failed");
+                    out.event(
+                        s.id,
+                        TokenEvent::Failed {
+                            message: reply.error.clone(),
+                            retriable: false,
+                        },
+                    );
+                }
             }
-            out.free.extend(failed.iter().map(|s| s.id));
-            self.publish_blocks();
+            self.release_failed(out);
             return Ok(());
         }
         let mut finished = Vec::new();
         for r in reply.results {
-            let Some(seq) = self.active.iter_mut().find(|s| s.id == r.seq_id) else {
+            let Some(seq) = self.active.iter_mut().find(|s| s.id == r.seq_id && !s.failed) else {
                 continue;
             };
             seq.tokens.push(r.token);
@@ -615,17 +641,33 @@ impl<'a> Scheduler<'a> {
         }
         // The batch's K/V is on every stage now: offer its members' full blocks to the prefix
         // index (before finished sequences release them, so they stay reusable).
-        for s in self.active.iter_mut().filter(|s| done_batch.members.contains(&s.id)) {
-            let computed = s.computed();
-            self.alloc.index(&s.blocks, &s.tokens, computed, &mut s.indexed);
+        for s in self
+            .active
+            .iter_mut()
+            .filter(|s| done_batch.members.contains(&s.id) && !s.failed)
+        {
+            self.alloc.index(&s.blocks, &s.tokens, s.landed, &mut s.indexed);
         }
         for s in self.active.iter_mut().filter(|s| finished.contains(&s.id)) {
             self.alloc.release(&mut s.blocks);
         }
         self.active.retain(|s| !finished.contains(&s.id));
         out.free.extend(finished);
-        self.publish_blocks();
+        self.release_failed(out);
         Ok(())
+    }
+
+    /// Release the KV of failed sequences whose chunks are all back, and drop them.
+    fn release_failed(&mut self, out: &mut Outbox) {
+        let (mut gone, kept): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut self.active)
+            .into_iter()
+            .partition(|s| s.failed && s.in_flight == 0);
+        self.active = kept;
+        for s in &mut gone {
+            self.alloc.release(&mut s.blocks);
+            out.free.push(s.id);
+        }
+        self.publish_blocks();
     }
 
     /// The pipeline is going away (`reason`): hand back every admitted and waiting sequence,
@@ -686,6 +728,8 @@ impl<'a> Scheduler<'a> {
 struct InFlight {
     batch_id: u64,
     members: Vec<u64>,
+    /// Where each member's chunk ends: its K/V up to there is on every stage once this is back.
+    ends: Vec<usize>,
     sent: Instant,
     /// `pipeline.step`, from send until its tokens are handed out.
     span: tracing::Span,
@@ -704,6 +748,7 @@ fn step_span(batch_id: u64, seqs: &[&mut Seq], members: &[u64], batch_tokens: us
         batch_tokens,
         decode_tokens = decode,
         prefill_tokens = batch_tokens - decode,
+        wavefront_chunks = tracing::field::Empty,
     );
     for s in in_batch {
         // Exported as a span link.
@@ -752,7 +797,10 @@ fn new_seq(s: SeqRequest) -> Seq {
         submitted: s.submitted,
         last_token: resume.last_token,
         prefilled: 0,
-        in_flight: false,
+        in_flight: 0,
+        landed: 0,
+        cancelled: false,
+        failed: false,
         last_batch: 0,
         migrations: resume.migrations,
         prompt_len: s.req.prompt.len(),
@@ -791,7 +839,10 @@ mod tests {
             tokens,
             prompt_len: prompt,
             prefilled,
-            in_flight: false,
+            in_flight: 0,
+            landed: if generated > 0 { prompt + generated - 1 } else { 0 },
+            cancelled: false,
+            failed: false,
             last_batch: 0,
             migrations: 0,
             req,
@@ -810,13 +861,13 @@ mod tests {
                 active
                     .iter_mut()
                     .filter(|s| back.contains(&s.id))
-                    .for_each(|s| s.in_flight = false);
+                    .for_each(|s| s.in_flight -= 1);
             }
             batch_id += 1;
             let picked: Vec<u64> = pick_idle(active, depth, depth - in_flight.len())
                 .into_iter()
                 .map(|s| {
-                    s.in_flight = true;
+                    s.in_flight += 1;
                     s.last_batch = batch_id;
                     s.id
                 })
@@ -982,6 +1033,212 @@ mod tests {
             .collect()
     }
 
+    /// Every chunk a sequence sends starts where its previous one ended (stages run
+    /// micro-batches in the order sent, so that is the order its K/V is written in).
+    fn check_contiguous(batch: &MicroBatch, next: &mut std::collections::HashMap<u64, u32>) {
+        for c in &batch.seqs {
+            let at = next.entry(c.seq_id).or_insert(c.pos0);
+            assert_eq!(c.pos0, *at, "sequence {} skipped or repeated positions", c.seq_id);
+            *at = c.pos0 + c.tokens.len() as u32;
+        }
+    }
+
+    #[test]
+    fn a_long_prompt_has_a_chunk_on_every_stage() {
+        let mut config = pipeline_config(4, vec![]);
+        config.max_context = 512;
+        let status = PipelineStatus::default();
+        let mut sched = Scheduler::new(&config, &status, 2, 32);
+        let mut out = Outbox::default();
+        let mut queue = vec![request(1, (1..=100).collect(), 2)];
+        sched.admit(|| queue.pop(), &mut out);
+        let token = |_: u64, pos: u32| pos;
+        let chunk = |b: &MicroBatch| (b.seqs[0].pos0, b.seqs[0].tokens.len(), b.seqs[0].sample);
+        // Two stages, 32 tokens a micro-batch: the first two chunks go at once.
+        sched.schedule(&mut out);
+        let mut sent: VecDeque<MicroBatch> = out.batches.drain(..).collect();
+        assert_eq!(
+            sent.iter().map(chunk).collect::<Vec<_>>(),
+            [(0, 32, false), (32, 32, false)]
+        );
+        assert!(sent[0].seqs[0].sampling.is_some() && sent[1].seqs[0].sampling.is_none());
+        // The first is back: the third enters while the second is on the last stage.
+        sched
+            .on_result(answer(&sent.pop_front().unwrap(), token), &mut out)
+            .unwrap();
+        sched.schedule(&mut out);
+        sent.extend(out.batches.drain(..));
+        assert_eq!(chunk(&sent[1]), (64, 32, false));
+        // The last chunk samples; nothing follows it until its token is back.
+        sched
+            .on_result(answer(&sent.pop_front().unwrap(), token), &mut out)
+            .unwrap();
+        sched.schedule(&mut out);
+        sent.extend(out.batches.drain(..));
+        assert_eq!(chunk(&sent[1]), (96, 4, true));
+        sched
+            .on_result(answer(&sent.pop_front().unwrap(), token), &mut out)
+            .unwrap();
+        sched.schedule(&mut out);
+        assert!(
+            out.batches.is_empty() && out.events.is_empty(),
+            "the first token is not back yet"
+        );
+        sched
+            .on_result(answer(&sent.pop_front().unwrap(), token), &mut out)
+            .unwrap();
+        assert_eq!(tokens_of(&out.events, 1), [100]);
+        sched.schedule(&mut out);
+        assert_eq!(chunk(&out.batches[0]), (100, 1, true), "then it decodes");
+    }
+
+    #[test]
+    fn wavefront_chunks_keep_every_sequence_in_order_and_its_tokens_unchanged() {
+        let mut config = pipeline_config(8, vec![]);
+        config.max_context = 512;
+        let requests = || {
+            let mut q: Vec<SeqRequest> = [(1, 150, 6), (2, 7, 9), (3, 70, 4), (4, 33, 12), (5, 1, 3)]
+                .into_iter()
+                .map(|(id, len, max)| request(id, (0..len).map(|t| (t * 3 + id as u32) % 50).collect(), max))
+                .collect();
+            q.reverse();
+            q
+        };
+        let token = |seq: u64, pos: u32| (seq as u32 * 7 + pos) % 50;
+        let mut alone = Vec::new();
+        for depth in [1, 2, 3] {
+            let status = PipelineStatus::default();
+            let mut sched = Scheduler::new(&config, &status, depth, 64);
+            let mut out = Outbox::default();
+            let mut queue = requests();
+            sched.admit(|| queue.pop(), &mut out);
+            let (mut sent, mut events, mut next) = (VecDeque::new(), Vec::new(), Default::default());
+            let mut most = 0;
+            for _ in 0..500 {
+                sched.schedule(&mut out);
+                for b in out.batches.drain(..) {
+                    check_contiguous(&b, &mut next);
+                    sent.push_back(b);
+                }
+                let chunks_of_1 = sent.iter().filter(|b| b.seqs.iter().any(|c| c.seq_id == 1)).count();
+                most = most.max(chunks_of_1);
+                let Some(batch) = sent.pop_front() else { break };
+                sched.on_result(answer(&batch, token), &mut out).unwrap();
+                events.append(&mut out.events);
+            }
+            assert!(sched.is_idle(), "depth {depth}: every request finished");
+            assert_eq!(
+                most, depth,
+                "depth {depth}: the long prompt had a chunk in every micro-batch"
+            );
+            let per_seq: Vec<Vec<u32>> = (1..=5).map(|id| tokens_of(&events, id)).collect();
+            if depth == 1 {
+                alone = per_seq;
+            } else {
+                assert_eq!(per_seq, alone, "depth {depth}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_failed_chunk_releases_its_blocks_only_after_the_chunks_behind_it() {
+        let mut config = pipeline_config(4, vec![]);
+        config.max_context = 512;
+        let status = PipelineStatus::default();
+        let mut sched = Scheduler::new(&config, &status, 2, 32);
+        let mut out = Outbox::default();
+        let mut queue = vec![request(1, (1..=100).collect(), 2)];
+        sched.admit(|| queue.pop(), &mut out);
+        sched.schedule(&mut out);
+        let mut sent: VecDeque<MicroBatch> = out.batches.drain(..).collect();
+        assert_eq!(sent.len(), 2);
+        let held = sched.alloc.total() - sched.alloc.free();
+        let first = sent.pop_front().unwrap();
+        let failed = BatchResult {
+            batch_id: first.batch_id,
+            results: vec![],
+            error: "bad batch".into(),
+        };
+        sched.on_result(failed, &mut out).unwrap();
+        assert!(
+            matches!(out.events[..], [(1, TokenEvent::Failed { .. })]),
+            "told at once"
+        );
+        out.events.clear();
+        assert!(out.free.is_empty(), "its second chunk is still on a stage");
+        assert_eq!(
+            sched.alloc.total() - sched.alloc.free(),
+            held,
+            "blocks kept until it is back"
+        );
+        sched.schedule(&mut out);
+        assert!(out.batches.is_empty(), "nothing more is sent for it");
+        sched
+            .on_result(answer(&sent.pop_front().unwrap(), |_, p| p), &mut out)
+            .unwrap();
+        assert!(out.events.is_empty(), "no token after the failure");
+        assert_eq!(out.free, [1]);
+        assert_eq!(sched.alloc.free(), sched.alloc.total());
+        assert!(sched.is_idle());
+    }
+
+    #[test]
+    fn a_cancelled_prompt_sends_no_more_chunks_and_is_freed_when_they_are_back() {
+        let mut config = pipeline_config(4, vec![]);
+        config.max_context = 512;
+        let status = PipelineStatus::default();
+        let mut sched = Scheduler::new(&config, &status, 2, 32);
+        let mut out = Outbox::default();
+        let mut queue = vec![request(1, (1..=100).collect(), 2)];
+        sched.admit(|| queue.pop(), &mut out);
+        sched.schedule(&mut out);
+        let mut sent: VecDeque<MicroBatch> = out.batches.drain(..).collect();
+        assert!(sched.abort(&[1], &mut out).is_empty(), "chunks are in flight");
+        sched
+            .on_result(answer(&sent.pop_front().unwrap(), |_, p| p), &mut out)
+            .unwrap();
+        sched.schedule(&mut out);
+        assert!(out.batches.is_empty(), "no chunk follows a cancelled prompt's");
+        assert!(sched.abort(&[1], &mut out).is_empty(), "one chunk is still in flight");
+        sched
+            .on_result(answer(&sent.pop_front().unwrap(), |_, p| p), &mut out)
+            .unwrap();
+        assert_eq!(sched.abort(&[1], &mut out), [1]);
+        assert_eq!(out.free, [1]);
+        assert_eq!(sched.alloc.free(), sched.alloc.total());
+    }
+
+    #[test]
+    fn only_chunks_that_came_back_are_offered_to_the_prefix_cache() {
+        let mut config = pipeline_config(4, vec![]);
+        config.max_context = 512;
+        let status = PipelineStatus::default();
+        let mut sched = Scheduler::new(&config, &status, 2, 32);
+        let mut out = Outbox::default();
+        let prompt: Vec<u32> = (1..=64).collect();
+        let mut queue = vec![request(1, prompt.clone(), 2)];
+        sched.admit(|| queue.pop(), &mut out);
+        sched.schedule(&mut out);
+        let mut sent: VecDeque<MicroBatch> = out.batches.drain(..).collect();
+        assert_eq!(sent.len(), 2);
+        sched
+            .on_result(answer(&sent.pop_front().unwrap(), |_, p| p), &mut out)
+            .unwrap();
+        // Positions 32..64 are still on their way: a second prompt reuses only the first 32.
+        let mut longer = prompt.clone();
+        longer.extend([7, 8, 9]);
+        let mut queue = vec![request(2, longer, 2)];
+        sched.admit(|| queue.pop(), &mut out);
+        sched.schedule(&mut out);
+        let second = out
+            .batches
+            .iter()
+            .flat_map(|b| &b.seqs)
+            .find(|c| c.seq_id == 2)
+            .unwrap();
+        assert_eq!((second.pos0, second.cached), (32, 32));
+    }
+
     #[test]
     fn evacuated_sequences_resume_on_a_new_scheduler_with_the_same_tokens() {
         let config = pipeline_config(4, vec![]);
@@ -1109,7 +1366,7 @@ mod tests {
         }
         for s in &mut active[9..] {
             s.last_batch = 2;
-            s.in_flight = true;
+            s.in_flight = 1;
         }
         let mut in_flight = VecDeque::from([(9..16).collect::<Vec<u64>>()]);
         let sizes = ring(&mut active, 2, &mut in_flight, 6);
@@ -1124,7 +1381,7 @@ mod tests {
             "last micro-batch of each sequence: {sent:?}"
         );
         // One stage: every idle sequence goes at once.
-        active.iter_mut().for_each(|s| s.in_flight = false);
+        active.iter_mut().for_each(|s| s.in_flight = 0);
         assert_eq!(ring(&mut active, 1, &mut VecDeque::new(), 1), [16]);
         // Fewer sequences than an even split needs: every stage still gets a micro-batch.
         let mut four: Vec<Seq> = (0..4).map(|i| seq(i, 4, 1)).collect();
@@ -1137,14 +1394,14 @@ mod tests {
         // decodes first.
         let mut active: Vec<Seq> = (0..16).map(|i| seq(i, 4, 1)).collect();
         for s in &mut active[8..] {
-            s.in_flight = true;
+            s.in_flight = 1;
         }
         active[0] = seq(0, 4, 0);
         let first: Vec<u64> = pick_idle(&mut active, 2, 1).iter().map(|s| s.id).collect();
         assert_eq!(first, [1, 2, 3, 4, 5, 6, 7, 0], "decodes first, then the prompt");
         // Ten idle with a share of 8 (16 running over 2): the two prompts wait, not a decode.
         for s in &mut active[14..] {
-            s.in_flight = false;
+            s.in_flight = 0;
         }
         active[14] = seq(14, 4, 0);
         let picked: Vec<u64> = pick_idle(&mut active, 2, 1).iter().map(|s| s.id).collect();
@@ -1246,7 +1503,7 @@ mod tests {
         assert_eq!(chunk.blocks[..2], old.blocks[..2]);
         assert!(chunk.sampling.is_some() && chunk.sample);
         // Preempted and restarted, it looks the prefix up again, its own blocks included.
-        new.in_flight = false;
+        new.in_flight = 0;
         new.tokens.push(7);
         let tokens = new.tokens.clone();
         alloc.index(&new.blocks, &tokens, 50, &mut new.indexed);
