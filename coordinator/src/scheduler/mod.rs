@@ -1034,11 +1034,14 @@ mod tests {
     }
 
     /// Every chunk a sequence sends starts where its previous one ended (stages run
-    /// micro-batches in the order sent, so that is the order its K/V is written in).
+    /// micro-batches in the order sent, so that is the order its K/V is written in), except
+    /// the first chunk of a (re)start, which starts right after its cached prefix.
     fn check_contiguous(batch: &MicroBatch, next: &mut std::collections::HashMap<u64, u32>) {
         for c in &batch.seqs {
+            let restart = c.sampling.is_some();
             let at = next.entry(c.seq_id).or_insert(c.pos0);
-            assert_eq!(c.pos0, *at, "sequence {} skipped or repeated positions", c.seq_id);
+            let want = if restart { c.cached } else { *at };
+            assert_eq!(c.pos0, want, "sequence {} skipped or repeated positions", c.seq_id);
             *at = c.pos0 + c.tokens.len() as u32;
         }
     }
@@ -1097,7 +1100,7 @@ mod tests {
         let mut config = pipeline_config(8, vec![]);
         config.max_context = 512;
         let requests = || {
-            let mut q: Vec<SeqRequest> = [(1, 150, 6), (2, 7, 9), (3, 70, 4), (4, 33, 12), (5, 1, 3)]
+            let mut q: Vec<SeqRequest> = [(1, 150, 20), (2, 7, 30), (3, 70, 4), (4, 33, 40), (5, 1, 30)]
                 .into_iter()
                 .map(|(id, len, max)| request(id, (0..len).map(|t| (t * 3 + id as u32) % 50).collect(), max))
                 .collect();
@@ -1106,15 +1109,19 @@ mod tests {
         };
         let token = |seq: u64, pos: u32| (seq as u32 * 7 + pos) % 50;
         let mut alone = Vec::new();
-        for depth in [1, 2, 3] {
+        // 64 blocks hold everything; 12 make the newest sequences give way (preemption) while
+        // the long prompt has chunks in flight.
+        for (depth, blocks) in [(1, 64), (2, 64), (3, 64), (1, 12), (2, 12), (3, 12)] {
             let status = PipelineStatus::default();
-            let mut sched = Scheduler::new(&config, &status, depth, 64);
+            let mut sched = Scheduler::new(&config, &status, depth, blocks);
             let mut out = Outbox::default();
             let mut queue = requests();
             sched.admit(|| queue.pop(), &mut out);
             let (mut sent, mut events, mut next) = (VecDeque::new(), Vec::new(), Default::default());
             let mut most = 0;
             for _ in 0..500 {
+                // As the engine does: requests waiting for blocks are admitted when they free.
+                sched.admit(|| queue.pop(), &mut out);
                 sched.schedule(&mut out);
                 for b in out.batches.drain(..) {
                     check_contiguous(&b, &mut next);
@@ -1126,16 +1133,25 @@ mod tests {
                 sched.on_result(answer(&batch, token), &mut out).unwrap();
                 events.append(&mut out.events);
             }
-            assert!(sched.is_idle(), "depth {depth}: every request finished");
+            assert!(
+                sched.is_idle(),
+                "depth {depth}, {blocks} blocks: every request finished"
+            );
             assert_eq!(
                 most, depth,
                 "depth {depth}: the long prompt had a chunk in every micro-batch"
+            );
+            let preempted = status.preemptions.load(Ordering::Relaxed);
+            assert_eq!(
+                preempted > 0,
+                blocks == 12,
+                "depth {depth}, {blocks} blocks: {preempted} preemptions"
             );
             let per_seq: Vec<Vec<u32>> = (1..=5).map(|id| tokens_of(&events, id)).collect();
             if depth == 1 {
                 alone = per_seq;
             } else {
-                assert_eq!(per_seq, alone, "depth {depth}");
+                assert_eq!(per_seq, alone, "depth {depth}, {blocks} blocks");
             }
         }
     }
