@@ -8,7 +8,8 @@
 #
 #   ROUNDS=2 CONCURRENCY=16 REQUESTS=32 MAX_TOKENS=128 PROMPT_TOKENS=128   load (defaults shown)
 #   TEMPERATURE=1.0   sampling temperature sent with every request (0: greedy)
-#   WORKERS=1 WEIGHTS=q8_0 MAX_RUNNING=16 PORT=8291   how each server runs; WORKERS="1 2" runs
+#   WORKERS=1 WEIGHTS=q8_0 MAX_RUNNING=16 PORT=8291   how each server runs (MAX_RUNNING= empty:
+#                     each binary's default); WORKERS="1 2" runs
 #                     both worker counts in every round (1 × 2 threads, 2 × 1) and adds each
 #                     binary's pipeline efficiency: out tok/s with the last count ÷ the first
 #   OUT=DIR           keep raw outputs and server logs there (default: a new directory under /tmp)
@@ -24,7 +25,7 @@ PROMPT_TOKENS=${PROMPT_TOKENS:-128}
 TEMPERATURE=${TEMPERATURE:-1.0}
 WORKERS=${WORKERS:-1}
 WEIGHTS=${WEIGHTS:-q8_0}
-MAX_RUNNING=${MAX_RUNNING:-16}
+MAX_RUNNING=${MAX_RUNNING-16}
 PORT=${PORT:-8291}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 BATON_BENCH="$REPO/target/release/baton-bench"
@@ -41,8 +42,10 @@ echo "serving-ab: $ROUNDS rounds, concurrency $CONCURRENCY, temperature $TEMPERA
 for ((r = 1; r <= ROUNDS; r++)); do
     for w in $WORKERS; do for i in 0 1; do
         label=$([[ $i == 0 ]] && echo A || echo B)$w
+        running=()
+        [[ -n "$MAX_RUNNING" ]] && running=(--max-running "$MAX_RUNNING")
         "${BINS[$i]}" serve --weights "$WEIGHTS" --workers "$w" --host 127.0.0.1 --port "$PORT" \
-            --max-running "$MAX_RUNNING" >"$OUT/$label.$r.server.log" 2>&1 &
+            "${running[@]}" >"$OUT/$label.$r.server.log" 2>&1 &
         PID=$!
         wait_ready "http://127.0.0.1:$PORT" "$OUT/$label.$r.server.log" serving-ab
         url="http://127.0.0.1:$PORT"

@@ -205,9 +205,11 @@ pub struct PipelineSettings {
     /// Requests allowed to wait; more get HTTP 429.
     pub max_queue: usize,
     /// Sequences generated at once (each holds KV on every stage); more wait in the queue.
-    pub max_running: usize,
-    /// Tokens per pipeline step; longer prompts are prefilled in chunks.
-    pub max_batch_tokens: usize,
+    /// Unset: sized for each pipeline from the workers' measured step costs and KV pool.
+    pub max_running: Option<usize>,
+    /// Tokens per pipeline step; longer prompts are prefilled in chunks. Unset: sized for each
+    /// pipeline from the workers' measured step costs.
+    pub max_batch_tokens: Option<usize>,
     /// Positions per paged-KV block.
     pub kv_block_size: usize,
     /// At most this many KV blocks per pipeline (default: what every worker's kv_cache_mib fits).
@@ -266,8 +268,8 @@ impl Default for PipelineSettings {
         Self {
             served_model_name: None,
             max_queue: 64,
-            max_running: 8,
-            max_batch_tokens: 128,
+            max_running: None,
+            max_batch_tokens: None,
             kv_block_size: 16,
             kv_max_blocks: None,
             kv_dtype: KvDtypeSetting::F32,
@@ -611,14 +613,14 @@ mod tests {
             let (p, c) = (&s.serve.pipeline, &s.coordinator.pipeline);
             assert_eq!(
                 (s.serve.port, p.max_queue, p.max_running, p.max_batch_tokens),
-                (9000, 5, 3, 32)
+                (9000, 5, Some(3), Some(32))
             );
             assert_eq!(
                 (p.kv_dtype, p.split, p.weights),
                 (KvDtypeSetting::F16, SplitSetting::Even, WeightsSetting::Native)
             );
             assert_eq!(p.activation_dtype, ActivationDtypeSetting::F32);
-            assert_eq!((s.coordinator.workers, c.max_queue, c.max_running), (3, 7, 8));
+            assert_eq!((s.coordinator.workers, c.max_queue, c.max_running), (3, 7, None));
             assert_eq!(
                 (c.split, c.weights, c.activation_dtype),
                 (SplitSetting::Even, WeightsSetting::Q4_1, ActivationDtypeSetting::Bf16)
@@ -636,7 +638,7 @@ mod tests {
         assert_eq!(Settings::default().coordinator.pipeline, p);
         assert_eq!(
             (p.max_queue, p.max_running, p.max_batch_tokens, p.kv_block_size),
-            (64, 8, 128, 16)
+            (64, None, None, 16)
         );
         assert_eq!(
             (

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use baton_coordinator::generation::{FinishReason, GenerationRequest, Generator, TokenEvent};
+use baton_coordinator::pipeline::sizing::AutoLimits;
 use baton_coordinator::pipeline::{PipelineConfig, PipelineGenerator};
 use baton_coordinator::planner::SplitPolicy;
 use baton_coordinator::registry::{self, Cluster};
@@ -53,6 +54,8 @@ pub struct Limits {
     pub live_replan: Option<baton_coordinator::pipeline::replan::ReplanPolicy>,
     /// Pin worker `i` to CPU core `i` (with `taskset`), so a test can load one worker's core.
     pub pin_cores: bool,
+    /// Limits sized from the workers' profiles instead of the values above.
+    pub auto_limits: AutoLimits,
 }
 
 impl Default for Limits {
@@ -70,6 +73,7 @@ impl Default for Limits {
             queue_timeout: Duration::from_secs(120),
             live_replan: None,
             pin_cores: false,
+            auto_limits: AutoLimits::NONE,
         }
     }
 }
@@ -263,6 +267,7 @@ impl TestCluster {
             max_queue: limits.max_queue,
             max_running: limits.max_running,
             max_batch_tokens: limits.max_batch_tokens,
+            auto_limits: limits.auto_limits,
             weights: "f32".into(),
             kv_dim: cfg.kv_dim(),
             kv_block_size: 16,

@@ -278,3 +278,54 @@ async fn the_profile_rpc_answers_and_refuses_bad_requests() {
         .tokens;
     assert_eq!(got, want);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_left_open_are_sized_from_the_profiles_and_the_kv_pool() {
+    // An even split (the planner measures nothing) over two workers, with the running limit and
+    // the step's tokens left open: the coordinator profiles the workers for them. 48 blocks of
+    // 16 positions hold three sequences at the tiny model's 256-position context, so at most three
+    // run at once; every output is still what one process computes.
+    use baton_coordinator::pipeline::sizing::AutoLimits;
+    let tiny = fixtures().join("tiny/qwen3");
+    let cfg = ModelFiles::open(&tiny).unwrap().config().unwrap();
+    let files = ModelFiles::open(&tiny).unwrap();
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(6)
+    };
+    let prompts: Vec<Vec<u32>> = (0..5u32)
+        .map(|i| (0..(3 + 5 * i)).map(|t| (t * 13 + i) % 250 + 3).collect())
+        .collect();
+    let alone = |p: &[u32]| {
+        let mut engine = Engine::new(StageWeights::load_full(&files, &cfg, true).unwrap());
+        engine.generate(p, &params, None, |_| {}).unwrap().tokens
+    };
+    let want: Vec<Vec<u32>> = prompts.iter().map(|p| alone(p)).collect();
+    let limits = Limits {
+        kv_max_blocks: Some(48),
+        auto_limits: AutoLimits {
+            max_running: true,
+            max_batch_tokens: true,
+        },
+        ..Limits::default()
+    };
+    let tc = TestCluster::start_full(&tiny, &cfg, vec![], &[1], &[], limits).await;
+    let runs = prompts.iter().map(|p| tc.generate(p, params.clone()));
+    let got: Vec<Vec<u32>> = futures::future::join_all(runs)
+        .await
+        .into_iter()
+        .map(|r| r.unwrap().0)
+        .collect();
+    assert_eq!(got, want);
+    let view = tc.generator.describe();
+    let limits = &view["limits"];
+    assert_eq!(limits["max_running"], 3, "{view}");
+    assert_eq!(limits["max_running_bound"], "kv_pool", "{view}");
+    assert_eq!(view["max_running"], 3, "{view}");
+    let tokens_bound = limits["max_batch_tokens_bound"].as_str().unwrap();
+    assert!(
+        ["amortized", "step_seconds", "decode_rows"].contains(&tokens_bound),
+        "the step's tokens were sized from the profiles: {view}"
+    );
+    assert!(limits["max_batch_tokens"].as_u64().unwrap() >= 3, "{view}");
+}

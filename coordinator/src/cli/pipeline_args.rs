@@ -6,6 +6,7 @@ use anyhow::{Result, anyhow};
 use baton_coordinator::api::auth::ApiKeys;
 use baton_coordinator::api::server::HttpLimits;
 use baton_coordinator::pipeline::PipelineConfig;
+use baton_coordinator::pipeline::sizing::{AutoLimits, UNMEASURED_MAX_BATCH_TOKENS, UNMEASURED_MAX_RUNNING};
 use baton_coordinator::planner::SplitPolicy;
 use baton_shared::model_files::ModelFiles;
 use baton_shared::model_source::LoadedModel;
@@ -38,11 +39,12 @@ pub struct PipelineArgs {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_queue: Option<usize>,
     /// Sequences generated at once (each holds KV on every stage); more wait in the queue
-    /// [default: 8].
+    /// [default: sized from the workers' measured step costs and the KV pool].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_running: Option<usize>,
-    /// Tokens per pipeline step; longer prompts are prefilled in chunks [default: 128].
+    /// Tokens per pipeline step; longer prompts are prefilled in chunks [default: sized from the
+    /// workers' measured step costs].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_batch_tokens: Option<usize>,
@@ -200,7 +202,8 @@ pub(super) fn pipeline_config(
     max_context: usize,
 ) -> Result<PipelineConfig> {
     // With no running or queued slot every request would wait forever.
-    anyhow::ensure!(p.max_running > 0, "max_running must be at least 1");
+    anyhow::ensure!(p.max_running != Some(0), "max_running must be at least 1");
+    anyhow::ensure!(p.max_batch_tokens != Some(0), "max_batch_tokens must be at least 1");
     anyhow::ensure!(p.max_queue > 0, "max_queue must be at least 1");
     anyhow::ensure!(p.kv_block_size > 0, "kv_block_size must be at least 1");
     anyhow::ensure!(p.kv_max_blocks != Some(0), "kv_max_blocks must be at least 1");
@@ -213,8 +216,15 @@ pub(super) fn pipeline_config(
         activation_dtype: activation_dtype(p.activation_dtype),
         weights: p.weights.as_str().to_string(),
         max_queue: p.max_queue,
-        max_running: p.max_running,
-        max_batch_tokens: p.max_batch_tokens.max(p.max_running),
+        max_running: p.max_running.unwrap_or(UNMEASURED_MAX_RUNNING),
+        max_batch_tokens: p
+            .max_batch_tokens
+            .unwrap_or(UNMEASURED_MAX_BATCH_TOKENS)
+            .max(p.max_running.unwrap_or(1)),
+        auto_limits: AutoLimits {
+            max_running: p.max_running.is_none(),
+            max_batch_tokens: p.max_batch_tokens.is_none(),
+        },
         kv_block_size: p.kv_block_size,
         kv_max_blocks: p.kv_max_blocks,
         kv_dtype: kv_dtype(p.kv_dtype),

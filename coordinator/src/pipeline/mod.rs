@@ -4,6 +4,7 @@
 
 pub(crate) mod kv_blocks;
 pub mod replan;
+pub mod sizing;
 pub mod split;
 mod stage_stats;
 mod supervisor;
@@ -53,9 +54,14 @@ pub struct PipelineConfig {
     /// Requests waiting to start, beyond which submissions get 429.
     pub max_queue: usize,
     /// Sequences generated at once (each holds KV on every stage); others wait in the queue.
+    /// When `auto_limits.max_running`, the value used where nothing is measured.
     pub max_running: usize,
     /// Tokens per step (decode tokens first, then prompt chunks), bounding every stage's batch.
+    /// When `auto_limits.max_batch_tokens`, the value used where nothing is measured.
     pub max_batch_tokens: usize,
+    /// The limits each built pipeline sizes from its workers' profiles and KV pool
+    /// (`sizing`) instead of taking the values above.
+    pub auto_limits: sizing::AutoLimits,
     /// Width of one position's keys (or values) per layer: `num_kv_heads × head_dim`.
     pub kv_dim: usize,
     /// Positions per KV block.
@@ -114,8 +120,9 @@ impl PipelineConfig {
             activation_dtype: Dtype::F32,
             weights: "f32".into(),
             max_queue: 64,
-            max_running: 8,
-            max_batch_tokens: 128,
+            max_running: sizing::UNMEASURED_MAX_RUNNING,
+            max_batch_tokens: sizing::UNMEASURED_MAX_BATCH_TOKENS,
+            auto_limits: sizing::AutoLimits::NONE,
             kv_dim: config.kv_dim(),
             kv_block_size: 16,
             kv_max_blocks: None,
@@ -188,6 +195,8 @@ pub struct PipelineStatus {
     pub assignment: std::sync::Mutex<Vec<StageAssignment>>,
     /// How the current assignment's ranges were chosen.
     pub split: std::sync::Mutex<Option<split::SplitInfo>>,
+    /// The running-sequence and token limits the current pipeline runs with.
+    pub limits: std::sync::Mutex<Option<sizing::StepLimits>>,
     /// Tokens sampled for requests since start.
     pub generated_tokens: AtomicU64,
     /// Prompt tokens sent down the pipeline (prefill) since start.
@@ -411,6 +420,7 @@ impl Generator for PipelineGenerator {
                 })
             })
             .collect();
+        let limits = self.status.limits.lock().unwrap_or_else(|e| e.into_inner()).clone();
         serde_json::json!({
             "mode": if self.cluster.is_some() { "pipeline" } else { "in-process" },
             "ready": self.ready(),
@@ -421,7 +431,8 @@ impl Generator for PipelineGenerator {
             "workers": workers,
             "running_sequences": self.status.active_sequences.load(Ordering::Relaxed),
             "max_micro_batches_in_flight": self.status.max_in_flight.load(Ordering::Relaxed),
-            "max_running": self.config.max_running,
+            "max_running": limits.as_ref().map_or(self.config.max_running, |l| l.max_running),
+            "limits": limits.as_ref().map(sizing::StepLimits::to_json),
             "max_queue": self.config.max_queue,
             // Requests accepted and not yet admitted: what the submission channel holds.
             "queue_depth": self.submit_tx.max_capacity() - self.submit_tx.capacity(),

@@ -117,7 +117,7 @@ const PROFILE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(120
 
 /// The planner's view of every worker, from cached profiles or asked for now, all at once.
 /// Only valid answers are cached; an error names the first worker that failed.
-async fn profiles(
+pub(super) async fn profiles(
     config: &PipelineConfig,
     workers: &[WorkerEntry],
     clients: &[AuthedWorkerClient],
@@ -275,6 +275,7 @@ mod tests {
             max_queue: 1,
             max_running,
             max_batch_tokens: budget,
+            auto_limits: crate::pipeline::sizing::AutoLimits::NONE,
             kv_dim: 1,
             kv_block_size: 16,
             kv_max_blocks: None,

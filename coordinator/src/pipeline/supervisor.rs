@@ -15,6 +15,7 @@ use baton_worker::stage::Stage;
 use tokio::sync::mpsc;
 
 use super::replan::{self, DriftWatch, PlanInputs, Staged, Staging};
+use super::sizing::{self, StageCosts, StepLimits};
 use super::split::{self, ProfileCache, SplitInfo};
 use super::stage_stats;
 use super::{NewSequence, PipelineConfig, PipelineStatus};
@@ -34,10 +35,12 @@ pub struct StageAssignment {
     pub layers: Range<usize>,
 }
 
-/// A built pipeline: clients for every stage, in order, and the KV blocks every stage holds.
+/// A built pipeline: clients for every stage, in order, the KV blocks every stage holds and
+/// the step limits it runs with.
 pub(crate) struct Pipeline {
     pub stages: Vec<(StageAssignment, AuthedWorkerClient)>,
     pub kv_blocks: usize,
+    pub limits: StepLimits,
 }
 
 /// The most KV blocks every stage's pool fits in its worker's budget (and the configured cap).
@@ -93,6 +96,8 @@ async fn build(
         })?;
         clients.push(client.max_encoding_message_size(MAX_MESSAGE));
     }
+    let (config, limits) = size_limits(config, workers, &clients, profiles).await;
+    let config = &config;
     let (mut ranges, mut split) = split::choose(config, workers, &clients, profiles, status).await?;
     let kv_blocks = match kv_blocks(config, workers, &ranges) {
         Ok(b) => b,
@@ -120,7 +125,72 @@ async fn build(
         .collect();
     // Load every stage (they load in parallel: SmolLM2 takes seconds per stage).
     load_stages(config, &stages, kv_blocks, false).await?;
-    Ok((Pipeline { stages, kv_blocks }, split))
+    Ok((
+        Pipeline {
+            stages,
+            kv_blocks,
+            limits,
+        },
+        split,
+    ))
+}
+
+/// `config` with the limits it leaves open sized (`sizing`) from the workers' profiles (taken
+/// now if not cached; the split planner reuses them) for an even split over `workers`, and the
+/// KV pool that split would have. A worker that cannot be profiled leaves them unmeasured.
+async fn size_limits(
+    config: &PipelineConfig,
+    workers: &[WorkerEntry],
+    clients: &[AuthedWorkerClient],
+    profiles: &mut ProfileCache,
+) -> (PipelineConfig, StepLimits) {
+    let even = even_split(config.num_layers, workers.len());
+    let kv_positions = kv_blocks(config, workers, &even).map_or(0, |b| b * config.kv_block_size);
+    let measured = match config.auto_limits.any() {
+        true => split::profiles(config, workers, clients, profiles)
+            .await
+            .inspect_err(|e| tracing::warn!("step limits stay unmeasured: {e}"))
+            .ok(),
+        false => None,
+    };
+    let costs = measured.as_ref().map(|w| StageCosts {
+        workers: w,
+        ranges: &even,
+        layer_costs: &config.layer_costs,
+    });
+    let limits = sizing::size(
+        config.auto_limits,
+        config.max_running,
+        config.max_batch_tokens,
+        workers.len(),
+        costs.as_ref(),
+        kv_positions,
+        config.max_context,
+    );
+    (with_limits(config, &limits), limits)
+}
+
+/// `config` running with `limits`.
+fn with_limits(config: &PipelineConfig, limits: &StepLimits) -> PipelineConfig {
+    PipelineConfig {
+        max_running: limits.max_running,
+        max_batch_tokens: limits.max_batch_tokens,
+        ..config.clone()
+    }
+}
+
+/// Publish the limits a pipeline runs with (`/admin/cluster`, gauges, a log line).
+fn publish_limits(limits: &StepLimits, status: &PipelineStatus) {
+    tracing::info!(
+        max_running = limits.max_running,
+        running_bound = limits.running_bound,
+        max_batch_tokens = limits.max_batch_tokens,
+        tokens_bound = limits.tokens_bound,
+        "step limits"
+    );
+    metrics::gauge!("baton_max_running_sequences").set(limits.max_running as f64);
+    metrics::gauge!("baton_max_batch_tokens").set(limits.max_batch_tokens as f64);
+    *status.limits.lock().unwrap_or_else(|e| e.into_inner()) = Some(limits.clone());
 }
 
 /// LoadStage on every stage's worker at once: stage `i` holds its assignment's layers and
@@ -388,8 +458,9 @@ pub(crate) async fn run(
         let workers = &workers[..];
         let built_config = PipelineConfig {
             stages,
-            ..config.clone()
+            ..with_limits(&config, &pipeline.limits)
         };
+        publish_limits(&pipeline.limits, &status);
         let assignment: Vec<_> = pipeline.stages.iter().map(|(a, _)| a.clone()).collect();
         for (i, secs) in split.predicted_seconds.iter().enumerate() {
             metrics::gauge!("baton_stage_predicted_seconds", "stage" => i.to_string()).set(*secs);
@@ -438,7 +509,7 @@ pub(crate) async fn run(
                     profiles.slow(workers, &due.scales);
                     // Only a drained pipeline switches; after a failure the stages are rebuilt.
                     if let Some(staged) = due.staged.filter(|_| failure.planned == Some("measured_drift")) {
-                        switched = activate(workers, staged, &status).await;
+                        switched = activate(workers, staged, pipeline.limits.clone(), &status).await;
                     }
                 }
             }
@@ -453,9 +524,15 @@ struct Switched {
     split: SplitInfo,
 }
 
-/// Switch every worker to the stage it loaded beside the served one; None (after which the
-/// supervisor builds as usual) when any worker fails to.
-async fn activate(workers: &[WorkerEntry], staged: Staged, status: &PipelineStatus) -> Option<Switched> {
+/// Switch every worker to the stage it loaded beside the served one, keeping the old
+/// pipeline's `limits`; None (after which the supervisor builds as usual) when any worker
+/// fails to.
+async fn activate(
+    workers: &[WorkerEntry],
+    staged: Staged,
+    limits: StepLimits,
+    status: &PipelineStatus,
+) -> Option<Switched> {
     let activations = staged.stages.iter().map(|(a, c)| {
         let mut c = c.clone();
         let address = a.address.clone();
@@ -493,6 +570,7 @@ async fn activate(workers: &[WorkerEntry], staged: Staged, status: &PipelineStat
         pipeline: Pipeline {
             stages: staged.stages,
             kv_blocks: staged.kv_blocks,
+            limits,
         },
         split,
     })
@@ -620,9 +698,21 @@ pub(crate) async fn run_local(
                 continue;
             }
         };
+        // Nothing here is profiled: the limits left open are bounded by the KV pool only.
+        let limits = sizing::size(
+            config.auto_limits,
+            config.max_running,
+            config.max_batch_tokens,
+            1,
+            None,
+            kv_blocks * config.kv_block_size,
+            config.max_context,
+        );
+        publish_limits(&limits, &status);
+        let sized = with_limits(&config, &limits);
         publish_ready(&status, vec![assignment], kv_blocks);
         recovery = None;
-        match engine::run(&config, &mut exec, kv_blocks, &mut submit_rx, &mut backlog, &status).await {
+        match engine::run(&sized, &mut exec, kv_blocks, &mut submit_rx, &mut backlog, &status).await {
             EngineEnd::Shutdown => return,
             EngineEnd::Interrupted(failure) => pipeline_ended(&failure, &mut recovery, &status),
         }

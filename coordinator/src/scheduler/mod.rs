@@ -895,6 +895,7 @@ mod tests {
             max_queue: 8,
             max_running,
             max_batch_tokens: 64,
+            auto_limits: crate::pipeline::sizing::AutoLimits::NONE,
             kv_dim: 1,
             kv_block_size: 16,
             kv_max_blocks: None,
