@@ -1047,59 +1047,78 @@ mod tests {
         }
     }
 
+    /// A 2-stage scheduler (32 tokens a micro-batch, 32 blocks) running one `prompt`-token
+    /// request (sequence 1), scheduled once: its first micro-batches are in `sent`.
+    struct LongPrompt<'a> {
+        sched: Scheduler<'a>,
+        out: Outbox,
+        sent: VecDeque<MicroBatch>,
+    }
+
+    /// A configuration whose context holds the long prompts of these tests.
+    fn long_context_config() -> PipelineConfig {
+        PipelineConfig {
+            max_context: 512,
+            ..pipeline_config(4, vec![])
+        }
+    }
+
+    impl<'a> LongPrompt<'a> {
+        fn start(config: &'a PipelineConfig, status: &'a PipelineStatus, prompt: u32) -> Self {
+            let mut sched = Scheduler::new(config, status, 2, 32);
+            let mut out = Outbox::default();
+            let mut queue = vec![request(1, (1..=prompt).collect(), 2)];
+            sched.admit(|| queue.pop(), &mut out);
+            sched.schedule(&mut out);
+            let sent = out.batches.drain(..).collect();
+            Self { sched, out, sent }
+        }
+
+        /// The oldest micro-batch comes back (answered with each position as its token), then
+        /// the scheduler fills the free slot.
+        fn return_oldest(&mut self) {
+            let batch = self.sent.pop_front().expect("a micro-batch in flight");
+            self.sched
+                .on_result(answer(&batch, |_, pos| pos), &mut self.out)
+                .unwrap();
+            self.sched.schedule(&mut self.out);
+            self.sent.extend(self.out.batches.drain(..));
+        }
+    }
+
     #[test]
     fn a_long_prompt_has_a_chunk_on_every_stage() {
-        let mut config = pipeline_config(4, vec![]);
-        config.max_context = 512;
-        let status = PipelineStatus::default();
-        let mut sched = Scheduler::new(&config, &status, 2, 32);
-        let mut out = Outbox::default();
-        let mut queue = vec![request(1, (1..=100).collect(), 2)];
-        sched.admit(|| queue.pop(), &mut out);
-        let token = |_: u64, pos: u32| pos;
+        let (config, status) = (long_context_config(), PipelineStatus::default());
+        let mut lp = LongPrompt::start(&config, &status, 100);
         let chunk = |b: &MicroBatch| (b.seqs[0].pos0, b.seqs[0].tokens.len(), b.seqs[0].sample);
         // Two stages, 32 tokens a micro-batch: the first two chunks go at once.
-        sched.schedule(&mut out);
-        let mut sent: VecDeque<MicroBatch> = out.batches.drain(..).collect();
         assert_eq!(
-            sent.iter().map(chunk).collect::<Vec<_>>(),
+            lp.sent.iter().map(chunk).collect::<Vec<_>>(),
             [(0, 32, false), (32, 32, false)]
         );
-        assert!(sent[0].seqs[0].sampling.is_some() && sent[1].seqs[0].sampling.is_none());
+        assert!(lp.sent[0].seqs[0].sampling.is_some() && lp.sent[1].seqs[0].sampling.is_none());
         // The first is back: the third enters while the second is on the last stage.
-        sched
-            .on_result(answer(&sent.pop_front().unwrap(), token), &mut out)
-            .unwrap();
-        sched.schedule(&mut out);
-        sent.extend(out.batches.drain(..));
-        assert_eq!(chunk(&sent[1]), (64, 32, false));
+        lp.return_oldest();
+        assert_eq!(chunk(&lp.sent[1]), (64, 32, false));
         // The last chunk samples; nothing follows it until its token is back.
-        sched
-            .on_result(answer(&sent.pop_front().unwrap(), token), &mut out)
-            .unwrap();
-        sched.schedule(&mut out);
-        sent.extend(out.batches.drain(..));
-        assert_eq!(chunk(&sent[1]), (96, 4, true));
-        sched
-            .on_result(answer(&sent.pop_front().unwrap(), token), &mut out)
-            .unwrap();
-        sched.schedule(&mut out);
+        lp.return_oldest();
+        assert_eq!(chunk(&lp.sent[1]), (96, 4, true));
+        lp.return_oldest();
         assert!(
-            out.batches.is_empty() && out.events.is_empty(),
+            lp.sent.len() == 1 && lp.out.events.is_empty(),
             "the first token is not back yet"
         );
-        sched
-            .on_result(answer(&sent.pop_front().unwrap(), token), &mut out)
-            .unwrap();
-        assert_eq!(tokens_of(&out.events, 1), [100]);
-        sched.schedule(&mut out);
-        assert_eq!(chunk(&out.batches[0]), (100, 1, true), "then it decodes");
+        lp.return_oldest();
+        assert_eq!(tokens_of(&lp.out.events, 1), [100]);
+        assert_eq!(chunk(&lp.sent[0]), (100, 1, true), "then it decodes");
     }
 
     #[test]
     fn wavefront_chunks_keep_every_sequence_in_order_and_its_tokens_unchanged() {
-        let mut config = pipeline_config(8, vec![]);
-        config.max_context = 512;
+        let config = PipelineConfig {
+            max_running: 8,
+            ..long_context_config()
+        };
         let requests = || {
             let mut q: Vec<SeqRequest> = [(1, 150, 20), (2, 7, 30), (3, 70, 4), (4, 33, 40), (5, 1, 30)]
                 .into_iter()
@@ -1159,15 +1178,12 @@ mod tests {
 
     #[test]
     fn a_failed_chunk_releases_its_blocks_only_after_the_chunks_behind_it() {
-        let mut config = pipeline_config(4, vec![]);
-        config.max_context = 512;
-        let status = PipelineStatus::default();
-        let mut sched = Scheduler::new(&config, &status, 2, 32);
-        let mut out = Outbox::default();
-        let mut queue = vec![request(1, (1..=100).collect(), 2)];
-        sched.admit(|| queue.pop(), &mut out);
-        sched.schedule(&mut out);
-        let mut sent: VecDeque<MicroBatch> = out.batches.drain(..).collect();
+        let (config, status) = (long_context_config(), PipelineStatus::default());
+        let LongPrompt {
+            mut sched,
+            mut out,
+            mut sent,
+        } = LongPrompt::start(&config, &status, 100);
         assert_eq!(sent.len(), 2);
         let held = sched.alloc.total() - sched.alloc.free();
         let first = sent.pop_front().unwrap();
@@ -1188,66 +1204,44 @@ mod tests {
             held,
             "blocks kept until it is back"
         );
-        sched.schedule(&mut out);
-        assert!(out.batches.is_empty(), "nothing more is sent for it");
-        sched
-            .on_result(answer(&sent.pop_front().unwrap(), |_, p| p), &mut out)
-            .unwrap();
-        assert!(out.events.is_empty(), "no token after the failure");
-        assert_eq!(out.free, [1]);
-        assert_eq!(sched.alloc.free(), sched.alloc.total());
-        assert!(sched.is_idle());
+        let mut lp = LongPrompt { sched, out, sent };
+        lp.return_oldest();
+        assert!(lp.sent.is_empty(), "nothing more is sent for it");
+        assert!(lp.out.events.is_empty(), "no token after the failure");
+        assert_eq!(lp.out.free, [1]);
+        assert_eq!(lp.sched.alloc.free(), lp.sched.alloc.total());
+        assert!(lp.sched.is_idle());
     }
 
     #[test]
     fn a_cancelled_prompt_sends_no_more_chunks_and_is_freed_when_they_are_back() {
-        let mut config = pipeline_config(4, vec![]);
-        config.max_context = 512;
-        let status = PipelineStatus::default();
-        let mut sched = Scheduler::new(&config, &status, 2, 32);
-        let mut out = Outbox::default();
-        let mut queue = vec![request(1, (1..=100).collect(), 2)];
-        sched.admit(|| queue.pop(), &mut out);
-        sched.schedule(&mut out);
-        let mut sent: VecDeque<MicroBatch> = out.batches.drain(..).collect();
-        assert!(sched.abort(&[1], &mut out).is_empty(), "chunks are in flight");
-        sched
-            .on_result(answer(&sent.pop_front().unwrap(), |_, p| p), &mut out)
-            .unwrap();
-        sched.schedule(&mut out);
-        assert!(out.batches.is_empty(), "no chunk follows a cancelled prompt's");
-        assert!(sched.abort(&[1], &mut out).is_empty(), "one chunk is still in flight");
-        sched
-            .on_result(answer(&sent.pop_front().unwrap(), |_, p| p), &mut out)
-            .unwrap();
-        assert_eq!(sched.abort(&[1], &mut out), [1]);
-        assert_eq!(out.free, [1]);
-        assert_eq!(sched.alloc.free(), sched.alloc.total());
+        let (config, status) = (long_context_config(), PipelineStatus::default());
+        let mut lp = LongPrompt::start(&config, &status, 100);
+        assert!(lp.sched.abort(&[1], &mut lp.out).is_empty(), "chunks are in flight");
+        lp.return_oldest();
+        assert_eq!(lp.sent.len(), 1, "no chunk follows a cancelled prompt's");
+        assert!(
+            lp.sched.abort(&[1], &mut lp.out).is_empty(),
+            "one chunk is still in flight"
+        );
+        lp.return_oldest();
+        assert_eq!(lp.sched.abort(&[1], &mut lp.out), [1]);
+        assert_eq!(lp.out.free, [1]);
+        assert_eq!(lp.sched.alloc.free(), lp.sched.alloc.total());
     }
 
     #[test]
     fn only_chunks_that_came_back_are_offered_to_the_prefix_cache() {
-        let mut config = pipeline_config(4, vec![]);
-        config.max_context = 512;
-        let status = PipelineStatus::default();
-        let mut sched = Scheduler::new(&config, &status, 2, 32);
-        let mut out = Outbox::default();
-        let prompt: Vec<u32> = (1..=64).collect();
-        let mut queue = vec![request(1, prompt.clone(), 2)];
-        sched.admit(|| queue.pop(), &mut out);
-        sched.schedule(&mut out);
-        let mut sent: VecDeque<MicroBatch> = out.batches.drain(..).collect();
-        assert_eq!(sent.len(), 2);
-        sched
-            .on_result(answer(&sent.pop_front().unwrap(), |_, p| p), &mut out)
-            .unwrap();
+        let (config, status) = (long_context_config(), PipelineStatus::default());
+        let mut lp = LongPrompt::start(&config, &status, 64);
+        assert_eq!(lp.sent.len(), 2);
+        lp.return_oldest();
         // Positions 32..64 are still on their way: a second prompt reuses only the first 32.
-        let mut longer = prompt.clone();
-        longer.extend([7, 8, 9]);
-        let mut queue = vec![request(2, longer, 2)];
-        sched.admit(|| queue.pop(), &mut out);
-        sched.schedule(&mut out);
-        let second = out
+        let mut queue = vec![request(2, (1..=64).chain([7, 8, 9]).collect(), 2)];
+        lp.sched.admit(|| queue.pop(), &mut lp.out);
+        lp.sched.schedule(&mut lp.out);
+        let second = lp
+            .out
             .batches
             .iter()
             .flat_map(|b| &b.seqs)
