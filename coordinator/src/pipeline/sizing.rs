@@ -74,6 +74,19 @@ pub struct StepLimits {
 }
 
 impl StepLimits {
+    /// These limits within the KV pool a built pipeline really has (`kv_positions` in all):
+    /// a running limit left to the sizing comes down to what the pool holds at
+    /// [`PLANNED_POSITIONS`] a sequence, since sizing only estimated the pool (for an even
+    /// split, before the planner chose the ranges).
+    pub fn within_pool(mut self, auto: AutoLimits, kv_positions: usize, max_context: usize) -> Self {
+        let bound = kv_bound(kv_positions, max_context);
+        if auto.max_running && bound < self.max_running {
+            self.max_running = bound;
+            self.running_bound = "kv_pool";
+        }
+        self
+    }
+
     /// The JSON `/admin/cluster` shows.
     pub fn to_json(&self) -> serde_json::Value {
         serde_json::json!({
@@ -138,6 +151,12 @@ fn rows_for(cost: impl Fn(usize) -> f64) -> (usize, bool) {
     if in_time < fast { (in_time, true) } else { (fast, false) }
 }
 
+/// Sequences a pool of `kv_positions` holds at [`PLANNED_POSITIONS`] each (the model's context
+/// when shorter), at least one.
+fn kv_bound(kv_positions: usize, max_context: usize) -> usize {
+    (kv_positions / PLANNED_POSITIONS.min(max_context.max(1))).max(1)
+}
+
 /// Size the limits `auto` leaves open for a pipeline of `stages` stages whose KV pool holds
 /// `kv_positions` positions per sequence slot in all, keeping the `set_*` values otherwise.
 /// Without measured costs the running limit is the KV bound within `set_running` (the default)
@@ -152,8 +171,7 @@ pub fn size(
     max_context: usize,
 ) -> StepLimits {
     let stages = stages.max(1);
-    let per_sequence = PLANNED_POSITIONS.min(max_context.max(1));
-    let kv_bound = (kv_positions / per_sequence).max(1);
+    let kv_bound = kv_bound(kv_positions, max_context);
     let (max_running, running_bound) = match (auto.max_running, costs) {
         (false, _) => (set_running, "set"),
         (true, None) => (
@@ -296,5 +314,11 @@ mod tests {
         // A short model context plans fewer positions per sequence.
         let s = size(auto, 8, 128, 2, None, 5 * 512, 512);
         assert_eq!((s.max_running, s.running_bound), (5, "kv_pool"));
+        // The built pipeline's real pool lowers a sized limit, never a set one, never raises.
+        let lowered = s.clone().within_pool(auto, 3 * 512, 512);
+        assert_eq!((lowered.max_running, lowered.running_bound), (3, "kv_pool"));
+        assert_eq!(s.clone().within_pool(auto, 50 * 512, 512), s);
+        let set = size(AutoLimits::NONE, 8, 128, 2, None, 1 << 20, 8192);
+        assert_eq!(set.clone().within_pool(AutoLimits::NONE, 512, 512), set);
     }
 }

@@ -98,6 +98,8 @@ async fn build(
     }
     let (config, limits) = size_limits(config, workers, &clients, profiles).await;
     let config = &config;
+    // The split planner takes the sized running limit as its decode rows; the limit is then
+    // brought within the pool the chosen ranges really have (below).
     let (mut ranges, mut split) = split::choose(config, workers, &clients, profiles, status).await?;
     let kv_blocks = match kv_blocks(config, workers, &ranges) {
         Ok(b) => b,
@@ -110,6 +112,7 @@ async fn build(
         }
         Err(e) => return Err(e),
     };
+    let limits = limits.within_pool(config.auto_limits, kv_blocks * config.kv_block_size, config.max_context);
     let stages: Vec<_> = workers
         .iter()
         .zip(ranges)
@@ -137,7 +140,9 @@ async fn build(
 
 /// `config` with the limits it leaves open sized (`sizing`) from the workers' profiles (taken
 /// now if not cached; the split planner reuses them) for an even split over `workers`, and the
-/// KV pool that split would have. A worker that cannot be profiled leaves them unmeasured.
+/// KV pool that split would have (unbounded when it would have none: the planned split may
+/// fit where the even one does not, and the built pool bounds the limit in the end). A worker
+/// that cannot be profiled leaves them unmeasured.
 async fn size_limits(
     config: &PipelineConfig,
     workers: &[WorkerEntry],
@@ -145,7 +150,7 @@ async fn size_limits(
     profiles: &mut ProfileCache,
 ) -> (PipelineConfig, StepLimits) {
     let even = even_split(config.num_layers, workers.len());
-    let kv_positions = kv_blocks(config, workers, &even).map_or(0, |b| b * config.kv_block_size);
+    let kv_positions = kv_blocks(config, workers, &even).map_or(usize::MAX, |b| b * config.kv_block_size);
     let measured = match config.auto_limits.any() {
         true => split::profiles(config, workers, clients, profiles)
             .await
