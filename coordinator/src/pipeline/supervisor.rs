@@ -514,7 +514,12 @@ pub(crate) async fn run(
                     profiles.slow(workers, &due.scales);
                     // Only a drained pipeline switches; after a failure the stages are rebuilt.
                     if let Some(staged) = due.staged.filter(|_| failure.planned == Some("measured_drift")) {
-                        switched = activate(workers, staged, pipeline.limits.clone(), &status).await;
+                        let pool = staged.kv_blocks * config.kv_block_size;
+                        let limits = pipeline
+                            .limits
+                            .clone()
+                            .within_pool(config.auto_limits, pool, config.max_context);
+                        switched = activate(workers, staged, limits, &status).await;
                     }
                 }
             }
@@ -529,8 +534,8 @@ struct Switched {
     split: SplitInfo,
 }
 
-/// Switch every worker to the stage it loaded beside the served one, keeping the old
-/// pipeline's `limits`; None (after which the supervisor builds as usual) when any worker
+/// Switch every worker to the stage it loaded beside the served one, running with `limits`
+/// (the old pipeline's, within the new stages' KV pool); None (after which the supervisor builds as usual) when any worker
 /// fails to.
 async fn activate(
     workers: &[WorkerEntry],
