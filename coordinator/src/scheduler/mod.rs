@@ -657,15 +657,19 @@ impl<'a> Scheduler<'a> {
         Ok(())
     }
 
-    /// Release the KV of failed sequences whose chunks are all back, and drop them.
+    /// Release the KV of failed sequences whose chunks are all back, and drop them; then
+    /// publish block usage. Called after every result, so it rebuilds the list only when
+    /// there is something to drop.
     fn release_failed(&mut self, out: &mut Outbox) {
-        let (mut gone, kept): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut self.active)
-            .into_iter()
-            .partition(|s| s.failed && s.in_flight == 0);
-        self.active = kept;
-        for s in &mut gone {
-            self.alloc.release(&mut s.blocks);
-            out.free.push(s.id);
+        if self.active.iter().any(|s| s.failed && s.in_flight == 0) {
+            let (mut gone, kept): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut self.active)
+                .into_iter()
+                .partition(|s| s.failed && s.in_flight == 0);
+            self.active = kept;
+            for s in &mut gone {
+                self.alloc.release(&mut s.blocks);
+                out.free.push(s.id);
+            }
         }
         self.publish_blocks();
     }
