@@ -169,7 +169,7 @@ pub enum PlanError {
 }
 
 /// Seconds and weight bytes of stage `i` of `n` holding `layers` layers on worker `w`.
-fn stage_cost(w: &WorkerCosts, i: usize, n: usize, layers: f64, load: Workload) -> (f64, u64) {
+pub(crate) fn stage_cost(w: &WorkerCosts, i: usize, n: usize, layers: f64, load: Workload) -> (f64, u64) {
     // Bytes come from the network: saturate rather than wrap past a budget (a float-to-integer
     // cast saturates too).
     let mut secs = layers * w.layer.at(load.tokens);

@@ -22,7 +22,7 @@
 
 use std::ops::Range;
 
-use crate::planner::WorkerCosts;
+use crate::planner::{WorkerCosts, Workload, stage_cost};
 
 /// Sizes tried for a micro-batch (rows).
 pub const CANDIDATE_ROWS: [usize; 10] = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512];
@@ -111,6 +111,7 @@ impl StageCosts<'_> {
     /// through the head.
     pub fn bottleneck(&self, rows: usize, sampled: usize) -> f64 {
         let n = self.workers.len();
+        let load = Workload { tokens: rows, sampled };
         let mut slowest: f64 = 0.0;
         for (i, (w, r)) in self.workers.iter().zip(self.ranges).enumerate() {
             let layers: f64 = if self.layer_costs.len() >= r.end {
@@ -118,14 +119,7 @@ impl StageCosts<'_> {
             } else {
                 r.len() as f64
             };
-            let mut secs = layers * w.layer.at(rows);
-            if i == 0 {
-                secs += w.embed.at(rows);
-            }
-            if i + 1 == n {
-                secs += w.head.at(sampled);
-            }
-            slowest = slowest.max(secs);
+            slowest = slowest.max(stage_cost(w, i, n, layers, load).0);
         }
         slowest
     }

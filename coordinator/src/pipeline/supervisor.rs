@@ -535,8 +535,8 @@ struct Switched {
 }
 
 /// Switch every worker to the stage it loaded beside the served one, running with `limits`
-/// (the old pipeline's, within the new stages' KV pool); None (after which the supervisor builds as usual) when any worker
-/// fails to.
+/// (the old pipeline's, within the new stages' KV pool); None (after which the supervisor
+/// builds as usual) when any worker fails to.
 async fn activate(
     workers: &[WorkerEntry],
     staged: Staged,
