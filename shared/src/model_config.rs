@@ -17,6 +17,8 @@ pub enum Architecture {
     Qwen2,
     /// Qwen3: per-head RMSNorm on q and k, head_dim independent of hidden/heads.
     Qwen3,
+    /// Qwen3-MoE: Qwen3's attention with mixture-of-experts feed-forward layers.
+    Qwen3Moe,
 }
 
 impl Architecture {
@@ -26,6 +28,7 @@ impl Architecture {
             "llama" | "LlamaForCausalLM" => Some(Self::Llama),
             "qwen2" | "Qwen2ForCausalLM" => Some(Self::Qwen2),
             "qwen3" | "Qwen3ForCausalLM" => Some(Self::Qwen3),
+            "qwen3_moe" | "qwen3moe" | "Qwen3MoeForCausalLM" => Some(Self::Qwen3Moe),
             _ => None,
         }
     }
@@ -36,7 +39,21 @@ impl Architecture {
             Self::Llama => "llama",
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
+            Self::Qwen3Moe => "qwen3_moe",
         }
+    }
+
+    /// The GGUF `general.architecture` (llama.cpp drops the underscore).
+    pub fn gguf_name(self) -> &'static str {
+        match self {
+            Self::Qwen3Moe => "qwen3moe",
+            other => other.model_type(),
+        }
+    }
+
+    /// Whether q and k get a per-head RMSNorm (and head_dim may differ from hidden/heads).
+    pub fn has_qk_norm(self) -> bool {
+        matches!(self, Self::Qwen3 | Self::Qwen3Moe)
     }
 
     /// The Hugging Face class name in `architectures`.
@@ -45,6 +62,7 @@ impl Architecture {
             Self::Llama => "LlamaForCausalLM",
             Self::Qwen2 => "Qwen2ForCausalLM",
             Self::Qwen3 => "Qwen3ForCausalLM",
+            Self::Qwen3Moe => "Qwen3MoeForCausalLM",
         }
     }
 }
@@ -86,6 +104,33 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
     /// Per-head RMSNorm on queries and keys.
     pub qk_norm: bool,
+    /// Mixture-of-experts feed-forward layers (Qwen3-MoE); `None` for dense models.
+    pub moe: Option<MoeConfig>,
+}
+
+/// How a mixture-of-experts model routes each position's feed-forward pass.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct MoeConfig {
+    /// Experts in each sparse layer.
+    pub num_experts: usize,
+    /// Experts each position is sent to (top-k of the router's softmax).
+    pub experts_per_token: usize,
+    /// Hidden width of one expert's gated MLP.
+    pub expert_intermediate_size: usize,
+    /// Renormalize the chosen experts' probabilities to sum to one.
+    pub norm_topk_prob: bool,
+    /// Every `decoder_sparse_step`-th layer is sparse (counting from 1).
+    pub decoder_sparse_step: usize,
+    /// Layers that stay dense whatever the step says.
+    pub mlp_only_layers: Vec<usize>,
+}
+
+impl MoeConfig {
+    /// Whether layer `l` uses experts (as transformers decides it: not listed as dense, and
+    /// `(l + 1)` a multiple of the sparse step).
+    pub fn is_sparse(&self, l: usize) -> bool {
+        !self.mlp_only_layers.contains(&l) && (l + 1).is_multiple_of(self.decoder_sparse_step)
+    }
 }
 
 /// Errors describing a model configuration Baton cannot run.
@@ -102,7 +147,7 @@ pub enum ConfigError {
         value: String,
         expected: String,
     },
-    #[error("{source_name}: unsupported architecture '{name}' (supported: llama, qwen2, qwen3)")]
+    #[error("{source_name}: unsupported architecture '{name}' (supported: llama, qwen2, qwen3, qwen3_moe)")]
     UnsupportedArchitecture { source_name: String, name: String },
     #[error("{source_name}: unsupported rope scaling type '{kind}' (supported: default, linear, llama3)")]
     UnsupportedRope { source_name: String, kind: String },
@@ -200,6 +245,36 @@ fn rope_scaling_from(source_name: &str, obj: Option<&Value>) -> Result<RopeScali
     }
 }
 
+/// The mixture-of-experts fields of a Hugging Face config (names as transformers' Qwen3-MoE
+/// config has them, with its defaults).
+fn moe_from_hf(f: &Fields<'_>) -> Result<MoeConfig, ConfigError> {
+    let mlp_only_layers = match f.json.get("mlp_only_layers") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| match v.as_u64() {
+                Some(n) if (n as usize) < MAX_DIM => Ok(n as usize),
+                _ => Err(f.invalid("mlp_only_layers", v, "layer indices")),
+            })
+            .collect::<Result<_, _>>()?,
+        Some(v) => return Err(f.invalid("mlp_only_layers", v, "a list of layer indices")),
+    };
+    Ok(MoeConfig {
+        // Hub checkpoints say `num_experts`; transformers 5 writes `num_local_experts`.
+        num_experts: match f.usize_opt("num_experts")? {
+            Some(n) => n,
+            None => f
+                .usize_opt("num_local_experts")?
+                .ok_or_else(|| f.missing("num_experts"))?,
+        },
+        experts_per_token: f.usize("num_experts_per_tok")?,
+        expert_intermediate_size: f.usize("moe_intermediate_size")?,
+        norm_topk_prob: f.bool_opt("norm_topk_prob")?.unwrap_or(false),
+        decoder_sparse_step: f.usize_opt("decoder_sparse_step")?.unwrap_or(1),
+        mlp_only_layers,
+    })
+}
+
 impl ModelConfig {
     /// Parse a Hugging Face `config.json`.
     pub fn from_hf_json(path: &Path) -> Result<Self, ConfigError> {
@@ -269,7 +344,11 @@ impl ModelConfig {
             max_position_embeddings: f.usize_opt("max_position_embeddings")?.unwrap_or(2048),
             tie_word_embeddings: f.bool_opt("tie_word_embeddings")?.unwrap_or(false),
             qkv_bias,
-            qk_norm: architecture == Architecture::Qwen3,
+            qk_norm: architecture.has_qk_norm(),
+            moe: match architecture {
+                Architecture::Qwen3Moe => Some(moe_from_hf(&f)?),
+                _ => None,
+            },
         };
         cfg.validate(source_name)?;
         Ok(cfg)
@@ -339,7 +418,12 @@ impl ModelConfig {
             architecture,
             vocab_size,
             hidden_size,
-            intermediate_size: need("feed_forward_length")?,
+            // A model whose every layer is sparse may leave out the dense width.
+            intermediate_size: match architecture {
+                Architecture::Qwen3Moe => dim("feed_forward_length")?.or(dim("expert_feed_forward_length")?),
+                _ => None,
+            }
+            .map_or_else(|| need("feed_forward_length"), Ok)?,
             num_layers: need("block_count")?,
             num_heads,
             num_kv_heads: dim("attention.head_count_kv")?.unwrap_or(num_heads),
@@ -350,7 +434,22 @@ impl ModelConfig {
             max_position_embeddings: dim("context_length")?.unwrap_or(2048),
             tie_word_embeddings: !file.tensors.contains_key("output.weight"),
             qkv_bias: architecture == Architecture::Qwen2,
-            qk_norm: architecture == Architecture::Qwen3,
+            qk_norm: architecture.has_qk_norm(),
+            moe: match architecture {
+                Architecture::Qwen3Moe => Some(MoeConfig {
+                    num_experts: need("expert_count")?,
+                    experts_per_token: need("expert_used_count")?,
+                    expert_intermediate_size: need("expert_feed_forward_length")?,
+                    // llama.cpp always renormalizes Qwen3-MoE's chosen experts; a file may say so.
+                    norm_topk_prob: file
+                        .get(&key("expert_weights_norm"))
+                        .and_then(|v| v.as_bool())
+                        .unwrap_or(true),
+                    decoder_sparse_step: 1,
+                    mlp_only_layers: Vec::new(),
+                }),
+                _ => None,
+            },
         };
         cfg.validate(&source_name)?;
         Ok(cfg)
@@ -375,7 +474,7 @@ impl ModelConfig {
                 self.head_dim
             ));
         }
-        if self.architecture != Architecture::Qwen3 && self.num_heads * self.head_dim != self.hidden_size {
+        if !self.architecture.has_qk_norm() && self.num_heads * self.head_dim != self.hidden_size {
             return bad(format!(
                 "hidden_size {} is not num_attention_heads {} x head_dim {}",
                 self.hidden_size, self.num_heads, self.head_dim
@@ -383,6 +482,20 @@ impl ModelConfig {
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
             return bad(format!("rms_norm_eps {} must be positive", self.rms_norm_eps));
+        }
+        if let Some(m) = &self.moe {
+            if m.experts_per_token > m.num_experts {
+                return bad(format!(
+                    "num_experts_per_tok {} is more than num_experts {}",
+                    m.experts_per_token, m.num_experts
+                ));
+            }
+            if let Some(l) = m.mlp_only_layers.iter().find(|&&l| l >= self.num_layers) {
+                return bad(format!(
+                    "mlp_only_layers names layer {l}, but the model has {} layers",
+                    self.num_layers
+                ));
+            }
         }
         Ok(())
     }
@@ -420,6 +533,12 @@ impl ModelConfig {
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.qkv_bias,
+            "num_experts": self.moe.as_ref().map(|m| m.num_experts),
+            "num_experts_per_tok": self.moe.as_ref().map(|m| m.experts_per_token),
+            "moe_intermediate_size": self.moe.as_ref().map(|m| m.expert_intermediate_size),
+            "norm_topk_prob": self.moe.as_ref().map(|m| m.norm_topk_prob),
+            "decoder_sparse_step": self.moe.as_ref().map(|m| m.decoder_sparse_step),
+            "mlp_only_layers": self.moe.as_ref().map(|m| &m.mlp_only_layers),
             "bos_token_id": bos,
             "eos_token_id": eos,
             "torch_dtype": "float32",

@@ -26,6 +26,17 @@ pub struct TensorSpec {
     /// llama.cpp stores this matrix's rows interleaved within each of this many heads (Llama's
     /// q/k in GGUF files); they are put back in Hugging Face order on load.
     pub gguf_heads_permuted: Option<usize>,
+    /// GGUF files store this tensor as one slice of a stacked tensor (llama.cpp keeps a
+    /// layer's experts as one `[experts, rows, cols]` tensor); Hugging Face files store it
+    /// on its own.
+    pub gguf_stacked: Option<StackedSlice>,
+}
+
+/// Slice `index` of a tensor stacked from `count` tensors of the spec's shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StackedSlice {
+    pub index: usize,
+    pub count: usize,
 }
 
 impl TensorSpec {
@@ -36,12 +47,19 @@ impl TensorSpec {
             gguf: gguf.into(),
             shape,
             gguf_heads_permuted: None,
+            gguf_stacked: None,
         }
     }
 
     /// The same tensor, stored by GGUF with rows interleaved within each of `heads` heads.
     pub fn permuted_in_gguf(mut self, heads: usize) -> Self {
         self.gguf_heads_permuted = Some(heads);
+        self
+    }
+
+    /// The same tensor, stored by GGUF as slice `index` of `count` stacked ones.
+    pub fn stacked_in_gguf(mut self, index: usize, count: usize) -> Self {
+        self.gguf_stacked = Some(StackedSlice { index, count });
         self
     }
 }
@@ -225,16 +243,28 @@ impl ModelFiles {
         Ok(())
     }
 
-    /// The stored tensor, checked to exist with the shape the spec gives.
-    fn checked(&self, spec: &TensorSpec) -> Result<StoredTensor<'_>, LoadError> {
+    /// The stored tensor, checked to exist with the shape the spec gives; for a stacked one,
+    /// just the spec's slice of it.
+    fn checked<'s>(&'s self, spec: &'s TensorSpec) -> Result<StoredTensor<'s>, LoadError> {
         let source_name = self.source_name();
         let name = self.name_of(spec);
         let t = self.stored(spec).ok_or_else(|| LoadError::MissingTensor {
             source_name: source_name.clone(),
             name: name.to_string(),
         })?;
-        check_shape(&source_name, name, t.shape, &spec.shape)?;
-        Ok(t)
+        let Some(slice) = spec.gguf_stacked.filter(|_| matches!(self, Self::Gguf(_))) else {
+            check_shape(&source_name, name, t.shape, &spec.shape)?;
+            return Ok(t);
+        };
+        let stacked: Vec<usize> = std::iter::once(slice.count).chain(spec.shape.iter().copied()).collect();
+        check_shape(&source_name, name, t.shape, &stacked)?;
+        // The shape check above makes the slice whole rows of whole blocks.
+        let bytes = t.dtype.n_bytes(spec.shape.iter().product());
+        Ok(StoredTensor {
+            dtype: t.dtype,
+            shape: &spec.shape,
+            data: &t.data[slice.index * bytes..(slice.index + 1) * bytes],
+        })
     }
 
     /// GGUF's head permutation of this tensor's rows, if this file applies one.

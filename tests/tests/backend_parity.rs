@@ -13,7 +13,15 @@ use baton_worker::kv_cache::KvDtype;
 use baton_worker::model::WeightFormat;
 
 const TOL: f32 = 1e-4;
-const TINY: &[&str] = &["llama_tied", "llama_untied", "llama_sharded", "qwen2", "qwen3"];
+const TINY: &[&str] = &[
+    "llama_tied",
+    "llama_untied",
+    "llama_sharded",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_moe_dense_mix",
+];
 const BLOCK: usize = 4;
 
 /// Every device to hold to the fixtures, of those this build and machine can run.
@@ -102,7 +110,7 @@ fn tiny_models_match_transformers_through_the_backend_on_every_device() {
 #[test]
 fn stage_splits_through_the_backend_equal_one_stage_bit_for_bit() {
     for device in devices() {
-        for name in ["llama_untied", "qwen2", "qwen3"] {
+        for name in ["llama_untied", "qwen2", "qwen3", "qwen3_moe", "qwen3_moe_dense_mix"] {
             let files = ModelFiles::open(&fixtures().join("tiny").join(name)).unwrap();
             let n = files.config().unwrap().num_layers;
             let tokens = [5u32, 17, 200, 3, 99, 42, 7];

@@ -30,6 +30,8 @@ fn a_batch_of_sequences_equals_each_sequence_alone_bit_for_bit() {
         ("qwen2", WeightFormat::F32),
         ("qwen3", WeightFormat::F32),
         ("llama_untied", WeightFormat::Q8_0),
+        ("qwen3_moe", WeightFormat::F32),
+        ("qwen3_moe_dense_mix", WeightFormat::Q4_0),
     ] {
         let files = ModelFiles::open(&fixtures().join("tiny").join(name)).unwrap();
         let cfg = files.config().unwrap();

@@ -31,7 +31,7 @@ fn engine_tokens(model: &std::path::Path, prompt: &[u32], params: &SamplingParam
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tiny_models_every_split_matches_single_process() {
-    for name in ["llama_untied", "qwen3"] {
+    for name in ["llama_untied", "qwen3", "qwen3_moe", "qwen3_moe_dense_mix"] {
         let dir = fixtures().join("tiny").join(name);
         let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
         let params = SamplingParams {
@@ -40,12 +40,49 @@ async fn tiny_models_every_split_matches_single_process() {
         };
         let prompt = [5u32, 17, 200, 3, 99];
         let want = engine_tokens(&dir, &prompt, &params, false);
-        for cuts in [&[][..], &[1], &[2], &[1, 2]] {
-            let tc = TestCluster::start(&dir, &cfg, vec![], cuts).await;
+        for cuts in every_split(cfg.num_layers) {
+            let tc = TestCluster::start(&dir, &cfg, vec![], &cuts).await;
             let (got, reason) = tc.generate(&prompt, params.clone()).await.unwrap();
             assert_eq!(got, want, "{name} with cuts {cuts:?}");
             assert_eq!(reason, FinishReason::Length);
         }
+    }
+}
+
+/// One stage, then every way to cut `layers` into 2 and into 3 stages.
+fn every_split(layers: usize) -> Vec<Vec<usize>> {
+    let mut out = vec![vec![]];
+    out.extend((1..layers).map(|c| vec![c]));
+    for a in 1..layers {
+        out.extend((a + 1..layers).map(|b| vec![a, b]));
+    }
+    out
+}
+
+#[test]
+fn every_split_lists_each_two_and_three_stage_cut() {
+    assert_eq!(every_split(3), vec![vec![], vec![1], vec![2], vec![1, 2]]);
+    assert_eq!(every_split(5).len(), 1 + 4 + 6);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mixture_of_experts_serves_concurrent_requests_as_each_alone() {
+    // Rows of different sequences share each micro-batch and are sorted among the experts
+    // together: every sequence must still get exactly its own single-process tokens.
+    let dir = fixtures().join("tiny").join("qwen3_moe_dense_mix");
+    let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(10)
+    };
+    let prompts: Vec<Vec<u32>> = (0..8u32)
+        .map(|s| (0..3 + 4 * s).map(|i| (s * 37 + i * 11 + 3) % 300).collect())
+        .collect();
+    let want: Vec<Vec<u32>> = prompts.iter().map(|p| engine_tokens(&dir, p, &params, false)).collect();
+    let tc = TestCluster::start(&dir, &cfg, vec![], &[2, 4]).await;
+    let got = futures::future::join_all(prompts.iter().map(|p| tc.generate(p, params.clone()))).await;
+    for ((p, w), g) in prompts.iter().zip(&want).zip(got) {
+        assert_eq!(&g.unwrap().0, w, "prompt {p:?}");
     }
 }
 

@@ -236,8 +236,8 @@ pub fn profile(
     // Layer 0's share of the pass, by weights: the pass is `timed / first` layer-0s (exactly
     // the layer count for a uniform model, so its profile is what it was).
     let specs = b.layer_specs();
-    let first = specs[0].weight_params.max(1);
-    let timed = specs.iter().map(|s| s.weight_params).sum::<usize>().max(1);
+    let first = specs[0].active_params.max(1);
+    let timed = specs.iter().map(|s| s.active_params).sum::<usize>().max(1);
     let mut out = Profile {
         layer: Vec::new(),
         head: Vec::new(),

@@ -4,10 +4,10 @@
 
 use baton_shared::model_config::ModelConfig;
 
-use super::arch::{Architecture, Llama, Qwen2, Qwen3};
+use super::arch::{Architecture, Llama, Qwen2, Qwen3, Qwen3Moe};
 
 /// Every architecture this build runs.
-pub static ARCHITECTURES: &[&dyn Architecture] = &[&Llama, &Qwen2, &Qwen3];
+pub static ARCHITECTURES: &[&dyn Architecture] = &[&Llama, &Qwen2, &Qwen3, &Qwen3Moe];
 
 /// A model whose architecture no module serves.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -56,7 +56,12 @@ mod tests {
 
     #[test]
     fn every_architecture_the_config_parser_accepts_has_a_module_and_back() {
-        for arch in [ConfigArch::Llama, ConfigArch::Qwen2, ConfigArch::Qwen3] {
+        for arch in [
+            ConfigArch::Llama,
+            ConfigArch::Qwen2,
+            ConfigArch::Qwen3,
+            ConfigArch::Qwen3Moe,
+        ] {
             let m = find(arch.model_type()).unwrap();
             assert!(m.hf_names().contains(&arch.hf_class()), "{arch:?}");
         }

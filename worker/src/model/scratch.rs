@@ -18,6 +18,13 @@ pub struct Scratch<O: Ops = CpuOps> {
     pub proj: O::Buf,
     pub gate: O::Buf,
     pub up: O::Buf,
+    /// Router logits of a mixture-of-experts layer.
+    pub router: O::Buf,
+    /// The rows routed to one expert, and that expert's output for them.
+    pub expert_in: O::Buf,
+    pub expert_out: O::Buf,
+    /// Which rows each expert takes.
+    pub routing: O::Routing,
     /// Head output of the last stage.
     pub logits: O::Buf,
     /// Per-call work memory of the operations.
@@ -38,6 +45,10 @@ impl<O: Ops> Default for Scratch<O> {
             proj: O::Buf::default(),
             gate: O::Buf::default(),
             up: O::Buf::default(),
+            router: O::Buf::default(),
+            expert_in: O::Buf::default(),
+            expert_out: O::Buf::default(),
+            routing: O::Routing::default(),
             logits: O::Buf::default(),
             ws: O::Workspace::default(),
             batch: Batch::default(),

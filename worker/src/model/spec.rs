@@ -40,6 +40,9 @@ pub struct LayerSpec {
     pub cache: CacheSpec,
     /// Weights in the layer (values, whatever their format).
     pub weight_params: usize,
+    /// Weights one position reads: all of them, but for a mixture of experts only the
+    /// experts it is routed to.
+    pub active_params: usize,
 }
 
 /// The K/V width every layer of `specs` shares, or the two widths that differ (the paged pool
@@ -53,11 +56,11 @@ pub fn uniform_kv_dim(specs: &[LayerSpec]) -> Result<usize, (usize, usize)> {
     }
 }
 
-/// Each layer's cost relative to `reference`'s (by weight count): a profile that timed one
-/// layer scales to the others this way. Every layer of a uniform model gets 1.0.
+/// Each layer's cost relative to `reference`'s (by the weights a position reads): a profile
+/// that timed one layer scales to the others this way. Every layer of a uniform model gets 1.0.
 pub fn relative_costs(specs: &[LayerSpec], reference: &LayerSpec) -> Vec<f64> {
-    let base = reference.weight_params.max(1) as f64;
-    specs.iter().map(|s| s.weight_params as f64 / base).collect()
+    let base = reference.active_params.max(1) as f64;
+    specs.iter().map(|s| s.active_params as f64 / base).collect()
 }
 
 #[cfg(test)]
@@ -69,6 +72,7 @@ mod tests {
             kind: LayerKind::Attention,
             cache: CacheSpec::Attention { kv_heads, head_dim: 64 },
             weight_params: params,
+            active_params: params,
         }
     }
 

@@ -306,9 +306,7 @@ impl<O: Ops> StageModel<O> {
     /// the embedding's bytes: a last stage that is not first holds them for the head alone).
     pub fn part_bytes(&self) -> PartBytes {
         let o = &self.ops;
-        let layer = |l: &DecoderLayer<O>| {
-            l.matrices().iter().map(|m| o.matrix_bytes(m)).sum::<usize>() + 4 * l.vector_values(o)
-        };
+        let layer = |l: &DecoderLayer<O>| l.weight_bytes(o);
         let embedding = self.embedding.as_ref().map_or(0, |m| o.matrix_bytes(m));
         let norm = 4 * self.final_norm.as_ref().map_or(0, |n| n.len(o));
         let head = match (&self.head, self.is_last) {
@@ -323,15 +321,11 @@ impl<O: Ops> StageModel<O> {
         }
     }
 
-    /// Bytes of matrix weights one decode step reads (the layers' matrices and the head).
+    /// Bytes of matrix weights one decode step of one sequence reads (the layers' matrices, of
+    /// a mixture of experts only the experts it is routed to, and the head).
     pub fn matrix_bytes(&self) -> usize {
         let o = &self.ops;
-        let layers: usize = self
-            .blocks
-            .iter()
-            .flat_map(|l| l.matrices())
-            .map(|m| o.matrix_bytes(m))
-            .sum();
+        let layers: usize = self.blocks.iter().map(|l| l.decode_bytes(o)).sum();
         layers + self.head().map_or(0, |m| o.matrix_bytes(m))
     }
 }

@@ -9,6 +9,7 @@ use crate::kernels::cpu::attention::{SeqAttn, attention_batch};
 use crate::kernels::cpu::dispatch::Kernels;
 use crate::kernels::cpu::elementwise as ew;
 use crate::kernels::cpu::matmul::{self, Matrix, WeightFormat};
+use crate::kernels::cpu::moe::{self, Routing};
 use crate::kernels::cpu::q8::QuantizedRows;
 use crate::kv_cache::BatchKv;
 use crate::model::ForwardError;
@@ -104,6 +105,7 @@ impl Ops for CpuOps {
     type Vector = Vec<f32>;
     type Kv<'a> = dyn BatchKv + 'a;
     type Workspace = CpuWorkspace;
+    type Routing = Routing;
 
     fn info(&self) -> OpsInfo {
         OpsInfo {
@@ -214,6 +216,26 @@ impl Ops for CpuOps {
 
     fn add(&self, x: &mut CpuBuf, y: &CpuBuf) {
         x.iter_mut().zip(y.iter()).for_each(|(x, y)| *x += y);
+    }
+
+    fn zeros(&self, buf: &mut CpuBuf, len: usize) {
+        self.resize(buf, len);
+        buf.fill(0.0);
+    }
+
+    fn route(&self, logits: &CpuBuf, experts: usize, top_k: usize, normalize: bool, routing: &mut Routing) {
+        moe::route(logits, experts, top_k, normalize, routing);
+    }
+
+    fn gather_routed(&self, x: &CpuBuf, routing: &Routing, expert: usize, out: &mut CpuBuf) -> usize {
+        let width = x.len() / routing.rows().max(1);
+        self.resize(out, routing.expert(expert).0.len() * width);
+        moe::gather(x, width, routing, expert, out)
+    }
+
+    fn scatter_routed(&self, y: &CpuBuf, routing: &Routing, expert: usize, out: &mut CpuBuf) {
+        let width = out.len() / routing.rows().max(1);
+        moe::scatter_add(y, width, routing, expert, out);
     }
 
     fn attention(

@@ -8,9 +8,9 @@
 //! kernel per call and keep activations resident; the host only sees rows where the model
 //! explicitly uploads or downloads them (at a stage's edges).
 //!
-//! Operations the next architectures need (mixture-of-experts routing and grouped products,
-//! causal conv1d, gated delta-rule recurrence) are added here as new methods with their own
-//! buffer types; model code that does not call them is untouched.
+//! Operations an architecture needs are added here as new methods with their own buffer types
+//! (mixture-of-experts routing has [`Ops::Routing`]; causal conv1d and the gated delta-rule
+//! recurrence come next); model code that does not call them is untouched.
 
 pub mod conformance;
 pub mod cpu;
@@ -73,6 +73,8 @@ pub trait Ops: Send + Sync + Sized + 'static {
     /// Per-call work memory an implementation keeps between calls (quantized activations,
     /// attention scores).
     type Workspace: Default + Send;
+    /// Which rows of a batch go to which mixture-of-experts expert, with what weight.
+    type Routing: Default + Send;
 
     /// The kernel path and threads.
     fn info(&self) -> OpsInfo;
@@ -121,6 +123,16 @@ pub trait Ops: Send + Sync + Sized + 'static {
     fn silu_mul(&self, gate: &mut Self::Buf, up: &Self::Buf, width: usize);
     /// `x += y` (the residual stream).
     fn add(&self, x: &mut Self::Buf, y: &Self::Buf);
+    /// Make `buf` hold `len` zeros.
+    fn zeros(&self, buf: &mut Self::Buf, len: usize);
+    /// Route each `experts`-wide row of router `logits`: softmax over experts, the `top_k`
+    /// largest probabilities (renormalized to sum to one when `normalize`), grouped by expert.
+    fn route(&self, logits: &Self::Buf, experts: usize, top_k: usize, normalize: bool, routing: &mut Self::Routing);
+    /// The rows of `x` routed to `expert`, packed into `out` (resized to fit); how many there
+    /// are (0: the expert is idle in this batch).
+    fn gather_routed(&self, x: &Self::Buf, routing: &Self::Routing, expert: usize, out: &mut Self::Buf) -> usize;
+    /// `out[row] += weight · y[i]` for the `i`-th row routed to `expert`.
+    fn scatter_routed(&self, y: &Self::Buf, routing: &Self::Routing, expert: usize, out: &mut Self::Buf);
     /// Store each sequence's new K/V rows of `layer` in `kv`, then causal attention of every
     /// query row over its own sequence's cache, into `out`. `longest` is the largest end
     /// position in the batch.

@@ -11,10 +11,12 @@ mod llama;
 mod llama_family;
 mod qwen2;
 mod qwen3;
+mod qwen3_moe;
 
 pub use llama::Llama;
 pub use qwen2::Qwen2;
 pub use qwen3::Qwen3;
+pub use qwen3_moe::Qwen3Moe;
 
 use baton_shared::model_config::ModelConfig;
 use baton_shared::model_files::TensorSpec;
@@ -61,6 +63,19 @@ pub struct MlpTensors {
     pub down: TensorSpec,
 }
 
+/// The tensors of a mixture-of-experts feed-forward part: a router choosing `top_k` of the
+/// gated-MLP experts for each position.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MoeTensors {
+    /// `[experts, hidden]`: one logit per expert.
+    pub router: TensorSpec,
+    pub experts: Vec<MlpTensors>,
+    /// Experts each position is sent to.
+    pub top_k: usize,
+    /// Renormalize the chosen experts' probabilities to sum to one.
+    pub normalize: bool,
+}
+
 /// What mixes information across positions in a layer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MixerTensors {
@@ -73,6 +88,8 @@ pub enum MixerTensors {
 pub enum FfnTensors {
     /// One dense gated MLP.
     Dense(MlpTensors),
+    /// A routed mixture of gated-MLP experts.
+    Moe(MoeTensors),
 }
 
 /// One pre-norm decoder layer: `x += mixer(norm(x)); x += ffn(norm(x))`.
@@ -100,6 +117,9 @@ impl LayerPlan {
     pub fn tensors(&self) -> Vec<&TensorSpec> {
         let mut out = self.matrices();
         out.extend([&self.mixer_norm, &self.ffn_norm]);
+        if let FfnTensors::Moe(m) = &self.ffn {
+            out.push(&m.router);
+        }
         match &self.mixer {
             MixerTensors::Attention(a) => {
                 out.extend(a.qkv_bias.iter().flatten());
@@ -117,6 +137,7 @@ impl LayerPlan {
         }
         match &self.ffn {
             FfnTensors::Dense(m) => out.extend([&m.gate, &m.up, &m.down]),
+            FfnTensors::Moe(moe) => out.extend(moe.experts.iter().flat_map(|m| [&m.gate, &m.up, &m.down])),
         }
         out
     }
@@ -132,10 +153,24 @@ impl LayerPlan {
                 },
             ),
         };
+        let params = |t: &TensorSpec| t.shape.iter().product::<usize>();
+        let weight_params: usize = self.tensors().into_iter().map(params).sum();
+        // One position reads only its chosen experts.
+        let idle_experts = match &self.ffn {
+            FfnTensors::Dense(_) => 0,
+            FfnTensors::Moe(m) => {
+                let expert: usize = m
+                    .experts
+                    .first()
+                    .map_or(0, |e| params(&e.gate) + params(&e.up) + params(&e.down));
+                expert * (m.experts.len() - m.top_k.min(m.experts.len()))
+            }
+        };
         LayerSpec {
             kind,
             cache,
-            weight_params: self.tensors().iter().map(|t| t.shape.iter().product::<usize>()).sum(),
+            weight_params,
+            active_params: weight_params - idle_experts,
         }
     }
 }

@@ -28,13 +28,22 @@ impl<O: Ops> GatedMlp<O> {
 
     /// `s.proj = mlp(s.xn)`.
     pub fn forward(&self, ops: &O, s: &mut Scratch<O>) {
-        ops.matmul_many(
-            &mut s.ws,
-            &s.xn,
-            [(&self.gate, None, &mut s.gate), (&self.up, None, &mut s.up)],
-        );
-        ops.silu_mul(&mut s.gate, &s.up, self.width);
-        ops.matmul(&mut s.ws, &s.gate, &self.down, None, &mut s.proj);
+        self.apply(ops, &mut s.ws, &s.xn, &mut s.gate, &mut s.up, &mut s.proj);
+    }
+
+    /// `out = mlp(x)`, with `gate` and `up` as work rows (an expert runs on its own rows).
+    pub fn apply(
+        &self,
+        ops: &O,
+        ws: &mut O::Workspace,
+        x: &O::Buf,
+        gate: &mut O::Buf,
+        up: &mut O::Buf,
+        out: &mut O::Buf,
+    ) {
+        ops.matmul_many(ws, x, [(&self.gate, None, &mut *gate), (&self.up, None, &mut *up)]);
+        ops.silu_mul(gate, up, self.width);
+        ops.matmul(ws, gate, &self.down, None, out);
     }
 
     /// gate, up, down.

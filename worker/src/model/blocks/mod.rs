@@ -1,14 +1,17 @@
 //! The building blocks architectures are made of, each written once against [`Ops`]: RMSNorm,
-//! grouped-query self-attention, the gated MLP, and the pre-norm decoder layer that strings
+//! grouped-query self-attention, the gated MLP, a routed mixture of such MLPs, and the pre-norm
+//! decoder layer that strings
 //! them together. A block loads its weights from the tensor specs an architecture module
 //! gives it, through [`WeightLoader`], so a device can upload or repack them.
 
 mod attention;
 mod mlp;
+mod moe;
 mod norm;
 
 pub use attention::Attention;
 pub use mlp::GatedMlp;
+pub use moe::SparseMoe;
 pub use norm::RmsNorm;
 
 use baton_shared::model_files::LoadError;
@@ -26,6 +29,7 @@ pub enum Mixer<O: Ops> {
 /// The feed-forward part of a layer.
 pub enum Ffn<O: Ops> {
     Dense(GatedMlp<O>),
+    Moe(SparseMoe<O>),
 }
 
 /// One pre-norm decoder layer: `x += mixer(norm(x)); x += ffn(norm(x))`.
@@ -47,6 +51,7 @@ impl<O: Ops> DecoderLayer<O> {
             ffn_norm: RmsNorm::load(w, &plan.ffn_norm)?,
             ffn: match &plan.ffn {
                 FfnTensors::Dense(m) => Ffn::Dense(GatedMlp::load(w, m)?),
+                FfnTensors::Moe(m) => Ffn::Moe(SparseMoe::load(w, m)?),
             },
         })
     }
@@ -62,6 +67,7 @@ impl<O: Ops> DecoderLayer<O> {
         self.ffn_norm.apply(ops, &s.hidden, &mut s.xn);
         match &self.ffn {
             Ffn::Dense(m) => m.forward(ops, s),
+            Ffn::Moe(m) => m.forward(ops, s),
         }
         ops.add(&mut s.hidden, &s.proj);
     }
@@ -74,8 +80,35 @@ impl<O: Ops> DecoderLayer<O> {
         }
         match &self.ffn {
             Ffn::Dense(m) => out.extend(m.matrices()),
+            Ffn::Moe(m) => out.extend(m.matrices()),
         }
         out
+    }
+
+    /// Bytes of all the layer's weights on the device.
+    pub fn weight_bytes(&self, ops: &O) -> usize {
+        let matrices: usize = self.matrices().iter().map(|m| ops.matrix_bytes(m)).sum();
+        matrices + self.router_bytes(ops) + 4 * self.vector_values(ops)
+    }
+
+    /// Bytes of matrix weights one position reads: every matrix, but of a mixture of experts
+    /// only the router and `top_k` experts' worth.
+    pub fn decode_bytes(&self, ops: &O) -> usize {
+        let all: usize = self.matrices().iter().map(|m| ops.matrix_bytes(m)).sum();
+        match &self.ffn {
+            Ffn::Dense(_) => all,
+            Ffn::Moe(m) => {
+                let experts: usize = m.matrices().map(|w| ops.matrix_bytes(w)).sum();
+                all - experts + experts / m.experts() * m.top_k() + self.router_bytes(ops)
+            }
+        }
+    }
+
+    fn router_bytes(&self, ops: &O) -> usize {
+        match &self.ffn {
+            Ffn::Dense(_) => 0,
+            Ffn::Moe(m) => ops.matrix_bytes(m.router()),
+        }
     }
 
     /// Values in the layer's vectors (norms, biases).

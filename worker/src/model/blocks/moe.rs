@@ -1,0 +1,78 @@
+//! A mixture of gated-MLP experts (Qwen3-MoE): a router picks each row's top-k experts, every
+//! active expert runs once over all the rows sent to it, and each row gets its experts'
+//! outputs weighted by their router probabilities.
+
+use baton_shared::model_files::LoadError;
+
+use super::super::arch::MoeTensors;
+use super::super::loader::WeightLoader;
+use super::super::scratch::Scratch;
+use super::GatedMlp;
+use crate::ops::Ops;
+
+/// A routed mixture of experts.
+pub struct SparseMoe<O: Ops> {
+    /// `[experts, hidden]`, kept in f32 (as llama.cpp keeps it) so rounding never changes
+    /// which experts a row picks.
+    router: O::Mat,
+    experts: Vec<GatedMlp<O>>,
+    top_k: usize,
+    normalize: bool,
+}
+
+impl<O: Ops> SparseMoe<O> {
+    /// Load the router and every expert `t` names.
+    pub fn load(w: &WeightLoader<'_, O>, t: &MoeTensors) -> Result<Self, LoadError> {
+        Ok(Self {
+            router: w.table(&t.router)?,
+            experts: t
+                .experts
+                .iter()
+                .map(|e| GatedMlp::load(w, e))
+                .collect::<Result<_, _>>()?,
+            top_k: t.top_k,
+            normalize: t.normalize,
+        })
+    }
+
+    /// `s.proj = moe(s.xn)`.
+    pub fn forward(&self, ops: &O, s: &mut Scratch<O>) {
+        ops.matmul(&mut s.ws, &s.xn, &self.router, None, &mut s.router);
+        ops.route(
+            &s.router,
+            self.experts.len(),
+            self.top_k,
+            self.normalize,
+            &mut s.routing,
+        );
+        let len = ops.len(&s.xn);
+        ops.zeros(&mut s.proj, len);
+        for (e, expert) in self.experts.iter().enumerate() {
+            if ops.gather_routed(&s.xn, &s.routing, e, &mut s.expert_in) == 0 {
+                continue;
+            }
+            expert.apply(ops, &mut s.ws, &s.expert_in, &mut s.gate, &mut s.up, &mut s.expert_out);
+            ops.scatter_routed(&s.expert_out, &s.routing, e, &mut s.proj);
+        }
+    }
+
+    /// Every expert's gate, up and down, in expert order.
+    pub fn matrices(&self) -> impl Iterator<Item = &O::Mat> {
+        self.experts.iter().flat_map(|e| e.matrices())
+    }
+
+    /// The router.
+    pub fn router(&self) -> &O::Mat {
+        &self.router
+    }
+
+    /// Experts in the layer.
+    pub fn experts(&self) -> usize {
+        self.experts.len()
+    }
+
+    /// Experts each row is sent to.
+    pub fn top_k(&self) -> usize {
+        self.top_k
+    }
+}
