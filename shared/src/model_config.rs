@@ -603,6 +603,53 @@ mod tests {
         assert!(e.contains("missing field 'vocab_size'"), "{e}");
     }
 
+    fn moe() -> Value {
+        json!({"model_type": "qwen3_moe", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+               "num_experts": 10, "num_experts_per_tok": 3, "moe_intermediate_size": 32})
+    }
+
+    #[test]
+    fn reads_mixture_of_experts_settings_with_transformers_defaults() {
+        let c = ModelConfig::from_hf_value("t", &moe()).unwrap();
+        let m = c.moe.clone().unwrap();
+        assert_eq!((m.num_experts, m.experts_per_token, m.expert_intermediate_size), (10, 3, 32));
+        assert!(!m.norm_topk_prob && m.decoder_sparse_step == 1 && m.mlp_only_layers.is_empty());
+        assert!(c.qk_norm && (0..4).all(|l| m.is_sparse(l)));
+        assert_eq!(c.architecture.gguf_name(), "qwen3moe");
+        // transformers 5 writes `num_local_experts`; a sparse step and dense layers.
+        let mut v = moe();
+        v.as_object_mut().unwrap().remove("num_experts");
+        v["num_local_experts"] = json!(12);
+        v["decoder_sparse_step"] = json!(2);
+        v["mlp_only_layers"] = json!([3]);
+        let m = ModelConfig::from_hf_value("t", &v).unwrap().moe.unwrap();
+        assert_eq!(m.num_experts, 12);
+        let sparse: Vec<usize> = (0..4).filter(|&l| m.is_sparse(l)).collect();
+        assert_eq!(sparse, [1], "layer 3 is listed dense, 0 and 2 fall between steps");
+        assert!(ModelConfig::from_hf_value("t", &base()).unwrap().moe.is_none());
+    }
+
+    #[test]
+    fn rejects_inconsistent_mixture_of_experts_settings() {
+        let mut v = moe();
+        v.as_object_mut().unwrap().remove("num_experts");
+        let e = ModelConfig::from_hf_value("t", &v).unwrap_err().to_string();
+        assert!(e.contains("missing field 'num_experts'"), "{e}");
+        let mut v = moe();
+        v["num_experts_per_tok"] = json!(11);
+        let e = ModelConfig::from_hf_value("t", &v).unwrap_err().to_string();
+        assert!(e.contains("num_experts_per_tok 11 is more than num_experts 10"), "{e}");
+        let mut v = moe();
+        v["mlp_only_layers"] = json!([4]);
+        let e = ModelConfig::from_hf_value("t", &v).unwrap_err().to_string();
+        assert!(e.contains("mlp_only_layers names layer 4"), "{e}");
+        let mut v = moe();
+        v["mlp_only_layers"] = json!("all");
+        let e = ModelConfig::from_hf_value("t", &v).unwrap_err().to_string();
+        assert!(e.contains("'mlp_only_layers'"), "{e}");
+    }
+
     #[test]
     fn reads_nested_rope_parameters() {
         let mut v = base();

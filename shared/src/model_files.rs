@@ -374,4 +374,39 @@ mod tests {
         assert_eq!(gg, vec![0., 2., 1., 3., 4., 6., 5., 7.]);
         assert_eq!(unpermute_rows(&gg, 2, 1), hf);
     }
+
+    #[test]
+    fn a_stacked_gguf_tensor_gives_each_expert_its_own_rows_and_blocks() {
+        use crate::gguf::writer::{TensorToWrite, to_bytes};
+        // Three experts of 2 × 32 as one Q8_0 [3, 2, 32] tensor: each row one block with scale
+        // 1.0 (f16 0x3C00) and every quant equal to 10 × expert + row.
+        let mut data = Vec::new();
+        for e in 0..3u8 {
+            for row in 0..2u8 {
+                data.extend_from_slice(&0x3C00u16.to_le_bytes());
+                data.extend(std::iter::repeat_n(10 * e + row, 32));
+            }
+        }
+        let tensor = TensorToWrite {
+            name: "blk.0.ffn_up_exps.weight".into(),
+            shape: vec![3, 2, 32],
+            ggml_type: 8,
+            data,
+        };
+        let path = std::env::temp_dir().join(format!("baton-stacked-{}.gguf", std::process::id()));
+        std::fs::write(&path, to_bytes(&[], &[tensor])).unwrap();
+        let files = ModelFiles::open(&path).unwrap();
+        let spec = |e| TensorSpec::new("up", "blk.0.ffn_up_exps.weight", vec![2, 32]).stacked_in_gguf(e, 3);
+        let values = files.load_f32(&spec(1), true).unwrap();
+        assert_eq!(values.len(), 64);
+        assert!(values[..32].iter().all(|&v| v == 10.0) && values[32..].iter().all(|&v| v == 11.0));
+        let (dtype, blocks) = files.load_blocks(&spec(2)).unwrap().unwrap();
+        assert_eq!((dtype, blocks.len()), (DType::Q8_0, 2 * 34));
+        assert_eq!(blocks[2], 20);
+        // A file with a different expert count is refused by name and shape.
+        let wrong = TensorSpec::new("up", "blk.0.ffn_up_exps.weight", vec![2, 32]).stacked_in_gguf(0, 4);
+        let e = files.load_f32(&wrong, true).unwrap_err().to_string();
+        assert!(e.contains("ffn_up_exps") && e.contains("[4, 2, 32]"), "{e}");
+        std::fs::remove_file(&path).unwrap();
+    }
 }

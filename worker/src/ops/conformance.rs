@@ -163,5 +163,45 @@ pub fn check<O: Ops>(ops: &O, rows: usize) -> Vec<Check> {
         op: "add",
         max_abs_diff: max_diff(&host(&sum), &want),
     });
+
+    // A mixture of experts: route, run each expert (a product) on its gathered rows, add the
+    // weighted results back; against each row computed alone from the reference choice.
+    let (experts, top_k) = (5, 2);
+    let router = noise(rows * experts, 11, 2.0);
+    let mats: Vec<Vec<f32>> = (0..experts).map(|e| noise(out_w * cols, 12 + e as u64, 1.0)).collect();
+    let mut want = vec![0f32; rows * out_w];
+    for (row, w) in want.chunks_exact_mut(out_w).enumerate() {
+        let mut choice = r::moe_choice(&router[row * experts..(row + 1) * experts], top_k, true);
+        choice.sort_by_key(|c| c.0);
+        let mut y = vec![0f32; out_w];
+        for (e, p) in choice {
+            r::matmul_t(&x[row * cols..(row + 1) * cols], &mats[e], None, cols, &mut y);
+            w.iter_mut().zip(&y).for_each(|(o, v)| *o += v * p);
+        }
+    }
+    let mut routing = O::Routing::default();
+    ops.route(&upload(&router), experts, top_k, true, &mut routing);
+    let (mut packed, mut y, mut out) = (O::Buf::default(), O::Buf::default(), O::Buf::default());
+    ops.zeros(&mut out, rows * out_w);
+    for (e, m) in mats.iter().enumerate() {
+        if ops.gather_routed(&xb, &routing, e, &mut packed) == 0 {
+            continue;
+        }
+        let m = ops
+            .matrix(
+                HostMatrix::F32 {
+                    values: m.clone(),
+                    cols,
+                },
+                WeightFormat::F32,
+            )
+            .expect("uploads");
+        ops.matmul(&mut ws, &packed, &m, None, &mut y);
+        ops.scatter_routed(&y, &routing, e, &mut out);
+    }
+    checks.push(Check {
+        op: "moe",
+        max_abs_diff: max_diff(&host(&out), &want),
+    });
     checks
 }

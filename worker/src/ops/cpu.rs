@@ -334,7 +334,7 @@ mod tests {
             let ops = CpuOps::new(threads, None);
             for rows in [1, 5, 40] {
                 let checks = super::super::conformance::check(&ops, rows);
-                assert_eq!(checks.len(), 8);
+                assert_eq!(checks.len(), 9);
                 for c in checks {
                     assert_eq!(c.max_abs_diff, 0.0, "{threads} threads, {rows} rows: {c:?}");
                 }

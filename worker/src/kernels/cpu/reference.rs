@@ -152,6 +152,23 @@ pub fn softmax(x: &mut [f32]) {
     }
 }
 
+/// One row's mixture-of-experts choice: the softmax of its router `logits` (maximum
+/// subtracted, `f32::exp`, summed in order), the `top_k` largest probabilities, largest first
+/// and ties to the lower expert, divided by their sum when `normalize`.
+pub fn moe_choice(logits: &[f32], top_k: usize, normalize: bool) -> Vec<(usize, f32)> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let e: Vec<f32> = logits.iter().map(|&v| (v - max).exp()).collect();
+    let sum: f32 = e.iter().sum();
+    let mut order: Vec<(usize, f32)> = e.iter().map(|&v| v / sum).enumerate().collect();
+    order.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    order.truncate(top_k);
+    if normalize {
+        let total: f32 = order.iter().map(|c| c.1).sum();
+        order.iter_mut().for_each(|c| c.1 /= total);
+    }
+    order
+}
+
 /// Shapes for [`attention`].
 #[derive(Debug, Clone, Copy)]
 pub struct AttnShape {

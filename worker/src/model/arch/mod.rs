@@ -203,6 +203,7 @@ pub fn stage_tensors(
 mod tests {
     use super::*;
     use crate::model::registry;
+    use baton_shared::model_files::StackedSlice;
     use serde_json::json;
 
     fn config(model_type: &str, tied: bool) -> ModelConfig {
@@ -241,6 +242,37 @@ mod tests {
         let norms = a.qk_norm.expect("qwen3 has q/k norms");
         assert_eq!(norms[0].hf, "model.layers.2.self_attn.q_norm.weight");
         assert_eq!(norms[0].shape, vec![16]);
+    }
+
+    #[test]
+    fn a_mixture_of_experts_layer_names_its_router_and_every_expert() {
+        let v = json!({"model_type": "qwen3_moe", "vocab_size": 100, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "num_experts": 10, "num_experts_per_tok": 3,
+            "moe_intermediate_size": 24, "mlp_only_layers": [1]});
+        let c = ModelConfig::from_hf_value("t", &v).unwrap();
+        let arch = registry::for_config(&c);
+        assert_eq!(arch.name(), "qwen3_moe");
+        let sparse = arch.layer(&c, 2);
+        let FfnTensors::Moe(m) = &sparse.ffn else {
+            panic!("layer 2 is sparse")
+        };
+        assert_eq!((m.experts.len(), m.top_k, m.normalize), (10, 3, false));
+        assert_eq!(m.router.hf, "model.layers.2.mlp.gate.weight");
+        assert_eq!(m.router.gguf, "blk.2.ffn_gate_inp.weight");
+        let e7 = &m.experts[7];
+        assert_eq!(e7.down.hf, "model.layers.2.mlp.experts.7.down_proj.weight");
+        assert_eq!(e7.down.gguf, "blk.2.ffn_down_exps.weight");
+        assert_eq!(e7.down.shape, vec![64, 24]);
+        assert_eq!(e7.down.gguf_stacked, Some(StackedSlice { index: 7, count: 10 }));
+        assert!(matches!(arch.layer(&c, 1).ffn, FfnTensors::Dense(_)), "layer 1 is listed dense");
+        // 4 attention matrices, 30 expert matrices; norms, q/k norms and the router.
+        assert_eq!(sparse.matrices().len(), 4 + 30);
+        assert_eq!(sparse.tensors().len(), 4 + 30 + 2 + 2 + 1);
+        // A position reads 3 of the 10 experts.
+        let spec = sparse.spec();
+        let expert = 3 * 24 * 64;
+        assert_eq!(spec.weight_params - spec.active_params, 7 * expert);
     }
 
     #[test]
