@@ -157,6 +157,9 @@ pub enum ConfigError {
 
 /// Upper bound on any single dimension; larger means a corrupt or hostile file.
 const MAX_DIM: usize = 1 << 24;
+/// Upper bound on experts per layer: every expert is three tensors the loader names, so a
+/// hostile count must not make that list huge.
+const MAX_EXPERTS: usize = 4096;
 
 struct Fields<'a> {
     source_name: &'a str,
@@ -484,6 +487,12 @@ impl ModelConfig {
             return bad(format!("rms_norm_eps {} must be positive", self.rms_norm_eps));
         }
         if let Some(m) = &self.moe {
+            if m.num_experts > MAX_EXPERTS {
+                return bad(format!(
+                    "num_experts {} is more than {MAX_EXPERTS} (the most any released model has is 512)",
+                    m.num_experts
+                ));
+            }
             if m.experts_per_token > m.num_experts {
                 return bad(format!(
                     "num_experts_per_tok {} is more than num_experts {}",
@@ -613,7 +622,10 @@ mod tests {
     fn reads_mixture_of_experts_settings_with_transformers_defaults() {
         let c = ModelConfig::from_hf_value("t", &moe()).unwrap();
         let m = c.moe.clone().unwrap();
-        assert_eq!((m.num_experts, m.experts_per_token, m.expert_intermediate_size), (10, 3, 32));
+        assert_eq!(
+            (m.num_experts, m.experts_per_token, m.expert_intermediate_size),
+            (10, 3, 32)
+        );
         assert!(!m.norm_topk_prob && m.decoder_sparse_step == 1 && m.mlp_only_layers.is_empty());
         assert!(c.qk_norm && (0..4).all(|l| m.is_sparse(l)));
         assert_eq!(c.architecture.gguf_name(), "qwen3moe");
@@ -628,6 +640,16 @@ mod tests {
         let sparse: Vec<usize> = (0..4).filter(|&l| m.is_sparse(l)).collect();
         assert_eq!(sparse, [1], "layer 3 is listed dense, 0 and 2 fall between steps");
         assert!(ModelConfig::from_hf_value("t", &base()).unwrap().moe.is_none());
+    }
+
+    #[test]
+    fn a_mixture_of_experts_config_survives_the_convert_round_trip() {
+        let mut v = moe();
+        v["mlp_only_layers"] = json!([0, 2]);
+        v["norm_topk_prob"] = json!(true);
+        let c = ModelConfig::from_hf_value("t", &v).unwrap();
+        let back = ModelConfig::from_hf_value("converted", &c.to_hf_json(Some(1), Some(2))).unwrap();
+        assert_eq!(back, c);
     }
 
     #[test]
@@ -648,6 +670,10 @@ mod tests {
         v["mlp_only_layers"] = json!("all");
         let e = ModelConfig::from_hf_value("t", &v).unwrap_err().to_string();
         assert!(e.contains("'mlp_only_layers'"), "{e}");
+        let mut v = moe();
+        v["num_experts"] = json!(1 << 20);
+        let e = ModelConfig::from_hf_value("t", &v).unwrap_err().to_string();
+        assert!(e.contains("num_experts 1048576 is more than 4096"), "{e}");
     }
 
     #[test]

@@ -74,14 +74,22 @@ fn a_qwen3_moe_gguf_file_gives_the_same_model_as_its_safetensors() {
     let hf = ModelFiles::open(&dir).unwrap();
     let (gc, hc) = (gguf.config().unwrap(), hf.config().unwrap());
     assert_eq!(gc.moe, hc.moe, "the expert settings read from GGUF metadata");
-    assert_eq!((gc.head_dim, gc.num_layers, gc.qk_norm), (hc.head_dim, hc.num_layers, true));
+    assert_eq!(
+        (gc.head_dim, gc.num_layers, gc.qk_norm),
+        (hc.head_dim, hc.num_layers, true)
+    );
     let mut from_gguf = Engine::new(StageWeights::load_full(&gguf, &gc, true).unwrap());
     let mut from_hf = Engine::new(StageWeights::load_full(&hf, &hc, true).unwrap());
     let reference = read_json(&dir.join("reference.json"));
     for seq in reference["sequences"].as_array().unwrap() {
         let tokens = ids(&seq["tokens"]);
         let got = from_gguf.prompt_logits(&tokens, true).unwrap();
-        assert_eq!(got, from_hf.prompt_logits(&tokens, true).unwrap(), "{} tokens", tokens.len());
+        assert_eq!(
+            got,
+            from_hf.prompt_logits(&tokens, true).unwrap(),
+            "{} tokens",
+            tokens.len()
+        );
         let want: Vec<f32> = seq["logits"].as_array().unwrap().iter().flat_map(f32s).collect();
         assert!(max_abs_diff(&got, &want) < TOL);
     }

@@ -416,6 +416,40 @@ async fn workers_export_stage_metrics() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mixture_of_experts_workers_report_the_experts_each_micro_batch_reads() {
+    // qwen3_moe_dense_mix: layers 0 and 3 dense; 1, 2 and 4 sparse, 2 of 12 experts a row.
+    let dir = fixtures().join("tiny/qwen3_moe_dense_mix");
+    let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
+    let (tc, ports) = TestCluster::start_with_worker_metrics(&dir, &cfg, &[3]).await;
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(4)
+    };
+    tc.generate(&[1, 2, 3, 4, 5, 6, 7, 8], params).await.unwrap();
+    for p in ports {
+        let text = scrape(&format!("127.0.0.1:{p}"));
+        assert_prometheus_text(&text);
+        let count = text
+            .lines()
+            .find_map(|l| l.strip_prefix("baton_moe_active_experts_count "))
+            .unwrap_or_else(|| panic!("no baton_moe_active_experts histogram: {text}"));
+        // One micro-batch per step: the prompt, then 3 decode steps (the 4th token is
+        // sampled from the last of them).
+        assert_eq!(count.trim(), "4", "{text}");
+        let sum: f64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix("baton_moe_active_experts_sum "))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        // A decode row reads exactly top-k (2) experts per sparse layer; the 8-row prompt
+        // between 2 and all 12.
+        assert!((6.0 + 2.0..=6.0 + 12.0).contains(&sum), "{sum}: {text}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trim_keeps_a_prefix_and_a_cached_prefix_starts_a_sequence() {
     use baton_shared::proto::{MicroBatch, Sampling, SequenceChunk, TrimRequest};
     let dir = fixtures().join("tiny/llama_tied");

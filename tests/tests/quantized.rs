@@ -352,7 +352,11 @@ fn a_mixture_of_experts_in_every_weight_format_stays_close_to_fp32() {
         (WeightFormat::Q4_0, 0.6),
     ] {
         let got = load(format, 1).prompt_logits(&tokens, true).unwrap();
-        assert_eq!(load(format, 3).prompt_logits(&tokens, true).unwrap(), got, "{format}: 1 vs 3 threads");
+        assert_eq!(
+            load(format, 3).prompt_logits(&tokens, true).unwrap(),
+            got,
+            "{format}: 1 vs 3 threads"
+        );
         let rows = want.chunks_exact(vocab).zip(got.chunks_exact(vocab));
         let mut shares: Vec<f32> = rows
             .clone()

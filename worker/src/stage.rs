@@ -62,6 +62,7 @@ pub fn forward_span(worker_id: &str, batch: &MicroBatch) -> tracing::Span {
         batch_id = batch.batch_id,
         batch_tokens = batch.seqs.iter().map(|s| s.tokens.len()).sum::<usize>(),
         sequences = batch.seqs.len(),
+        moe_active_experts = tracing::field::Empty,
     );
     baton_shared::trace_context::set_parent(&span, &batch.trace_context);
     span

@@ -19,7 +19,7 @@ pub use format_choice::{AUTO, auto_format, resolve_format};
 pub use loader::WeightLoader;
 pub use on_cpu::{LoadOptions, StageWeights};
 pub use rope::Rope;
-pub use scratch::{Batch, Scratch};
+pub use scratch::{Batch, MoeStats, Scratch};
 pub use stage_model::{PartBytes, StageModel};
 
 pub use crate::kernels::cpu::matmul::WeightFormat;

@@ -25,6 +25,8 @@ pub struct Scratch<O: Ops = CpuOps> {
     pub expert_out: O::Buf,
     /// Which rows each expert takes.
     pub routing: O::Routing,
+    /// What the mixture-of-experts layers of the last pass did.
+    pub moe: MoeStats,
     /// Head output of the last stage.
     pub logits: O::Buf,
     /// Per-call work memory of the operations.
@@ -49,6 +51,7 @@ impl<O: Ops> Default for Scratch<O> {
             expert_in: O::Buf::default(),
             expert_out: O::Buf::default(),
             routing: O::Routing::default(),
+            moe: MoeStats::default(),
             logits: O::Buf::default(),
             ws: O::Workspace::default(),
             batch: Batch::default(),
@@ -60,6 +63,15 @@ impl<O: Ops> std::fmt::Debug for Scratch<O> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Scratch").finish_non_exhaustive()
     }
+}
+
+/// Mixture-of-experts activity of one pass over a stage's layers.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct MoeStats {
+    /// Sparse layers run.
+    pub layers: usize,
+    /// Experts that had rows, summed over those layers (each read its weights once).
+    pub active_experts: usize,
 }
 
 /// What every layer of one batch shares: each row's rotary tables (host memory: a device

@@ -13,7 +13,7 @@ use super::blocks::{DecoderLayer, RmsNorm};
 use super::loader::WeightLoader;
 use super::registry;
 use super::rope::Rope;
-use super::scratch::Scratch;
+use super::scratch::{MoeStats, Scratch};
 use super::spec::LayerSpec;
 use crate::kernels::cpu::matmul::WeightFormat;
 use crate::kv_cache::KvSpans;
@@ -248,11 +248,19 @@ impl<O: Ops> StageModel<O> {
                 row += 1;
             }
         }
+        s.moe = MoeStats::default();
         for (index, layer) in self.blocks.iter().enumerate() {
             layer.forward(&self.ops, index, kv, &batch, s);
         }
         s.batch = batch;
         kv.commit();
+        if s.moe.layers > 0 {
+            // How many experts' weights a micro-batch streams per sparse layer: 1 × top-k for
+            // one row, up to every expert for a large batch.
+            let per_layer = s.moe.active_experts as f64 / s.moe.layers as f64;
+            metrics::histogram!("baton_moe_active_experts").record(per_layer);
+            tracing::Span::current().record("moe_active_experts", per_layer);
+        }
         Ok(())
     }
 

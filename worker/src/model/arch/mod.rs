@@ -265,7 +265,10 @@ mod tests {
         assert_eq!(e7.down.gguf, "blk.2.ffn_down_exps.weight");
         assert_eq!(e7.down.shape, vec![64, 24]);
         assert_eq!(e7.down.gguf_stacked, Some(StackedSlice { index: 7, count: 10 }));
-        assert!(matches!(arch.layer(&c, 1).ffn, FfnTensors::Dense(_)), "layer 1 is listed dense");
+        assert!(
+            matches!(arch.layer(&c, 1).ffn, FfnTensors::Dense(_)),
+            "layer 1 is listed dense"
+        );
         // 4 attention matrices, 30 expert matrices; norms, q/k norms and the router.
         assert_eq!(sparse.matrices().len(), 4 + 30);
         assert_eq!(sparse.tensors().len(), 4 + 30 + 2 + 2 + 1);

@@ -47,10 +47,12 @@ impl<O: Ops> SparseMoe<O> {
         );
         let len = ops.len(&s.xn);
         ops.zeros(&mut s.proj, len);
+        s.moe.layers += 1;
         for (e, expert) in self.experts.iter().enumerate() {
             if ops.gather_routed(&s.xn, &s.routing, e, &mut s.expert_in) == 0 {
                 continue;
             }
+            s.moe.active_experts += 1;
             expert.apply(ops, &mut s.ws, &s.expert_in, &mut s.gate, &mut s.up, &mut s.expert_out);
             ops.scatter_routed(&s.expert_out, &s.routing, e, &mut s.proj);
         }
