@@ -1,6 +1,7 @@
 //! `baton-bench`: timing of Baton's engines: the CPU path per weight format and thread count
 //! against the fp32 reference (prefill and batch-1 decode), matrix-vector kernels, and decode
-//! through `baton serve`; and a load generator for any OpenAI-compatible server.
+//! through `baton serve`; a load generator for any OpenAI-compatible server; and synthetic
+//! models of any supported shape.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -23,6 +24,7 @@ mod kernels;
 mod load;
 mod perplexity;
 mod serve_decode;
+mod synth;
 
 #[derive(Parser)]
 #[command(name = "baton-bench", about = "Baton benchmarks")]
@@ -59,6 +61,9 @@ enum Cmd {
     /// Load generator for any OpenAI-compatible server: N concurrent streaming requests per
     /// level; reports TTFT, inter-token and end-to-end latency percentiles and throughput.
     Load(load::Args),
+    /// Write a GGUF of a Llama, Qwen3 or Qwen3-MoE shape with random Q8_0 weights and the
+    /// default model's tokenizer (for speed where real weights cannot be downloaded).
+    Synth(synth::Args),
     /// Prefill and batch-1 decode throughput per weight format and thread count, measured side
     /// by side (round-robin) with the fp32 reference (f32, scalar kernels, one thread).
     Reference {
@@ -161,6 +166,7 @@ fn main() -> Result<()> {
             layers,
         } => kernels::run(&threads, &tokens, &weights, ms, reps, layers)?,
         Cmd::Load(args) => load::run(args)?,
+        Cmd::Synth(args) => synth::run(&args)?,
         Cmd::Perplexity {
             model,
             text,

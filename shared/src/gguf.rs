@@ -463,9 +463,20 @@ pub mod writer {
         }
     }
 
-    /// Serialize a GGUF v3 file with 32-byte alignment.
-    pub fn to_bytes(metadata: &[(String, GgufValue)], tensors: &[TensorToWrite]) -> Vec<u8> {
-        const ALIGN: usize = 32;
+    /// Tensor data offsets are multiples of this.
+    pub const ALIGN: usize = 32;
+
+    /// One tensor's entry in the header: name, row-major shape, ggml type id and byte size.
+    pub struct TensorHeader {
+        pub name: String,
+        pub shape: Vec<usize>,
+        pub ggml_type: u32,
+        pub n_bytes: usize,
+    }
+
+    /// The header of a GGUF v3 file (magic, metadata, tensor table), padded to [`ALIGN`]: the
+    /// tensors' data follows in `tensors`' order, each padded to [`ALIGN`].
+    pub fn header_bytes(metadata: &[(String, GgufValue)], tensors: &[TensorHeader]) -> Vec<u8> {
         let mut out = Vec::new();
         out.extend_from_slice(b"GGUF");
         out.extend_from_slice(&3u32.to_le_bytes());
@@ -485,12 +496,32 @@ pub mod writer {
             }
             out.extend_from_slice(&t.ggml_type.to_le_bytes());
             out.extend_from_slice(&(offset as u64).to_le_bytes());
-            offset += t.data.len().div_ceil(ALIGN) * ALIGN;
+            offset += t.n_bytes.div_ceil(ALIGN) * ALIGN;
         }
         out.resize(out.len().div_ceil(ALIGN) * ALIGN, 0);
+        out
+    }
+
+    /// Zero bytes that pad `n` bytes of data to [`ALIGN`].
+    pub fn padding(n: usize) -> usize {
+        n.div_ceil(ALIGN) * ALIGN - n
+    }
+
+    /// Serialize a GGUF v3 file with 32-byte alignment.
+    pub fn to_bytes(metadata: &[(String, GgufValue)], tensors: &[TensorToWrite]) -> Vec<u8> {
+        let headers: Vec<TensorHeader> = tensors
+            .iter()
+            .map(|t| TensorHeader {
+                name: t.name.clone(),
+                shape: t.shape.clone(),
+                ggml_type: t.ggml_type,
+                n_bytes: t.data.len(),
+            })
+            .collect();
+        let mut out = header_bytes(metadata, &headers);
         for t in tensors {
             out.extend_from_slice(&t.data);
-            out.resize(out.len().div_ceil(ALIGN) * ALIGN, 0);
+            out.resize(out.len() + padding(t.data.len()), 0);
         }
         out
     }
