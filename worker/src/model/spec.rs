@@ -17,6 +17,25 @@ impl LayerKind {
     }
 }
 
+/// What a layer's feed-forward part is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FfnKind {
+    /// One dense MLP.
+    Dense,
+    /// `active` of `experts` routed MLPs per position.
+    Moe { experts: usize, active: usize },
+}
+
+impl FfnKind {
+    /// The name reported in logs and the cluster view.
+    pub fn name(self) -> &'static str {
+        match self {
+            FfnKind::Dense => "dense",
+            FfnKind::Moe { .. } => "moe",
+        }
+    }
+}
+
 /// What a layer keeps per sequence between steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CacheSpec {
@@ -37,6 +56,7 @@ impl CacheSpec {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LayerSpec {
     pub kind: LayerKind,
+    pub ffn: FfnKind,
     pub cache: CacheSpec,
     /// Weights in the layer (values, whatever their format).
     pub weight_params: usize,
@@ -70,6 +90,7 @@ mod tests {
     fn attn(kv_heads: usize, params: usize) -> LayerSpec {
         LayerSpec {
             kind: LayerKind::Attention,
+            ffn: FfnKind::Dense,
             cache: CacheSpec::Attention { kv_heads, head_dim: 64 },
             weight_params: params,
             active_params: params,

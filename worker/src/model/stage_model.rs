@@ -139,7 +139,7 @@ impl<O: Ops> StageModel<O> {
         tracing::info!(
             arch = arch.name(),
             layers = ?layers,
-            kinds = ?specs.iter().map(|s| s.kind.name()).collect::<std::collections::BTreeSet<_>>(),
+            kinds = ?specs.iter().map(|s| format!("{}+{}", s.kind.name(), s.ffn.name())).collect::<std::collections::BTreeSet<_>>(),
             format = %format,
             kernels = %ops_info.kernels,
             seconds = started.elapsed().as_secs_f64(),

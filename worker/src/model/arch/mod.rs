@@ -21,7 +21,7 @@ pub use qwen3_moe::Qwen3Moe;
 use baton_shared::model_config::ModelConfig;
 use baton_shared::model_files::TensorSpec;
 
-use super::spec::{CacheSpec, LayerKind, LayerSpec};
+use super::spec::{CacheSpec, FfnKind, LayerKind, LayerSpec};
 
 /// A model family.
 pub trait Architecture: Sync + std::fmt::Debug {
@@ -166,8 +166,16 @@ impl LayerPlan {
                 expert * (m.experts.len() - m.top_k.min(m.experts.len()))
             }
         };
+        let ffn = match &self.ffn {
+            FfnTensors::Dense(_) => FfnKind::Dense,
+            FfnTensors::Moe(m) => FfnKind::Moe {
+                experts: m.experts.len(),
+                active: m.top_k,
+            },
+        };
         LayerSpec {
             kind,
+            ffn,
             cache,
             weight_params,
             active_params: weight_params - idle_experts,
@@ -274,6 +282,8 @@ mod tests {
         assert_eq!(sparse.tensors().len(), 4 + 30 + 2 + 2 + 1);
         // A position reads 3 of the 10 experts.
         let spec = sparse.spec();
+        assert_eq!(spec.ffn, FfnKind::Moe { experts: 10, active: 3 });
+        assert_eq!(arch.layer(&c, 1).spec().ffn, FfnKind::Dense);
         let expert = 3 * 24 * 64;
         assert_eq!(spec.weight_params - spec.active_params, 7 * expert);
     }
