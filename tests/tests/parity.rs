@@ -260,3 +260,32 @@ fn smollm2_greedy_matches_transformers() {
         assert_eq!(out.text, want);
     }
 }
+
+#[test]
+fn a_sentencepiece_gguf_tokenizer_gives_sentencepiece_ids_and_text() {
+    // Mistral 7B v0.1's SentencePiece model laid out as llama.cpp's converter writes it, and the
+    // ids SentencePiece itself gives (tests/fixtures/generate_spm.py): digits, whitespace runs,
+    // CJK, emoji (byte fallback), code.
+    let dir = fixtures().join("spm");
+    let g = baton_shared::gguf::GgufFile::open(dir.join("mistral-v1-tokenizer.gguf")).unwrap();
+    let tok = baton_shared::tokenizer::Tokenizer::from_gguf(&g).unwrap();
+    assert_eq!((tok.bos_id, tok.eos_ids.clone(), tok.add_bos), (Some(1), vec![2], true));
+    let cases = read_json(&dir.join("cases.json"));
+    let cases = cases["cases"].as_array().unwrap();
+    assert!(cases.len() >= 10);
+    for case in cases {
+        let text = case["text"].as_str().unwrap();
+        let want = ids(&case["ids"]);
+        assert_eq!(tok.encode(text, true).unwrap(), want, "{text:?}");
+        let decoded = tok.decode(&want[1..], true).unwrap();
+        assert_eq!(decoded, case["decoded"].as_str().unwrap(), "{text:?}");
+        // Streamed token by token, the text is the same.
+        let mut dec = IncrementalDecoder::new(true);
+        let mut streamed = String::new();
+        for &id in &want[1..] {
+            streamed += &dec.push(&tok, id).unwrap();
+        }
+        streamed += &dec.finish(&tok).unwrap();
+        assert_eq!(streamed, decoded, "{text:?} streamed");
+    }
+}

@@ -7,8 +7,14 @@ mod check;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
+use tokenizers::decoders::DecoderWrapper;
+use tokenizers::decoders::byte_fallback::ByteFallback;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+use tokenizers::decoders::strip::Strip;
 use tokenizers::models::bpe::{BPE, Vocab};
+use tokenizers::normalizers::{NormalizerWrapper, Prepend, Replace, Sequence as NormalizerSequence};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
@@ -115,21 +121,148 @@ fn pre_tokenizer_for(source_name: &str, pre: &str) -> Result<PreTokenizerWrapper
     })
 }
 
+/// Byte-level BPE from `tokenizer.ggml.merges`, with the pre-tokenizer `tokenizer.ggml.pre`
+/// names.
+fn byte_level_bpe(g: &GgufFile, name: &str, vocab: Vocab) -> Result<tokenizers::Tokenizer, TokenizerError> {
+    let merges = string_array(g, "tokenizer.ggml.merges")?;
+    let merges = merges
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .ok_or_else(|| load_err(name, format!("merge #{i} '{m}' is not two tokens separated by a space")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    check::check_merges(
+        name,
+        |t| vocab.contains_key(t),
+        merges.iter().map(|(a, b)| (a.as_str(), b.as_str())),
+        "",
+    )?;
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(|e| load_err(name, e))?;
+    let pre = g.get_str("tokenizer.ggml.pre").unwrap_or("default");
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    inner.with_pre_tokenizer(Some(pre_tokenizer_for(name, pre)?));
+    inner.with_decoder(Some(ByteLevelDecoder::default()));
+    Ok(inner)
+}
+
+/// Longest SentencePiece piece accepted (real ones are at most 16 characters).
+const MAX_PIECE_BYTES: usize = 256;
+
+/// SentencePiece BPE (Llama 2, Mistral): spaces become `▁` (one prepended, unless
+/// `tokenizer.ggml.add_space_prefix` is false), pieces merge in the order of their scores, and
+/// characters outside the vocabulary fall back to `<0xNN>` byte pieces. GGUF files carry the
+/// pieces and scores, not merges: a merge is every split of a piece into two pieces, ranked by
+/// the whole piece's score (ties by the parts' ids), which is how SentencePiece's BPE applies
+/// them.
+fn sentencepiece_bpe(
+    g: &GgufFile,
+    name: &str,
+    tokens: &[&str],
+    vocab: Vocab,
+) -> Result<tokenizers::Tokenizer, TokenizerError> {
+    let scores = g
+        .get("tokenizer.ggml.scores")
+        .and_then(GgufValue::as_array)
+        .ok_or_else(|| {
+            load_err(
+                name,
+                "missing metadata 'tokenizer.ggml.scores' (SentencePiece needs them)",
+            )
+        })?;
+    if scores.len() != tokens.len() {
+        return Err(load_err(
+            name,
+            format!("{} scores for {} tokens", scores.len(), tokens.len()),
+        ));
+    }
+    let scores: Vec<f64> = scores
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            v.as_f64()
+                .filter(|x| x.is_finite())
+                .ok_or_else(|| load_err(name, format!("'tokenizer.ggml.scores'[{i}] is not a finite number")))
+        })
+        .collect::<Result<_, _>>()?;
+    let mut merges: Vec<(f64, u32, u32)> = Vec::new();
+    for (id, piece) in tokens.iter().enumerate() {
+        // Every split of a piece is looked up, so a hostile piece must not be long.
+        if piece.len() > MAX_PIECE_BYTES {
+            return Err(load_err(
+                name,
+                format!(
+                    "token {id} is {} bytes long (SentencePiece pieces are at most {MAX_PIECE_BYTES})",
+                    piece.len()
+                ),
+            ));
+        }
+        let start = merges.len();
+        for (at, _) in piece.char_indices().skip(1) {
+            if let (Some(&l), Some(&r)) = (vocab.get(&piece[..at]), vocab.get(&piece[at..])) {
+                merges.push((scores[id], l, r));
+            }
+        }
+        merges[start..].sort_by_key(|m| (m.1, m.2));
+    }
+    // Stable: equal scores keep the piece order above.
+    merges.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let merges: Vec<(String, String)> = merges
+        .into_iter()
+        .map(|(_, l, r)| (tokens[l as usize].to_string(), tokens[r as usize].to_string()))
+        .collect();
+    let unk = g
+        .get_u64("tokenizer.ggml.unknown_token_id")
+        .and_then(|i| tokens.get(i as usize))
+        .copied()
+        .unwrap_or("<unk>");
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .unk_token(unk.to_string())
+        .fuse_unk(true)
+        .byte_fallback(true)
+        .build()
+        .map_err(|e| load_err(name, e))?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    let space = |to: &str| Replace::new(" ", to).map_err(|e| load_err(name, e));
+    let add_prefix = g
+        .get("tokenizer.ggml.add_space_prefix")
+        .and_then(GgufValue::as_bool)
+        .unwrap_or(true);
+    let mut normalizers = Vec::new();
+    if add_prefix {
+        normalizers.push(NormalizerWrapper::Prepend(Prepend::new("▁".into())));
+    }
+    normalizers.push(NormalizerWrapper::Replace(space("▁")?));
+    inner
+        .with_normalizer(Some(NormalizerSequence::new(normalizers)))
+        .map_err(|e| load_err(name, e))?;
+    let mut decoders = vec![
+        DecoderWrapper::Replace(Replace::new("▁", " ").map_err(|e| load_err(name, e))?),
+        DecoderWrapper::ByteFallback(ByteFallback::new()),
+        DecoderWrapper::Fuse(Fuse::new()),
+    ];
+    if add_prefix {
+        decoders.push(DecoderWrapper::Strip(Strip::new(' ', 1, 0)));
+    }
+    inner.with_decoder(Some(DecoderSequence::new(decoders)));
+    Ok(inner)
+}
+
 impl Tokenizer {
-    /// Build the tokenizer described by a GGUF file's `tokenizer.ggml.*` metadata.
+    /// Build the tokenizer described by a GGUF file's `tokenizer.ggml.*` metadata: byte-level
+    /// BPE (`gpt2`: Llama 3, Qwen, SmolLM2) or SentencePiece BPE (`llama`: Llama 2, Mistral).
     pub fn from_gguf(g: &GgufFile) -> Result<Self, TokenizerError> {
         let name = g.path().display().to_string();
         let model = g
             .get_str("tokenizer.ggml.model")
             .ok_or_else(|| load_err(&name, "missing metadata 'tokenizer.ggml.model'"))?;
-        if model != "gpt2" {
-            return Err(TokenizerError::Unsupported {
-                source_name: name,
-                message: format!("tokenizer model '{model}' (only byte-level BPE, 'gpt2', is supported)"),
-            });
-        }
         let tokens = string_array(g, "tokenizer.ggml.tokens")?;
-        let merges = string_array(g, "tokenizer.ggml.merges")?;
         let types: Vec<u64> = match g.get("tokenizer.ggml.token_type").and_then(GgufValue::as_array) {
             Some(a) => a.iter().map(|v| v.as_u64().unwrap_or(1)).collect(),
             None => vec![1; tokens.len()],
@@ -142,34 +275,18 @@ impl Tokenizer {
         if vocab.len() != tokens.len() {
             return Err(load_err(&name, "tokenizer.ggml.tokens contains duplicate tokens"));
         }
-        let merges = merges
-            .iter()
-            .enumerate()
-            .map(|(i, m)| {
-                m.split_once(' ')
-                    .map(|(a, b)| (a.to_string(), b.to_string()))
-                    .ok_or_else(|| {
-                        load_err(
-                            &name,
-                            format!("merge #{i} '{m}' is not two tokens separated by a space"),
-                        )
-                    })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        check::check_merges(
-            &name,
-            |t| vocab.contains_key(t),
-            merges.iter().map(|(a, b)| (a.as_str(), b.as_str())),
-            "",
-        )?;
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(|e| load_err(&name, e))?;
-        let pre = g.get_str("tokenizer.ggml.pre").unwrap_or("default");
-        let mut inner = tokenizers::Tokenizer::new(bpe);
-        inner.with_pre_tokenizer(Some(pre_tokenizer_for(&name, pre)?));
-        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        let mut inner = match model {
+            "gpt2" => byte_level_bpe(g, &name, vocab)?,
+            "llama" => sentencepiece_bpe(g, &name, &tokens, vocab)?,
+            other => {
+                return Err(TokenizerError::Unsupported {
+                    source_name: name,
+                    message: format!(
+                        "tokenizer model '{other}' (supported: 'gpt2', byte-level BPE; 'llama', SentencePiece BPE)"
+                    ),
+                });
+            }
+        };
         // Control tokens (type 3) are special; user-defined ones (type 4) match literally too.
         let added: Vec<AddedToken> = tokens
             .iter()
@@ -194,10 +311,11 @@ impl Tokenizer {
             inner,
             bos_id: id("tokenizer.ggml.bos_token_id"),
             eos_ids,
+            // llama.cpp's defaults: SentencePiece models start with BOS unless told otherwise.
             add_bos: g
                 .get("tokenizer.ggml.add_bos_token")
                 .and_then(GgufValue::as_bool)
-                .unwrap_or(false),
+                .unwrap_or(model == "llama"),
             chat_template: g.get_str("tokenizer.chat_template").map(str::to_string),
         };
         tok.check_ids(&name)?;
@@ -473,11 +591,17 @@ mod tests {
 
     #[test]
     fn unsupported_tokenizers_are_named() {
+        let (_d, p) = tiny_gguf("t5", "default", false);
+        let e = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("tokenizer model 't5'") && e.contains("SentencePiece"), "{e}");
+        // A SentencePiece vocabulary without its scores cannot rank its merges.
         let (_d, p) = tiny_gguf("llama", "default", false);
         let e = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap())
             .unwrap_err()
             .to_string();
-        assert!(e.contains("tokenizer model 'llama'"), "{e}");
+        assert!(e.contains("tokenizer.ggml.scores"), "{e}");
         let (_d, p) = tiny_gguf("gpt2", "mystery", false);
         let e = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap())
             .unwrap_err()
