@@ -289,3 +289,25 @@ fn a_sentencepiece_gguf_tokenizer_gives_sentencepiece_ids_and_text() {
         assert_eq!(streamed, decoded, "{text:?} streamed");
     }
 }
+
+#[test]
+fn every_gguf_pre_tokenizer_splits_as_the_tokenizers_package_does() {
+    // tests/fixtures/generate_pretokenizers.py: each family's pre-tokenizer as its
+    // tokenizer.json declares it, run by the `tokenizers` Python package on a corpus with
+    // digits, whitespace runs, CJK, emoji, combining marks and code.
+    let cases = read_json(&fixtures().join("pretokenizers.json"));
+    let mut names = std::collections::BTreeSet::new();
+    for case in cases["cases"].as_array().unwrap() {
+        let (pre, text) = (case["pre"].as_str().unwrap(), case["text"].as_str().unwrap());
+        let want: Vec<&str> = case["pieces"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p.as_str().unwrap())
+            .collect();
+        let got = baton_shared::tokenizer::gguf_pre_tokenize(pre, text).unwrap();
+        assert_eq!(got, want, "{pre}: {text:?}");
+        names.insert(pre);
+    }
+    assert_eq!(names.len(), 5, "{names:?}");
+}

@@ -64,6 +64,8 @@ impl std::fmt::Debug for Tokenizer {
 /// GPT-2 style split used by Qwen2 tokenizers (single digits).
 const QWEN2_PATTERN: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen3.5's split: Qwen2's, with combining marks (`\p{M}`) kept with the letters they mark.
+const QWEN35_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Llama 3 split (digits in runs of up to three).
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
@@ -109,16 +111,30 @@ fn pre_tokenizer_for(source_name: &str, pre: &str) -> Result<PreTokenizerWrapper
             byte_level(true),
         ])),
         "qwen2" => PreTokenizerWrapper::Sequence(Sequence::new(vec![split(QWEN2_PATTERN)?, byte_level(false)])),
+        "qwen35" => PreTokenizerWrapper::Sequence(Sequence::new(vec![split(QWEN35_PATTERN)?, byte_level(false)])),
         "llama3" | "llama-bpe" => {
             PreTokenizerWrapper::Sequence(Sequence::new(vec![split(LLAMA3_PATTERN)?, byte_level(false)]))
         }
         other => {
             return Err(TokenizerError::Unsupported {
                 source_name: source_name.into(),
-                message: format!("pre-tokenizer '{other}' (supported: gpt2, smollm, qwen2, llama-bpe)"),
+                message: format!("pre-tokenizer '{other}' (supported: gpt2, smollm, qwen2, qwen35, llama-bpe)"),
             });
         }
     })
+}
+
+/// How the pre-tokenizer a GGUF file names in `tokenizer.ggml.pre` splits `text` (the pieces the
+/// BPE model then encodes, in byte-level form); for checks against other implementations.
+pub fn gguf_pre_tokenize(pre: &str, text: &str) -> Result<Vec<String>, TokenizerError> {
+    use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+    let p = pre_tokenizer_for("pre-tokenizer", pre)?;
+    let mut s = PreTokenizedString::from(text);
+    p.pre_tokenize(&mut s).map_err(|e| TokenizerError::Run(e.to_string()))?;
+    Ok(s.get_splits(OffsetReferential::Original, OffsetType::Char)
+        .into_iter()
+        .map(|(piece, _, _)| piece.to_string())
+        .collect())
 }
 
 /// Byte-level BPE from `tokenizer.ggml.merges`, with the pre-tokenizer `tokenizer.ggml.pre`
