@@ -94,6 +94,24 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
 }
 
+/// The first non-finite scale (or minimum) of a block format's `bytes`, as the index of the
+/// first value of its block and the scale itself. A block's values are finite exactly when its
+/// f16 scale (and Q4_1's minimum) are: the quants are small integers. `None` for other types.
+pub fn non_finite_block(dtype: DType, bytes: &[u8]) -> Option<(usize, f32)> {
+    let halves: &[usize] = match dtype {
+        DType::Q8_0 | DType::Q4_0 => &[0],
+        DType::Q4_1 => &[0, 2],
+        _ => return None,
+    };
+    bytes.chunks_exact(dtype.block_bytes()).enumerate().find_map(|(b, block)| {
+        halves
+            .iter()
+            .map(|&at| f16_at(block, at))
+            .find(|v| !v.is_finite())
+            .map(|v| (b * dtype.block_size(), v))
+    })
+}
+
 /// Convert `src` (holding exactly `out.len()` values of type `dtype`) to f32.
 ///
 /// Panics if the byte length does not match; callers validate sizes when loading.

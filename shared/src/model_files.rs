@@ -273,12 +273,21 @@ impl ModelFiles {
     }
 
     /// One tensor's stored bytes in Hugging Face row order, for a matrix kept in the file's own
-    /// block format. Shape-checked; `None` for tensors that are not 2-D block formats (Q8_0,
-    /// Q4_0, Q4_1).
-    pub fn load_blocks(&self, spec: &TensorSpec) -> Result<Option<(DType, Vec<u8>)>, LoadError> {
+    /// block format. Shape-checked, and with `check_finite` every block's scale checked (which
+    /// decides whether its values are finite, without widening them); `None` for tensors that
+    /// are not 2-D block formats (Q8_0, Q4_0, Q4_1).
+    pub fn load_blocks(&self, spec: &TensorSpec, check_finite: bool) -> Result<Option<(DType, Vec<u8>)>, LoadError> {
         let t = self.checked(spec)?;
         if !keeps_blocks(t.dtype, &spec.shape) {
             return Ok(None);
+        }
+        if check_finite && let Some((index, value)) = crate::dtype::non_finite_block(t.dtype, t.data) {
+            return Err(LoadError::NonFinite {
+                source_name: self.source_name(),
+                name: self.name_of(spec).to_string(),
+                index,
+                value,
+            });
         }
         let mut data = t.data.to_vec();
         if let Some(heads) = self.gguf_heads(spec) {
@@ -400,13 +409,41 @@ mod tests {
         let values = files.load_f32(&spec(1), true).unwrap();
         assert_eq!(values.len(), 64);
         assert!(values[..32].iter().all(|&v| v == 10.0) && values[32..].iter().all(|&v| v == 11.0));
-        let (dtype, blocks) = files.load_blocks(&spec(2)).unwrap().unwrap();
+        let (dtype, blocks) = files.load_blocks(&spec(2), true).unwrap().unwrap();
         assert_eq!((dtype, blocks.len()), (DType::Q8_0, 2 * 34));
         assert_eq!(blocks[2], 20);
         // A file with a different expert count is refused by name and shape.
         let wrong = TensorSpec::new("up", "blk.0.ffn_up_exps.weight", vec![2, 32]).stacked_in_gguf(0, 4);
         let e = files.load_f32(&wrong, true).unwrap_err().to_string();
         assert!(e.contains("ffn_up_exps") && e.contains("[4, 2, 32]"), "{e}");
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn blocks_kept_as_stored_are_checked_by_their_scales() {
+        use crate::gguf::writer::{TensorToWrite, to_bytes};
+        // Two Q8_0 rows of one block each; the second row's scale is an f16 NaN.
+        let mut data = Vec::new();
+        for scale in [0x3C00u16, 0x7E00] {
+            data.extend_from_slice(&scale.to_le_bytes());
+            data.extend([1u8; 32]);
+        }
+        let tensor = TensorToWrite {
+            name: "w".into(),
+            shape: vec![2, 32],
+            ggml_type: 8,
+            data,
+        };
+        let path = std::env::temp_dir().join(format!("baton-nan-scale-{}.gguf", std::process::id()));
+        std::fs::write(&path, to_bytes(&[], &[tensor])).unwrap();
+        let files = ModelFiles::open(&path).unwrap();
+        let spec = TensorSpec::new("w", "w", vec![2, 32]);
+        let e = files.load_blocks(&spec, true).unwrap_err().to_string();
+        assert!(e.contains("'w' has a non-finite value (NaN) at index 32"), "{e}");
+        // The same answer the widened values give.
+        let e = files.load_f32(&spec, true).unwrap_err().to_string();
+        assert!(e.contains("at index 32"), "{e}");
+        assert!(files.load_blocks(&spec, false).unwrap().is_some());
         std::fs::remove_file(&path).unwrap();
     }
 }

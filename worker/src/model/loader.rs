@@ -48,26 +48,29 @@ impl<O: Ops> WeightLoader<'_, O> {
 
     /// A matrix in `format`: dequantized to f32 (checked for NaN/Inf) and converted by the
     /// device, one path for every file format; `Native` keeps the file's format instead
-    /// ([`native_format`](Self::native_format)), after the same checks.
+    /// ([`native_format`](Self::native_format)): its blocks go to the device as stored, checked
+    /// by their scales, without being widened to f32 first.
     pub fn matrix_as(&self, spec: &TensorSpec, format: WeightFormat) -> Result<O::Mat, LoadError> {
         let cols = *spec.shape.last().unwrap_or(&1);
-        let values = self.files.load_f32(spec, self.check_finite)?;
         let format = match format {
             WeightFormat::Native => self.native_format(spec),
             other => other,
         };
         let blocks = match format {
-            WeightFormat::Native => self.files.load_blocks(spec)?,
+            WeightFormat::Native => self.files.load_blocks(spec, self.check_finite)?,
             _ => None,
         };
         let host = match blocks {
             Some((dtype, bytes)) => HostMatrix::Blocks {
                 dtype,
-                rows: values.len() / cols,
+                rows: spec.shape.iter().product::<usize>() / cols,
                 bytes,
                 cols,
             },
-            None => HostMatrix::F32 { values, cols },
+            None => HostMatrix::F32 {
+                values: self.files.load_f32(spec, self.check_finite)?,
+                cols,
+            },
         };
         self.ops.matrix(host, format).map_err(|reason| LoadError::Blocks {
             source_name: self.files.source_name(),
