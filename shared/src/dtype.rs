@@ -103,13 +103,16 @@ pub fn non_finite_block(dtype: DType, bytes: &[u8]) -> Option<(usize, f32)> {
         DType::Q4_1 => &[0, 2],
         _ => return None,
     };
-    bytes.chunks_exact(dtype.block_bytes()).enumerate().find_map(|(b, block)| {
-        halves
-            .iter()
-            .map(|&at| f16_at(block, at))
-            .find(|v| !v.is_finite())
-            .map(|v| (b * dtype.block_size(), v))
-    })
+    bytes
+        .chunks_exact(dtype.block_bytes())
+        .enumerate()
+        .find_map(|(b, block)| {
+            halves
+                .iter()
+                .map(|&at| f16_at(block, at))
+                .find(|v| !v.is_finite())
+                .map(|v| (b * dtype.block_size(), v))
+        })
 }
 
 /// Convert `src` (holding exactly `out.len()` values of type `dtype`) to f32.

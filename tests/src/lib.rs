@@ -10,6 +10,17 @@ use std::process::{Command, Output};
 
 use baton_shared::fetch::{Sources, baton_home, ensure_default_model};
 
+/// Every tiny model of tests/fixtures/tiny, as the parity tests check them.
+pub const TINY_MODELS: &[&str] = &[
+    "llama_tied",
+    "llama_untied",
+    "llama_sharded",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_moe_dense_mix",
+];
+
 /// `tests/fixtures/` in the repository.
 pub fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")

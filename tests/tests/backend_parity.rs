@@ -13,15 +13,7 @@ use baton_worker::kv_cache::KvDtype;
 use baton_worker::model::WeightFormat;
 
 const TOL: f32 = 1e-4;
-const TINY: &[&str] = &[
-    "llama_tied",
-    "llama_untied",
-    "llama_sharded",
-    "qwen2",
-    "qwen3",
-    "qwen3_moe",
-    "qwen3_moe_dense_mix",
-];
+const TINY: &[&str] = baton_tests::TINY_MODELS;
 const BLOCK: usize = 4;
 
 /// Every device to hold to the fixtures, of those this build and machine can run.

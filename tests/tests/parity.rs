@@ -12,15 +12,7 @@ use baton_worker::kv_cache::SequenceKv;
 use baton_worker::model::{Scratch, StageWeights};
 
 const TOL: f32 = 1e-4;
-const TINY: &[&str] = &[
-    "llama_tied",
-    "llama_untied",
-    "llama_sharded",
-    "qwen2",
-    "qwen3",
-    "qwen3_moe",
-    "qwen3_moe_dense_mix",
-];
+const TINY: &[&str] = baton_tests::TINY_MODELS;
 
 fn tiny_engine(name: &str) -> (ModelFiles, Engine) {
     let files = ModelFiles::open(&fixtures().join("tiny").join(name)).unwrap();
