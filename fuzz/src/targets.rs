@@ -135,7 +135,8 @@ fn load_small_model(files: &ModelFiles, cfg: &ModelConfig) {
         && cfg.max_position_embeddings <= 1 << 14
         && cfg.num_heads <= 64
         && cfg.num_kv_heads <= 64
-        && cfg.head_dim <= 256;
+        && cfg.head_dim <= 256
+        && cfg.moe.as_ref().is_none_or(|m| m.num_experts <= 64 && m.expert_intermediate_size <= 4096);
     if !small {
         return;
     }
@@ -143,7 +144,7 @@ fn load_small_model(files: &ModelFiles, cfg: &ModelConfig) {
     for spec in arch::stage_tensors(arch, cfg, 0..cfg.num_layers, true, true) {
         if spec.shape.iter().product::<usize>() <= MAX_DEQUANT {
             let _ = files.load_f32(&spec, true);
-            let _ = files.load_blocks(&spec);
+            let _ = files.load_blocks(&spec, true);
         }
     }
     let opts = stage_options(WeightFormat::F32, 2, 16, KvDtype::F32);

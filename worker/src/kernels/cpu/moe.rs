@@ -7,7 +7,7 @@
 //! share the batch.
 
 /// Which rows go to which expert, with what weight; rebuilt by [`route`] for every batch,
-/// keeping its memory.
+/// keeping its memory (routing a batch no larger than an earlier one allocates nothing).
 #[derive(Debug, Default, Clone)]
 pub struct Routing {
     /// Rows routed.
@@ -21,6 +21,8 @@ pub struct Routing {
     chosen: Vec<(u32, f32)>,
     /// One row's probabilities.
     probs: Vec<f32>,
+    /// Where each expert's next entry goes while grouping.
+    next: Vec<usize>,
 }
 
 impl Routing {
@@ -78,9 +80,10 @@ pub fn route(logits: &[f32], experts: usize, top_k: usize, normalize: bool, r: &
     }
     r.row_of.resize(r.chosen.len(), 0);
     r.weight_of.resize(r.chosen.len(), 0.0);
-    let mut next = r.starts[..experts].to_vec();
+    r.next.clear();
+    r.next.extend_from_slice(&r.starts[..experts]);
     for (i, &(e, w)) in r.chosen.iter().enumerate() {
-        let at = &mut next[e as usize];
+        let at = &mut r.next[e as usize];
         r.row_of[*at] = (i / top_k.max(1)) as u32;
         r.weight_of[*at] = w;
         *at += 1;
@@ -139,7 +142,20 @@ mod tests {
         // Unnormalized weights are the softmax probabilities themselves.
         let z: f32 = [1.0f32, -1.0, 3.0, 0.0].iter().map(|v| (v - 3.0).exp()).sum();
         assert!((r.chosen(0)[0].1 - 1.0 / z).abs() < 1e-6);
+        let buffers = |r: &Routing| {
+            [
+                r.row_of.as_ptr() as usize,
+                r.next.as_ptr() as usize,
+                r.chosen.as_ptr() as usize,
+            ]
+        };
+        let before = buffers(&r);
         route(&logits, 4, 2, true, &mut r);
+        assert_eq!(
+            buffers(&r),
+            before,
+            "a second batch of the same size reuses every buffer"
+        );
         for row in 0..3 {
             let s: f32 = r.chosen(row).iter().map(|c| c.1).sum();
             assert!((s - 1.0).abs() < 1e-6, "row {row} sums to {s}");
