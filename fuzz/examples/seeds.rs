@@ -74,6 +74,26 @@ fn tokenizer_meta(pre: &str) -> Vec<(String, GgufValue)> {
     ]
 }
 
+/// `tokenizer.ggml.*` metadata of a 12-piece SentencePiece BPE (Llama 2 / Mistral layout):
+/// control and unknown pieces, byte-fallback pieces, scores ranking the merges.
+fn sentencepiece_meta() -> Vec<(String, GgufValue)> {
+    let tokens = [
+        "<unk>", "<s>", "</s>", "<0x0A>", "<0x41>", "<0xF0>", "▁", "a", "b", "▁a", "ab", "▁ab",
+    ];
+    let types = [2, 3, 3, 6, 6, 6, 1, 1, 1, 1, 1, 1].map(GgufValue::I32);
+    let scores = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0].map(GgufValue::F32);
+    vec![
+        ("tokenizer.ggml.model".into(), s("llama")),
+        ("tokenizer.ggml.pre".into(), s("default")),
+        ("tokenizer.ggml.tokens".into(), strings(&tokens)),
+        ("tokenizer.ggml.scores".into(), GgufValue::Array(scores.to_vec())),
+        ("tokenizer.ggml.token_type".into(), GgufValue::Array(types.to_vec())),
+        ("tokenizer.ggml.bos_token_id".into(), GgufValue::U32(1)),
+        ("tokenizer.ggml.eos_token_id".into(), GgufValue::U32(2)),
+        ("tokenizer.ggml.unknown_token_id".into(), GgufValue::U32(0)),
+    ]
+}
+
 /// A tiny config (hidden 32, 2 heads of 16, 1 layer, vocab 16) for `model_type`.
 fn tiny_config(model_type: &str) -> serde_json::Value {
     json!({
@@ -229,14 +249,15 @@ fn main() {
     out.put("gguf", "llama-q4_0.gguf", tiny_gguf("llama", 2));
     out.put("gguf", "all-types.gguf", all_types_gguf());
 
-    // GGUF tokenizers, one per supported pre-tokenizer.
-    for pre in ["smollm", "gpt2", "qwen2", "llama-bpe"] {
+    // GGUF tokenizers, one per supported pre-tokenizer, and a SentencePiece one.
+    for pre in ["smollm", "gpt2", "qwen2", "qwen35", "llama-bpe"] {
         out.put(
             "tokenizer_gguf",
             &format!("{pre}.gguf"),
             to_bytes(&tokenizer_meta(pre), &[]),
         );
     }
+    out.put("tokenizer_gguf", "sentencepiece.gguf", to_bytes(&sentencepiece_meta(), &[]));
 
     // safetensors: one file, and a shard index beside the target's fixed shard.
     let f32s: Vec<u8> = [1f32, 2.0, 3.0, 4.0].iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -271,7 +292,15 @@ fn main() {
     );
 
     // config.json: the fixtures, and RoPE scaling variants.
-    for m in ["llama_tied", "llama_untied", "llama_sharded", "qwen2", "qwen3"] {
+    for m in [
+        "llama_tied",
+        "llama_untied",
+        "llama_sharded",
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+        "qwen3_moe_dense_mix",
+    ] {
         out.put(
             "model_config",
             &format!("{m}.json"),
