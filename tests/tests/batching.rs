@@ -366,69 +366,73 @@ async fn sixteen_concurrent_requests_match_their_solo_outputs_with_some_cancelle
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tiny_kv_pool_preempts_and_recomputes_without_changing_any_output() {
-    let dir = fixtures().join("tiny/llama_tied");
-    let files = ModelFiles::open(&dir).unwrap();
-    let cfg = files.config().unwrap();
-    // Six requests of 12 + 36 = 48 positions (3 blocks of 16) each; the pool has 7 blocks, so
-    // at most two run at once and the newest are preempted as the older ones grow.
-    let cases: Vec<Vec<u32>> = (0..6).map(|i| tokens(i + 1, 12, cfg.vocab_size)).collect();
-    let params = SamplingParams {
-        ignore_eos: true,
-        ..SamplingParams::greedy(36)
-    };
-    let mut engine = Engine::new(StageWeights::load_full(&files, &cfg, true).unwrap());
-    let solo: Vec<Vec<u32>> = cases
-        .iter()
-        .map(|p| engine.generate(p, &params, None, |_| {}).unwrap().tokens)
-        .collect();
+    // A dense model and a mixture of experts (whose rows are regrouped by expert in every
+    // micro-batch).
+    for name in ["llama_tied", "qwen3_moe"] {
+        let dir = fixtures().join("tiny").join(name);
+        let files = ModelFiles::open(&dir).unwrap();
+        let cfg = files.config().unwrap();
+        // Six requests of 12 + 36 = 48 positions (3 blocks of 16) each; the pool has 7 blocks, so
+        // at most two run at once and the newest are preempted as the older ones grow.
+        let cases: Vec<Vec<u32>> = (0..6).map(|i| tokens(i + 1, 12, cfg.vocab_size)).collect();
+        let params = SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(36)
+        };
+        let mut engine = Engine::new(StageWeights::load_full(&files, &cfg, true).unwrap());
+        let solo: Vec<Vec<u32>> = cases
+            .iter()
+            .map(|p| engine.generate(p, &params, None, |_| {}).unwrap().tokens)
+            .collect();
 
-    let limits = Limits {
-        kv_max_blocks: Some(7),
-        heartbeat: Duration::from_secs(1),
-        ..Limits::default()
-    };
-    let tc = TestCluster::start_full(&dir, &cfg, vec![], &[1], &[], limits).await;
-    let runs = cases.iter().map(|p| tc.generate(p, params.clone()));
-    let got = futures::future::join_all(runs).await;
-    for (i, (g, want)) in got.into_iter().zip(&solo).enumerate() {
-        assert_eq!(&g.unwrap().0, want, "request {i} changed by preemption");
-    }
-    let status = &tc.generator.status;
-    let preempted = status.preemptions.load(std::sync::atomic::Ordering::Relaxed);
-    assert!(
-        preempted > 0,
-        "the pool was too small for all six: someone must have been preempted"
-    );
-    assert_eq!(status.kv_blocks_total.load(std::sync::atomic::Ordering::Relaxed), 7);
-    // Blocks return right after the last tokens are handed out.
-    baton_tests::wait_until_async("every KV block is returned", || async {
-        match status.kv_blocks_used.load(std::sync::atomic::Ordering::Relaxed) {
-            0 => Ok(()),
-            used => Err(format!("{used} blocks in use")),
+        let limits = Limits {
+            kv_max_blocks: Some(7),
+            heartbeat: Duration::from_secs(1),
+            ..Limits::default()
+        };
+        let tc = TestCluster::start_full(&dir, &cfg, vec![], &[1], &[], limits).await;
+        let runs = cases.iter().map(|p| tc.generate(p, params.clone()));
+        let got = futures::future::join_all(runs).await;
+        for (i, (g, want)) in got.into_iter().zip(&solo).enumerate() {
+            assert_eq!(&g.unwrap().0, want, "{name}: request {i} changed by preemption");
         }
-    })
-    .await;
+        let status = &tc.generator.status;
+        let preempted = status.preemptions.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(
+            preempted > 0,
+            "the pool was too small for all six: someone must have been preempted"
+        );
+        assert_eq!(status.kv_blocks_total.load(std::sync::atomic::Ordering::Relaxed), 7);
+        // Blocks return right after the last tokens are handed out.
+        baton_tests::wait_until_async("every KV block is returned", || async {
+            match status.kv_blocks_used.load(std::sync::atomic::Ordering::Relaxed) {
+                0 => Ok(()),
+                used => Err(format!("{used} blocks in use")),
+            }
+        })
+        .await;
 
-    // A prompt longer than the whole pool is refused with a clear error, and serving goes on.
-    let e = tc
-        .generate(&tokens(9, 120, cfg.vocab_size), params.clone())
-        .await
-        .unwrap_err();
-    assert!(
-        e.contains("needs 8 KV blocks") && e.contains("the pipeline has 7"),
-        "{e}"
-    );
-    // One that fits but grows past the pool ends at the pool's size, like a length limit.
-    let long = SamplingParams {
-        ignore_eos: true,
-        ..SamplingParams::greedy(200)
-    };
-    let (out, reason) = tc.generate(&cases[0], long).await.unwrap();
-    assert_eq!(reason, baton_coordinator::generation::FinishReason::Length);
-    assert_eq!(
-        out.len(),
-        7 * 16 - 12 + 1,
-        "generated until every position of the pool was used"
-    );
-    assert_eq!(out[..36], solo[0][..]);
+        // A prompt longer than the whole pool is refused with a clear error, and serving goes on.
+        let e = tc
+            .generate(&tokens(9, 120, cfg.vocab_size), params.clone())
+            .await
+            .unwrap_err();
+        assert!(
+            e.contains("needs 8 KV blocks") && e.contains("the pipeline has 7"),
+            "{e}"
+        );
+        // One that fits but grows past the pool ends at the pool's size, like a length limit.
+        let long = SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(200)
+        };
+        let (out, reason) = tc.generate(&cases[0], long).await.unwrap();
+        assert_eq!(reason, baton_coordinator::generation::FinishReason::Length);
+        assert_eq!(
+            out.len(),
+            7 * 16 - 12 + 1,
+            "generated until every position of the pool was used"
+        );
+        assert_eq!(out[..36], solo[0][..]);
+    }
 }

@@ -125,65 +125,69 @@ async fn shared_prompts_and_later_turns_reuse_cached_blocks_without_changing_out
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tiny_pool_evicts_cached_blocks_and_preempts_without_changing_any_output() {
-    let dir = fixtures().join("tiny/llama_tied");
-    let files = ModelFiles::open(&dir).unwrap();
-    let cfg = files.config().unwrap();
-    let vocab = cfg.vocab_size as u32;
-    // Twelve prompts over two 40-token stems with their own tails; 24 generated tokens each.
-    // The pool of 12 blocks holds about three sequences, so cached blocks are evicted for new
-    // ones and running sequences are preempted, with hits from whatever is still cached.
-    let stems: Vec<Vec<u32>> = (0..2u32)
-        .map(|s| (0..40).map(|i| (s * 977 + i * 131) % vocab).collect())
-        .collect();
-    let cases: Vec<Vec<u32>> = (0..12u32)
-        .map(|i| {
-            let mut p = stems[i as usize % 2].clone();
-            p.extend((0..1 + i % 7).map(|j| (i * 31 + j * 17 + 5) % vocab));
-            p
+    // A dense model and a mixture of experts (whose rows are regrouped by expert in every
+    // micro-batch).
+    for name in ["llama_tied", "qwen3_moe_dense_mix"] {
+        let dir = fixtures().join("tiny").join(name);
+        let files = ModelFiles::open(&dir).unwrap();
+        let cfg = files.config().unwrap();
+        let vocab = cfg.vocab_size as u32;
+        // Twelve prompts over two 40-token stems with their own tails; 24 generated tokens each.
+        // The pool of 12 blocks holds about three sequences, so cached blocks are evicted for new
+        // ones and running sequences are preempted, with hits from whatever is still cached.
+        let stems: Vec<Vec<u32>> = (0..2u32)
+            .map(|s| (0..40).map(|i| (s * 977 + i * 131) % vocab).collect())
+            .collect();
+        let cases: Vec<Vec<u32>> = (0..12u32)
+            .map(|i| {
+                let mut p = stems[i as usize % 2].clone();
+                p.extend((0..1 + i % 7).map(|j| (i * 31 + j * 17 + 5) % vocab));
+                p
+            })
+            .collect();
+        let mut engine = Engine::new(StageWeights::load_full(&files, &cfg, true).unwrap());
+        let solo: Vec<Vec<u32>> = cases
+            .iter()
+            .map(|p| engine.generate(p, &greedy(24), None, |_| {}).unwrap().tokens)
+            .collect();
+        let limits = Limits {
+            kv_max_blocks: Some(12),
+            heartbeat: Duration::from_secs(1),
+            ..Limits::default()
+        };
+        let tc = TestCluster::start_full(&dir, &cfg, vec![], &[1], &[], limits).await;
+        // Two waves, so the second finds the first's blocks cached (or evicted).
+        for wave in cases.chunks(6).zip(solo.chunks(6)) {
+            let runs = wave.0.iter().map(|p| tc.generate(p, greedy(24)));
+            // A scheduler that stops making progress fails here instead of hanging the suite.
+            let got = tokio::time::timeout(2 * PATIENCE, futures::future::join_all(runs))
+                .await
+                .expect("every request of the wave finished");
+            for (i, (g, want)) in got.into_iter().zip(wave.1).enumerate() {
+                assert_eq!(
+                    &g.unwrap().0,
+                    want,
+                    "{name}: request {i} changed by prefix reuse in a tiny pool"
+                );
+            }
+        }
+        let status = &tc.generator.status;
+        assert!(
+            status.prefix_hit_tokens.load(Ordering::Relaxed) > 0,
+            "stems were reused"
+        );
+        assert!(
+            status.preemptions.load(Ordering::Relaxed) > 0,
+            "the pool was too small for all"
+        );
+        assert!(status.kv_blocks_cached.load(Ordering::Relaxed) <= 12);
+        // Every block is free again (cached ones count as free: any allocation may take them).
+        wait_until_async("every KV block is returned", || async {
+            match status.kv_blocks_used.load(Ordering::Relaxed) {
+                0 => Ok(()),
+                used => Err(format!("{used} blocks in use")),
+            }
         })
-        .collect();
-    let mut engine = Engine::new(StageWeights::load_full(&files, &cfg, true).unwrap());
-    let solo: Vec<Vec<u32>> = cases
-        .iter()
-        .map(|p| engine.generate(p, &greedy(24), None, |_| {}).unwrap().tokens)
-        .collect();
-    let limits = Limits {
-        kv_max_blocks: Some(12),
-        heartbeat: Duration::from_secs(1),
-        ..Limits::default()
-    };
-    let tc = TestCluster::start_full(&dir, &cfg, vec![], &[1], &[], limits).await;
-    // Two waves, so the second finds the first's blocks cached (or evicted).
-    for wave in cases.chunks(6).zip(solo.chunks(6)) {
-        let runs = wave.0.iter().map(|p| tc.generate(p, greedy(24)));
-        // A scheduler that stops making progress fails here instead of hanging the suite.
-        let got = tokio::time::timeout(2 * PATIENCE, futures::future::join_all(runs))
-            .await
-            .expect("every request of the wave finished");
-        for (i, (g, want)) in got.into_iter().zip(wave.1).enumerate() {
-            assert_eq!(
-                &g.unwrap().0,
-                want,
-                "request {i} changed by prefix reuse in a tiny pool"
-            );
-        }
+        .await;
     }
-    let status = &tc.generator.status;
-    assert!(
-        status.prefix_hit_tokens.load(Ordering::Relaxed) > 0,
-        "stems were reused"
-    );
-    assert!(
-        status.preemptions.load(Ordering::Relaxed) > 0,
-        "the pool was too small for all"
-    );
-    assert!(status.kv_blocks_cached.load(Ordering::Relaxed) <= 12);
-    // Every block is free again (cached ones count as free: any allocation may take them).
-    wait_until_async("every KV block is returned", || async {
-        match status.kv_blocks_used.load(Ordering::Relaxed) {
-            0 => Ok(()),
-            used => Err(format!("{used} blocks in use")),
-        }
-    })
-    .await;
 }
