@@ -292,15 +292,12 @@ fn main() {
     );
 
     // config.json: the fixtures, and RoPE scaling variants.
-    for m in [
-        "llama_tied",
-        "llama_untied",
-        "llama_sharded",
-        "qwen2",
-        "qwen3",
-        "qwen3_moe",
-        "qwen3_moe_dense_mix",
-    ] {
+    let mut tiny: Vec<String> = std::fs::read_dir(fixtures::tiny_llama_dir().join(".."))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    tiny.sort();
+    for m in tiny {
         out.put(
             "model_config",
             &format!("{m}.json"),
