@@ -257,7 +257,11 @@ fn main() {
             to_bytes(&tokenizer_meta(pre), &[]),
         );
     }
-    out.put("tokenizer_gguf", "sentencepiece.gguf", to_bytes(&sentencepiece_meta(), &[]));
+    out.put(
+        "tokenizer_gguf",
+        "sentencepiece.gguf",
+        to_bytes(&sentencepiece_meta(), &[]),
+    );
 
     // safetensors: one file, and a shard index beside the target's fixed shard.
     let f32s: Vec<u8> = [1f32, 2.0, 3.0, 4.0].iter().flat_map(|v| v.to_le_bytes()).collect();

@@ -136,7 +136,10 @@ fn load_small_model(files: &ModelFiles, cfg: &ModelConfig) {
         && cfg.num_heads <= 64
         && cfg.num_kv_heads <= 64
         && cfg.head_dim <= 256
-        && cfg.moe.as_ref().is_none_or(|m| m.num_experts <= 64 && m.expert_intermediate_size <= 4096);
+        && cfg
+            .moe
+            .as_ref()
+            .is_none_or(|m| m.num_experts <= 64 && m.expert_intermediate_size <= 4096);
     if !small {
         return;
     }
