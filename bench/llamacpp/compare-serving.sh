@@ -25,6 +25,8 @@
 #   PORT=8191        llama-server listens on PORT, baton-1x2 on PORT+1, baton-2x1 on PORT+2
 #   WARMUP=1         one 8-token request before each server's measurement (0: none)
 #   LLAMA_BUILD=/opt/llama.cpp-build LLAMA_MODELS=/opt/models   as in build.sh
+#   MODEL=FILE.gguf  another Q8_0 GGUF both servers load (e.g. from convert-synth-moe.sh;
+#                    default: the Q8_0 SmolLM2 file build.sh makes)
 #   OUT=DIR          keep raw outputs and server logs there (default: a new directory under /tmp)
 set -euo pipefail
 
@@ -46,7 +48,7 @@ HERE="$REPO/bench/llamacpp"
 LLAMA_SERVER="$LLAMA_BUILD/bin/llama-server"
 BATON="$REPO/target/release/baton"
 BATON_BENCH="$REPO/target/release/baton-bench"
-Q8="$LLAMA_MODELS/SmolLM2-135M-Instruct.Q8_0.gguf"
+Q8=${MODEL:-$LLAMA_MODELS/SmolLM2-135M-Instruct.Q8_0.gguf}
 
 die() { echo "compare-serving: $*" >&2; exit 1; }
 if [[ " $SERVERS " == *" llama-server "* ]]; then
@@ -126,7 +128,7 @@ for s in $SERVERS; do
     baton-1x2 | baton-2x1)
         if [[ "$s" == baton-1x2 ]]; then workers=1 port=$((PORT + 1)); else workers=2 port=$((PORT + 2)); fi
         echo -e "$s\tBaton $([[ $workers == 1 ]] && echo '1×2' || echo '2×1') (--workers $workers)" >>"$OUT/servers.txt"
-        start_server "$s" "$port" /ready "$BATON" serve --weights q8_0 --workers "$workers" \
+        start_server "$s" "$port" /ready "$BATON" serve --model "$Q8" --weights q8_0 --workers "$workers" \
             --host 127.0.0.1 --port "$port" --max-running "$BATON_MAX_RUNNING"
         ;;
     *) die "unknown server $s (llama-server, baton-1x2, baton-2x1)" ;;
