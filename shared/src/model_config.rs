@@ -43,14 +43,6 @@ impl Architecture {
         }
     }
 
-    /// The GGUF `general.architecture` (llama.cpp drops the underscore).
-    pub fn gguf_name(self) -> &'static str {
-        match self {
-            Self::Qwen3Moe => "qwen3moe",
-            other => other.model_type(),
-        }
-    }
-
     /// Whether q and k get a per-head RMSNorm (and head_dim may differ from hidden/heads).
     pub fn has_qk_norm(self) -> bool {
         matches!(self, Self::Qwen3 | Self::Qwen3Moe)
@@ -489,7 +481,7 @@ impl ModelConfig {
         if let Some(m) = &self.moe {
             if m.num_experts > MAX_EXPERTS {
                 return bad(format!(
-                    "num_experts {} is more than {MAX_EXPERTS} (the most any released model has is 512)",
+                    "num_experts {} is more than {MAX_EXPERTS} (Qwen3-Next, among the largest, has 512)",
                     m.num_experts
                 ));
             }
@@ -628,7 +620,6 @@ mod tests {
         );
         assert!(!m.norm_topk_prob && m.decoder_sparse_step == 1 && m.mlp_only_layers.is_empty());
         assert!(c.qk_norm && (0..4).all(|l| m.is_sparse(l)));
-        assert_eq!(c.architecture.gguf_name(), "qwen3moe");
         // transformers 5 writes `num_local_experts`; a sparse step and dense layers.
         let mut v = moe();
         v.as_object_mut().unwrap().remove("num_experts");
