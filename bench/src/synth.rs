@@ -362,7 +362,7 @@ fn write_data(w: &mut impl Write, t: &Planned, noise: &mut Noise) -> std::io::Re
     let n = t.header.n_bytes;
     match t.fill {
         Fill::Q8 { bound } => {
-            let scale = half_bits(bound / 127.0);
+            let scale = half::f16::from_f32(bound / 127.0).to_bits();
             let mut block = [0u8; BLOCK_BYTES];
             block[..2].copy_from_slice(&scale.to_le_bytes());
             for _ in 0..n / BLOCK_BYTES {
@@ -389,14 +389,6 @@ fn write_data(w: &mut impl Write, t: &Planned, noise: &mut Noise) -> std::io::Re
         }
     }
     w.write_all(&vec![0u8; padding(n)])
-}
-
-/// The f16 bits of `v` (a positive normal value).
-fn half_bits(v: f32) -> u16 {
-    let bits = v.to_bits();
-    let exp = ((bits >> 23) & 0xff) as i32 - 127 + 15;
-    let mant = (bits >> 13) & 0x3ff;
-    ((exp.clamp(1, 30) as u32) << 10 | mant) as u16
 }
 
 /// Write the model the flags describe.
@@ -428,18 +420,12 @@ pub fn write(out: &Path, shape: &Shape, tokenizer: &GgufFile, vocab: usize, seed
         active as f64 / 1e9,
         bytes as f64 / 1e9
     );
-    let headers: Vec<TensorHeader> = tensors
-        .iter()
-        .map(|t| TensorHeader {
-            name: t.header.name.clone(),
-            shape: t.header.shape.clone(),
-            ggml_type: t.header.ggml_type,
-            n_bytes: t.header.n_bytes,
-        })
-        .collect();
     let file = std::fs::File::create(out).with_context(|| format!("creating {}", out.display()))?;
     let mut w = BufWriter::with_capacity(1 << 22, file);
-    w.write_all(&header_bytes(&metadata(shape, tokenizer), &headers))?;
+    w.write_all(&header_bytes(
+        &metadata(shape, tokenizer),
+        tensors.iter().map(|t| &t.header),
+    ))?;
     let mut noise = Noise(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     for t in &tensors {
         write_data(&mut w, t, &mut noise).with_context(|| format!("writing {}", out.display()))?;
@@ -460,15 +446,4 @@ fn default_gguf() -> Result<PathBuf> {
         );
     }
     Ok(path)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn half_bits_are_the_f16_of_a_normal_value() {
-        assert_eq!(half_bits(1.0), 0x3C00);
-        assert_eq!(half_bits(0.5), 0x3800);
-    }
 }

@@ -476,7 +476,10 @@ pub mod writer {
 
     /// The header of a GGUF v3 file (magic, metadata, tensor table), padded to [`ALIGN`]: the
     /// tensors' data follows in `tensors`' order, each padded to [`ALIGN`].
-    pub fn header_bytes(metadata: &[(String, GgufValue)], tensors: &[TensorHeader]) -> Vec<u8> {
+    pub fn header_bytes<'a>(
+        metadata: &[(String, GgufValue)],
+        tensors: impl ExactSizeIterator<Item = &'a TensorHeader>,
+    ) -> Vec<u8> {
         let mut out = Vec::new();
         out.extend_from_slice(b"GGUF");
         out.extend_from_slice(&3u32.to_le_bytes());
@@ -518,7 +521,7 @@ pub mod writer {
                 n_bytes: t.data.len(),
             })
             .collect();
-        let mut out = header_bytes(metadata, &headers);
+        let mut out = header_bytes(metadata, headers.iter());
         for t in tensors {
             out.extend_from_slice(&t.data);
             out.resize(out.len() + padding(t.data.len()), 0);
