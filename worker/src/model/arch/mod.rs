@@ -156,22 +156,19 @@ impl LayerPlan {
         let params = |t: &TensorSpec| t.shape.iter().product::<usize>();
         let weight_params: usize = self.tensors().into_iter().map(params).sum();
         // One position reads only its chosen experts.
-        let idle_experts = match &self.ffn {
-            FfnTensors::Dense(_) => 0,
+        let (ffn, idle_experts) = match &self.ffn {
+            FfnTensors::Dense(_) => (FfnKind::Dense, 0),
             FfnTensors::Moe(m) => {
                 let expert: usize = m
                     .experts
                     .first()
                     .map_or(0, |e| params(&e.gate) + params(&e.up) + params(&e.down));
-                expert * (m.experts.len() - m.top_k.min(m.experts.len()))
+                let kind = FfnKind::Moe {
+                    experts: m.experts.len(),
+                    active: m.top_k,
+                };
+                (kind, expert * (m.experts.len() - m.top_k.min(m.experts.len())))
             }
-        };
-        let ffn = match &self.ffn {
-            FfnTensors::Dense(_) => FfnKind::Dense,
-            FfnTensors::Moe(m) => FfnKind::Moe {
-                experts: m.experts.len(),
-                active: m.top_k,
-            },
         };
         LayerSpec {
             kind,
