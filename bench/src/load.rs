@@ -59,7 +59,8 @@ pub struct Args {
     /// prefix cache can reuse them; 0: no request shares a prefix with another.
     #[arg(long, default_value_t = 0, conflicts_with = "prompt_file")]
     shared_prefix_tokens: usize,
-    /// File with one prompt per line, used in turn instead of synthetic prompts.
+    /// File with one prompt per line (or, named `*.json`, a JSON array of prompts that may span
+    /// lines), used in turn instead of synthetic prompts.
     #[arg(long)]
     prompt_file: Option<PathBuf>,
     /// Tokens to generate per request.
@@ -263,11 +264,17 @@ impl Prompts {
             });
         };
         let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let lines: Vec<String> = text
-            .lines()
-            .filter(|l| !l.trim().is_empty())
-            .map(str::to_string)
-            .collect();
+        let lines: Vec<String> = if path.extension().is_some_and(|e| e == "json") {
+            // Prompts that span lines (code to edit, passages to quote).
+            let prompts: Vec<String> = serde_json::from_str(&text)
+                .with_context(|| format!("{}: expected a JSON array of strings", path.display()))?;
+            prompts.into_iter().filter(|p| !p.trim().is_empty()).collect()
+        } else {
+            text.lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(str::to_string)
+                .collect()
+        };
         if lines.is_empty() {
             bail!("{} has no non-empty line to use as a prompt", path.display());
         }

@@ -13,3 +13,4 @@ pub mod pipeline;
 pub mod planner;
 pub mod registry;
 mod scheduler;
+pub mod speculative;

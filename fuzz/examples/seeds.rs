@@ -224,6 +224,7 @@ fn seq(seq_id: u64, tokens: Vec<u32>, pos0: u32, blocks: Vec<u32>, sampling: Opt
         sampling,
         blocks,
         cached: 0,
+        draft: 0,
     }
 }
 
@@ -444,6 +445,7 @@ fn main() {
                 }),
                 blocks: vec![1, 2],
                 cached: 16,
+                draft: 0,
             },
         ],
         hidden: Some(hidden.clone()),

@@ -2,6 +2,9 @@
 
 use serde::{Deserialize, Serialize};
 
+/// Most proposals per speculative verify step a request or a server may ask for.
+pub const MAX_SPECULATIVE_TOKENS: usize = 16;
+
 /// How to pick tokens and when to stop; validated with [`SamplingParams::validate`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -24,6 +27,9 @@ pub struct SamplingParams {
     pub stop: Vec<String>,
     /// Keep generating past EOS.
     pub ignore_eos: bool,
+    /// Speculative decoding for this request: proposals per verify step (0 turns it off);
+    /// None takes the server's setting.
+    pub speculative_tokens: Option<usize>,
 }
 
 impl Default for SamplingParams {
@@ -38,6 +44,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             stop: Vec::new(),
             ignore_eos: false,
+            speculative_tokens: None,
         }
     }
 }
@@ -112,6 +119,9 @@ impl SamplingParams {
         }
         if self.stop.iter().any(|s| s.len() > MAX_STOP_STRING_BYTES) {
             return err("stop", "stop strings must be at most 1024 bytes");
+        }
+        if self.speculative_tokens.is_some_and(|k| k > MAX_SPECULATIVE_TOKENS) {
+            return err("speculative_tokens", "must be at most 16");
         }
         Ok(())
     }

@@ -101,6 +101,19 @@ setting_enum! {
 }
 
 setting_enum! {
+    /// Speculative decoding's drafter (`speculative`).
+    SpeculativeSetting, key = "speculative",
+    error = "unknown speculative method '{}': expected off or ngram (DFlash drafts are not supported yet)",
+    {
+        /// One token per decode step.
+        Off = "off" | "none" | "false" | "",
+        /// Prompt lookup: propose what followed the latest earlier occurrence of the last few
+        /// tokens (no weights).
+        Ngram = "ngram" | "prompt_lookup" | "prompt-lookup",
+    }
+}
+
+setting_enum! {
     /// How layers are split among workers when no explicit cuts are given (`split`).
     SplitSetting, key = "split",
     error = "unknown split '{}': expected measured or even",
@@ -261,6 +274,12 @@ pub struct PipelineSettings {
     /// from the plan (a worker slowed by a neighbour): the slowest stage 15% over what a new
     /// plan predicts, three 2-second windows in a row, at most once per 10 s.
     pub live_replan: bool,
+    /// Speculative decoding: `off`, or `ngram` (prompt lookup: decode steps carry up to
+    /// num_speculative_tokens proposals copied from earlier text, verified by the last stage;
+    /// output is unchanged). A request may set `speculative_tokens` (0 turns it off).
+    pub speculative: SpeculativeSetting,
+    /// Proposals per verify step at most (1..=16).
+    pub num_speculative_tokens: usize,
 }
 
 impl Default for PipelineSettings {
@@ -288,6 +307,8 @@ impl Default for PipelineSettings {
             max_migrations: 3,
             queue_timeout_secs: 60,
             live_replan: true,
+            speculative: SpeculativeSetting::Off,
+            num_speculative_tokens: 4,
         }
     }
 }

@@ -11,6 +11,7 @@ use baton_coordinator::pipeline::sizing::AutoLimits;
 use baton_coordinator::pipeline::{PipelineConfig, PipelineGenerator};
 use baton_coordinator::planner::SplitPolicy;
 use baton_coordinator::registry::{self, Cluster};
+use baton_coordinator::speculative::SpeculativeConfig;
 use baton_shared::auth::PeerAuth;
 use baton_shared::grpc_limits::GrpcLimits;
 use baton_shared::model_config::ModelConfig;
@@ -222,14 +223,47 @@ impl TestCluster {
         worker_flags: &[Vec<String>],
         limits: Limits,
     ) -> Self {
-        Self::start_secured(model, cfg, eos_ids, cuts, worker_flags, limits, None).await
+        Self::start_secured(
+            model,
+            cfg,
+            eos_ids,
+            cuts,
+            worker_flags,
+            limits,
+            None,
+            SpeculativeConfig::OFF,
+        )
+        .await
+    }
+
+    /// A cluster whose decode steps carry proposals from `speculative`'s drafter.
+    pub async fn start_speculative(
+        model: &Path,
+        cfg: &ModelConfig,
+        eos_ids: Vec<u32>,
+        cuts: &[usize],
+        limits: Limits,
+        speculative: SpeculativeConfig,
+    ) -> Self {
+        Self::start_secured(model, cfg, eos_ids, cuts, &[], limits, None, speculative).await
     }
 
     /// A cluster whose worker plane runs mutual TLS with `tls`'s certificates.
     pub async fn start_tls(model: &Path, cfg: &ModelConfig, cuts: &[usize], tls: &TlsFiles) -> Self {
-        Self::start_secured(model, cfg, vec![], cuts, &[], Limits::default(), Some(tls)).await
+        Self::start_secured(
+            model,
+            cfg,
+            vec![],
+            cuts,
+            &[],
+            Limits::default(),
+            Some(tls),
+            SpeculativeConfig::OFF,
+        )
+        .await
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn start_secured(
         model: &Path,
         cfg: &ModelConfig,
@@ -238,6 +272,7 @@ impl TestCluster {
         worker_flags: &[Vec<String>],
         limits: Limits,
         tls: Option<&TlsFiles>,
+        speculative: SpeculativeConfig,
     ) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let token = "test-cluster-token".to_string();
@@ -277,6 +312,7 @@ impl TestCluster {
             max_migrations: limits.max_migrations,
             queue_timeout: limits.queue_timeout,
             live_replan: limits.live_replan,
+            speculative,
         };
         let generator = Arc::new(PipelineGenerator::start(config, cluster.clone()));
         let mut workers = Vec::with_capacity(stages);

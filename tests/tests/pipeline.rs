@@ -472,6 +472,7 @@ async fn trim_keeps_a_prefix_and_a_cached_prefix_starts_a_sequence() {
         sampling: (pos0 == 0).then(Sampling::default),
         blocks: vec![1000 + seq_id as u32 % 100],
         cached: 0,
+        draft: 0,
     };
     let mut step = async |c: SequenceChunk| {
         tx.send(MicroBatch {
@@ -528,6 +529,7 @@ async fn trim_keeps_a_prefix_and_a_cached_prefix_starts_a_sequence() {
     let reused = step(SequenceChunk {
         blocks: vec![1050, 1052],
         cached: 16,
+        draft: 0,
         sampling: Some(Sampling::default()),
         ..chunk(911, prompt[16..].to_vec(), 16)
     })
@@ -548,6 +550,7 @@ async fn trim_keeps_a_prefix_and_a_cached_prefix_starts_a_sequence() {
     let misplaced = step(SequenceChunk {
         blocks: vec![1050, 1053],
         cached: 16,
+        draft: 0,
         ..chunk(912, prompt[..4].to_vec(), 0)
     })
     .await;

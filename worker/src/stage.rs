@@ -27,6 +27,9 @@ pub enum StageOutput {
 struct SeqState {
     /// Positions stored.
     len: usize,
+    /// Of those, the last ones that were proposals (the sequence's latest chunk carried a
+    /// draft): the next chunk may start among them, dropping the rejected ones.
+    unverified: usize,
     /// Last stage only.
     sampler: Option<Sampler>,
     logprobs: bool,
@@ -61,6 +64,7 @@ pub fn forward_span(worker_id: &str, batch: &MicroBatch) -> tracing::Span {
         layer_end = tracing::field::Empty,
         batch_id = batch.batch_id,
         batch_tokens = batch.seqs.iter().map(|s| s.tokens.len()).sum::<usize>(),
+        draft_tokens = batch.seqs.iter().map(|s| s.draft as usize).sum::<usize>(),
         sequences = batch.seqs.len(),
         moe_active_experts = tracing::field::Empty,
     );
@@ -86,6 +90,8 @@ pub struct Stage {
 /// Bounds on what one micro-batch may ask for, so a bad message cannot exhaust memory.
 const MAX_BATCH_TOKENS: usize = 1 << 16;
 const MAX_TOP_LOGPROBS: usize = 20;
+/// Most proposals one chunk may carry.
+pub const MAX_DRAFT_TOKENS: usize = 64;
 
 impl Stage {
     /// A stage over a loaded backend; hidden states leave it as `activation_dtype`.
@@ -142,6 +148,7 @@ impl Stage {
     pub fn trim(&mut self, seq_id: u64, len: usize) -> Option<usize> {
         let seq = self.seqs.get_mut(&seq_id)?;
         seq.len = seq.len.min(len);
+        seq.unverified = seq.unverified.min(seq.len);
         Some(seq.len)
     }
 
@@ -274,6 +281,13 @@ impl Stage {
                 };
                 return Err(self.err(format!("sequence {}: {e}", chunk.seq_id)));
             }
+            let draft = chunk.draft as usize;
+            if draft > 0 && (draft >= n || draft > MAX_DRAFT_TOKENS || !chunk.sample) {
+                return Err(self.err(format!(
+                    "sequence {}: a draft of {draft} proposals needs a sampling chunk of more tokens, and at most {MAX_DRAFT_TOKENS}",
+                    chunk.seq_id
+                )));
+            }
             let cached = chunk.cached as usize;
             if cached != 0 && cached != pos0 {
                 return Err(self.err(format!(
@@ -295,6 +309,7 @@ impl Stage {
                 };
                 let state = SeqState {
                     len: cached,
+                    unverified: 0,
                     sampler: last.then(|| {
                         let mut sampler = Sampler::new(&params);
                         sampler.skip(sampling.drawn);
@@ -305,12 +320,17 @@ impl Stage {
                 };
                 self.seqs.insert(chunk.seq_id, state);
             }
-            let Some(seq) = self.seqs.get(&chunk.seq_id) else {
+            let Some(seq) = self.seqs.get_mut(&chunk.seq_id) else {
                 return Err(format!(
                     "stage {}: unknown sequence {} at position {pos0} (never started, or freed)",
                     self.stage_index, chunk.seq_id
                 ));
             };
+            if pos0 < seq.len && seq.len - pos0 <= seq.unverified {
+                // After a verified draft: the chunk starts after the accepted proposals, so the
+                // rejected ones' K/V (at pos0 and later) is dropped; the chunk overwrites it.
+                seq.len = pos0;
+            }
             if seq.len != pos0 {
                 let e = ForwardError::KvPosition { have: seq.len, pos0 };
                 // Its KV no longer matches what the coordinator believes: drop the sequence.
@@ -334,6 +354,7 @@ impl Stage {
         for chunk in seqs {
             if let Some(seq) = self.seqs.get_mut(&chunk.seq_id) {
                 seq.len = chunk.pos0 as usize + chunk.tokens.len();
+                seq.unverified = chunk.draft as usize;
             }
         }
         Ok(())
@@ -362,9 +383,13 @@ impl Stage {
                 missing = Some(format!("sequence {} has no sampler", chunk.seq_id));
                 break;
             };
-            rows.extend_from_slice(&hidden[(offset - 1) * h..offset * h]);
-            self.slots
-                .push(SampleSlot::new(sampler, seq.logprobs.then_some(seq.top_logprobs)));
+            // The last row, or with a draft the rows of its last token and every proposal.
+            let draft = chunk.draft as usize;
+            rows.extend_from_slice(&hidden[(offset - 1 - draft) * h..offset * h]);
+            let mut slot = SampleSlot::new(sampler, seq.logprobs.then_some(seq.top_logprobs));
+            slot.draft
+                .extend_from_slice(&chunk.tokens[chunk.tokens.len() - draft..]);
+            self.slots.push(slot);
         }
         let mut results = Vec::with_capacity(self.slots.len());
         let sampled = match missing {
@@ -384,6 +409,8 @@ impl Stage {
                 token,
                 logprob,
                 top,
+                more,
+                ..
             } = slot;
             if let Some(seq) = self.seqs.get_mut(&chunk.seq_id) {
                 seq.sampler = Some(sampler);
@@ -391,6 +418,7 @@ impl Stage {
             let mut r = SequenceResult {
                 seq_id: chunk.seq_id,
                 token,
+                more_tokens: more,
                 ..Default::default()
             };
             if top_logprobs.is_some() {

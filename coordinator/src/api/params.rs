@@ -1,7 +1,9 @@
 //! Turning request fields into [`SamplingParams`], with a 400 naming the field for anything out
 //! of range or unsupported, and the context-length check.
 
-use baton_shared::sampling::{MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS, SamplingDefaults, SamplingParams};
+use baton_shared::sampling::{
+    MAX_SPECULATIVE_TOKENS, MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS, SamplingDefaults, SamplingParams,
+};
 use serde_json::Value;
 
 use super::error::ApiError;
@@ -120,6 +122,16 @@ impl SamplingFields {
             },
         };
         check_context(prompt_len, max_tokens, max_context, prompt_field)?;
+        let speculative_tokens = match self.speculative_tokens {
+            None => None,
+            Some(k) if (0..=MAX_SPECULATIVE_TOKENS as i64).contains(&k) => Some(k as usize),
+            Some(k) => {
+                return Err(ApiError::invalid_param(
+                    "speculative_tokens",
+                    format!("'speculative_tokens' must be between 0 (off) and {MAX_SPECULATIVE_TOKENS}, got {k}"),
+                ));
+            }
+        };
         let params = SamplingParams {
             // The model's recommendation, else OpenAI's: 1 (sampling), not greedy.
             temperature: self.temperature.unwrap_or(defaults.temperature),
@@ -132,6 +144,7 @@ impl SamplingFields {
             stop_token_ids: Vec::new(),
             stop,
             ignore_eos: self.ignore_eos.unwrap_or(false),
+            speculative_tokens,
         };
         params.validate().map_err(|e| {
             let param = if e.param == "max_tokens" {

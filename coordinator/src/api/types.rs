@@ -25,6 +25,7 @@ pub struct SamplingFields {
     pub seed: Option<i64>,
     pub stop: Option<Value>,
     pub ignore_eos: Option<bool>,
+    pub speculative_tokens: Option<i64>,
     pub n: Option<i64>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
@@ -59,6 +60,10 @@ pub struct CompletionRequest {
     pub stream_options: Option<StreamOptions>,
     #[serde(default)]
     pub ignore_eos: Option<bool>,
+    /// Baton extension: speculative decoding proposals per verify step for this request (0
+    /// turns it off; absent: the server's setting).
+    #[serde(default)]
+    pub speculative_tokens: Option<i64>,
     /// Number of top alternatives per token (the chosen token's logprob is always included).
     #[serde(default)]
     pub logprobs: Option<i64>,
@@ -92,6 +97,7 @@ impl CompletionRequest {
             seed: self.seed,
             stop: self.stop.clone(),
             ignore_eos: self.ignore_eos,
+            speculative_tokens: self.speculative_tokens,
             n: self.n,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
@@ -138,6 +144,10 @@ pub struct ChatRequest {
     pub stream_options: Option<StreamOptions>,
     #[serde(default)]
     pub ignore_eos: Option<bool>,
+    /// Baton extension: speculative decoding proposals per verify step for this request (0
+    /// turns it off; absent: the server's setting).
+    #[serde(default)]
+    pub speculative_tokens: Option<i64>,
     #[serde(default)]
     pub logprobs: Option<bool>,
     #[serde(default)]
@@ -170,6 +180,7 @@ impl ChatRequest {
             seed: self.seed,
             stop: self.stop.clone(),
             ignore_eos: self.ignore_eos,
+            speculative_tokens: self.speculative_tokens,
             n: self.n,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,

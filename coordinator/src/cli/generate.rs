@@ -11,7 +11,7 @@ use baton_coordinator::pipeline::PipelineConfig;
 use baton_coordinator::planner::SplitPolicy;
 use baton_shared::model_files::ModelFiles;
 use baton_shared::sampling::SamplingParams;
-use baton_shared::settings::WeightsSetting;
+use baton_shared::settings::{PipelineSettings, SpeculativeSetting, WeightsSetting};
 use baton_shared::tokenizer::Tokenizer;
 use baton_worker::kv_cache::KvDtype;
 
@@ -64,6 +64,12 @@ pub struct GenerateArgs {
     /// Threads for the matrix products (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Speculative decoding: off, or ngram (prompt lookup; output unchanged).
+    #[arg(long, default_value = "off", value_parser = names!(SpeculativeSetting))]
+    pub speculative: SpeculativeSetting,
+    /// Proposals per verify step at most (1 to 16).
+    #[arg(long, default_value_t = 4)]
+    pub num_speculative_tokens: usize,
     /// Output: streamed text, or one JSON object at the end.
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
     pub format: String,
@@ -108,7 +114,13 @@ pub fn run(ctx: &Ctx, a: GenerateArgs) -> Result<()> {
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
         stop_token_ids: Vec::new(),
+        speculative_tokens: None,
     };
+    let speculative = super::pipeline_args::speculative(&PipelineSettings {
+        speculative: a.speculative,
+        num_speculative_tokens: a.num_speculative_tokens,
+        ..PipelineSettings::default()
+    })?;
     let block = 16;
     let eos_ids = tokenizer.as_ref().map(|t| t.eos_ids.clone()).unwrap_or_default();
     let pipeline = PipelineConfig {
@@ -117,8 +129,10 @@ pub fn run(ctx: &Ctx, a: GenerateArgs) -> Result<()> {
         weights: a.weights.as_str().to_string(),
         max_queue: 1,
         max_running: 1,
-        // The whole prompt in one micro-batch, as a single sequence runs fastest.
-        max_batch_tokens: prompt.len(),
+        // The whole prompt in one micro-batch, as a single sequence runs fastest (and room for
+        // a decode step's proposals).
+        max_batch_tokens: prompt.len().max(1 + speculative.tokens),
+        speculative,
         kv_block_size: block,
         kv_max_blocks: Some((prompt.len() + params.max_tokens).div_ceil(block).max(1)),
         kv_dtype: KvDtype::F32,

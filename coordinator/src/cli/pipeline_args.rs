@@ -8,10 +8,13 @@ use baton_coordinator::api::server::HttpLimits;
 use baton_coordinator::pipeline::PipelineConfig;
 use baton_coordinator::pipeline::sizing::{AutoLimits, UNMEASURED_MAX_BATCH_TOKENS, UNMEASURED_MAX_RUNNING};
 use baton_coordinator::planner::SplitPolicy;
+use baton_coordinator::speculative::{DraftMethod, MAX_SPECULATIVE_TOKENS, SpeculativeConfig};
 use baton_shared::model_files::ModelFiles;
 use baton_shared::model_source::LoadedModel;
 use baton_shared::proto::Dtype;
-use baton_shared::settings::{ActivationDtypeSetting, KvDtypeSetting, PipelineSettings, SplitSetting, WeightsSetting};
+use baton_shared::settings::{
+    ActivationDtypeSetting, KvDtypeSetting, PipelineSettings, SpeculativeSetting, SplitSetting, WeightsSetting,
+};
 use baton_worker::kv_cache::KvDtype;
 use baton_worker::model::{WeightFormat, resolve_format};
 
@@ -131,6 +134,16 @@ pub struct PipelineArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub live_replan: Option<bool>,
+    /// Speculative decoding: off, or ngram (prompt lookup: decode steps carry proposals copied
+    /// from earlier text, verified on the last stage; output unchanged) [default: off].
+    #[arg(long, value_parser = names!(SpeculativeSetting))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speculative: Option<SpeculativeSetting>,
+    /// Proposals per verify step at most, 1 to 16 (a request's `speculative_tokens` may ask for
+    /// another number, or 0 for none) [default: 4].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub num_speculative_tokens: Option<usize>,
 }
 
 /// The KV storage a `kv_dtype` setting names.
@@ -147,6 +160,20 @@ fn split_policy(s: SplitSetting) -> SplitPolicy {
         SplitSetting::Measured => SplitPolicy::Measured,
         SplitSetting::Even => SplitPolicy::Even,
     }
+}
+
+/// Speculative decoding as the settings configure it.
+pub(super) fn speculative(p: &PipelineSettings) -> Result<SpeculativeConfig> {
+    let method = match p.speculative {
+        SpeculativeSetting::Off => DraftMethod::Off,
+        SpeculativeSetting::Ngram => DraftMethod::Ngram,
+    };
+    anyhow::ensure!(
+        (1..=MAX_SPECULATIVE_TOKENS).contains(&p.num_speculative_tokens),
+        "num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {}",
+        p.num_speculative_tokens
+    );
+    Ok(SpeculativeConfig::new(method, p.num_speculative_tokens))
 }
 
 /// The wire type an `activation_dtype` setting names.
@@ -232,6 +259,7 @@ pub(super) fn pipeline_config(
         max_migrations: p.max_migrations,
         queue_timeout: std::time::Duration::from_secs(p.queue_timeout_secs),
         live_replan: p.live_replan.then(Default::default),
+        speculative: speculative(p)?,
         ..PipelineConfig::new(worker_model, &model.config, model.tokenizer.eos_ids.clone())
     })
 }

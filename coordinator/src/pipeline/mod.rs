@@ -21,6 +21,7 @@ use tokio::sync::mpsc;
 use crate::generation::{GenerationRequest, Generator, SubmitError, TokenEvent};
 use crate::planner::SplitPolicy;
 use crate::registry::Cluster;
+use crate::speculative::SpeculativeConfig;
 
 pub use stage_stats::StageLive;
 pub(crate) use supervisor::Pipeline;
@@ -82,6 +83,8 @@ pub struct PipelineConfig {
     /// Re-plan a measured split while serving when stage times drift from it; None: plan
     /// once per build.
     pub live_replan: Option<replan::ReplanPolicy>,
+    /// Speculative decoding: the drafter and how many tokens decode steps may propose.
+    pub speculative: SpeculativeConfig,
 }
 
 /// Moves a sequence may make to a rebuilt pipeline by default.
@@ -131,6 +134,7 @@ impl PipelineConfig {
             max_migrations: DEFAULT_MAX_MIGRATIONS,
             queue_timeout: DEFAULT_QUEUE_TIMEOUT,
             live_replan: Some(replan::ReplanPolicy::default()),
+            speculative: SpeculativeConfig::OFF,
         }
     }
 
@@ -228,6 +232,10 @@ pub struct PipelineStatus {
     pub replans: AtomicU64,
     /// Why the latest rebuild happened, for `/admin/cluster`.
     pub last_replan: std::sync::Mutex<Option<String>>,
+    /// Speculative decoding since start: verify steps, tokens proposed, and tokens accepted.
+    pub spec_steps: AtomicU64,
+    pub spec_proposed_tokens: AtomicU64,
+    pub spec_accepted_tokens: AtomicU64,
 }
 
 impl PipelineStatus {
@@ -336,6 +344,14 @@ impl Generator for PipelineGenerator {
             )));
         }
         req.check(self.config.vocab_size, self.config.max_context)?;
+        if req.params.speculative_tokens.is_some_and(|k| k > 0)
+            && self.config.speculative.method == crate::speculative::DraftMethod::Off
+        {
+            return Err(SubmitError::Invalid(
+                "speculative_tokens: this server runs without speculative decoding (start it with --speculative ngram)"
+                    .into(),
+            ));
+        }
         // Room for every token, `Done` and `PromptCached`, so a slow reader never loses one.
         let (tx, rx) = mpsc::channel(req.params.max_tokens.clamp(1, 4096) + 2);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -453,6 +469,13 @@ impl Generator for PipelineGenerator {
                 "cached_blocks": self.status.kv_blocks_cached.load(Ordering::Relaxed),
                 "queried_tokens_total": self.status.prefix_queried_tokens.load(Ordering::Relaxed),
                 "hit_tokens_total": self.status.prefix_hit_tokens.load(Ordering::Relaxed),
+            },
+            "speculative": {
+                "method": self.config.speculative.method.as_str(),
+                "num_speculative_tokens": self.config.speculative.tokens,
+                "verify_steps_total": self.status.spec_steps.load(Ordering::Relaxed),
+                "proposed_tokens_total": self.status.spec_proposed_tokens.load(Ordering::Relaxed),
+                "accepted_tokens_total": self.status.spec_accepted_tokens.load(Ordering::Relaxed),
             },
         })
     }

@@ -284,6 +284,7 @@ mod tests {
             max_migrations: 3,
             queue_timeout: std::time::Duration::from_secs(60),
             live_replan: None,
+            speculative: crate::speculative::SpeculativeConfig::OFF,
         }
     }
 

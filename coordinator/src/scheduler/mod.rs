@@ -21,6 +21,7 @@ use baton_shared::proto::{BatchResult, MicroBatch, Sampling, SequenceChunk};
 use crate::generation::{FinishReason, GenerationRequest, TokenEvent, TokenLogprobs};
 use crate::pipeline::kv_blocks::{BlockAllocator, IndexProgress};
 use crate::pipeline::{PipelineConfig, PipelineStatus, Resume, SeqRequest};
+use crate::speculative::{Adaptive, Drafter, SpeculativeConfig};
 
 /// What the scheduler hands the engine to carry out, in order: events first, then frees, then
 /// micro-batches.
@@ -74,6 +75,12 @@ struct Seq {
     last_batch: u64,
     /// Times it moved to a rebuilt pipeline.
     migrations: u32,
+    /// Speculative decoding: proposals per verify step at most (0: off for this sequence).
+    spec_tokens: usize,
+    /// How many it asks for next.
+    pace: Adaptive,
+    /// The proposals its micro-batch in flight carries (empty: a plain decode step).
+    draft: Vec<u32>,
     req: GenerationRequest,
     /// Ends (and is exported) when the sequence is dropped.
     span: tracing::Span,
@@ -129,18 +136,33 @@ impl Seq {
         }
     }
 
-    /// The last sampled token, to extend the sequence by one position.
+    /// The last sampled token, to extend the sequence by one position, followed by the
+    /// proposals in `draft` for the last stage to verify.
     fn decode_chunk(&self) -> SequenceChunk {
         let pos = self.tokens.len() - 1;
+        let mut tokens = Vec::with_capacity(1 + self.draft.len());
+        tokens.push(self.tokens[pos]);
+        tokens.extend_from_slice(&self.draft);
         SequenceChunk {
             seq_id: self.id,
-            tokens: vec![self.tokens[pos]],
+            tokens,
             pos0: pos as u32,
             sample: true,
             sampling: None,
             blocks: self.blocks.clone(),
             cached: 0,
+            draft: self.draft.len() as u32,
         }
+    }
+
+    /// Most proposals the next decode step may carry: its own pace within what the request
+    /// may still generate (a draft's tokens all count toward `max_tokens`, and the step emits
+    /// one more) and the context.
+    fn draft_limit(&self, max_context: usize) -> usize {
+        let generated = self.tokens.len() - self.prompt_len;
+        let left = self.req.params.max_tokens.saturating_sub(generated + 1);
+        let context = max_context.saturating_sub(self.tokens.len());
+        self.spec_tokens.min(left).min(context)
     }
 
     /// The next `n` prompt tokens; the chunk that completes the prompt samples the first token.
@@ -156,6 +178,7 @@ impl Seq {
             sample: self.prefilled == self.prefill_len,
             blocks: self.blocks.clone(),
             cached: if first { self.reused as u32 } else { 0 },
+            draft: 0,
             sampling: first.then_some(Sampling {
                 temperature: p.temperature,
                 top_k: p.top_k as u32,
@@ -181,8 +204,10 @@ impl Seq {
 /// What [`compose_step`] chose.
 struct Composed {
     chunks: Vec<SequenceChunk>,
-    /// How many of the chunks are decode tokens (they come first).
+    /// How many of the chunks are decode steps (they come first).
     decode: usize,
+    /// Proposals those decode chunks carry after their one token each.
+    draft: usize,
     /// Decoding sequences left out because no KV block was free for their next position.
     starved: Vec<u64>,
     /// A prefilling sequence that had budget but no free block for any of its positions.
@@ -216,29 +241,68 @@ fn pick_idle(active: &mut [Seq], depth: usize, free: usize) -> Vec<&mut Seq> {
     idle
 }
 
+/// What [`compose_step`] may spend on speculative proposals.
+struct Drafting<'d> {
+    drafter: &'d mut dyn Drafter,
+    max_context: usize,
+    /// Free blocks proposals must leave for admitted prompts still to be prefilled.
+    reserved_blocks: usize,
+}
+
 /// One step's chunks: every decoding sequence's next token first (running sequences keep their
 /// pace), then prompt chunks in arrival order while the step's token budget lasts, so a long
 /// prompt is prefilled over several steps instead of stalling everyone's decode. Each chunk's
 /// positions get KV blocks first; a prompt chunk shrinks to the blocks there are. A sequence
-/// starting its prefill first reuses the cached blocks its tokens begin with.
-fn compose_step(active: &mut [&mut Seq], budget: usize, alloc: &mut BlockAllocator, out: &mut Outbox) -> Composed {
+/// starting its prefill first reuses the cached blocks its tokens begin with. With a drafter,
+/// decode steps carry proposals from what the budget and the blocks leave after every
+/// decoding sequence's own token (never taking blocks admitted prompts still need).
+fn compose_step(
+    active: &mut [&mut Seq],
+    budget: usize,
+    alloc: &mut BlockAllocator,
+    mut drafting: Option<Drafting<'_>>,
+    out: &mut Outbox,
+) -> Composed {
     let mut c = Composed {
         chunks: Vec::new(),
         decode: 0,
+        draft: 0,
         starved: Vec::new(),
         stalled: None,
         prefix_queried: 0,
         prefix_reused: 0,
     };
-    for seq in active.iter_mut().filter(|s| s.decoding()) {
+    let mut decoding = Vec::new();
+    for (i, seq) in active.iter_mut().enumerate().filter(|(_, s)| s.decoding()) {
         if alloc.cover(&mut seq.blocks, seq.tokens.len()) {
-            c.chunks.push(seq.decode_chunk());
+            decoding.push(i);
         } else {
             c.starved.push(seq.id);
         }
     }
+    let mut spare = budget.saturating_sub(decoding.len());
+    for &i in &decoding {
+        let seq = &mut active[i];
+        seq.draft.clear();
+        if let Some(d) = drafting.as_mut().filter(|_| seq.spec_tokens > 0) {
+            let k = seq.pace.next(seq.draft_limit(d.max_context).min(spare));
+            if k > 0 {
+                d.drafter.propose(&seq.tokens, k, &mut seq.draft);
+                seq.draft.truncate(k);
+            }
+            // Only blocks beyond what admitted prompts still need.
+            let bs = alloc.block_size();
+            let blocks = seq.blocks.len() + alloc.free().saturating_sub(d.reserved_blocks);
+            seq.draft.truncate((blocks * bs).saturating_sub(seq.tokens.len()));
+            let covered = alloc.cover(&mut seq.blocks, seq.tokens.len() + seq.draft.len());
+            debug_assert!(covered, "the draft was cut to the blocks there are");
+            spare -= seq.draft.len();
+            c.draft += seq.draft.len();
+        }
+        c.chunks.push(seq.decode_chunk());
+    }
     c.decode = c.chunks.len();
-    let mut used = c.decode;
+    let mut used = c.decode + c.draft;
     for seq in active.iter_mut().filter(|s| !s.decoding()) {
         let left = budget.saturating_sub(used);
         let starting = seq.prefilled == 0 && seq.blocks.is_empty();
@@ -289,6 +353,41 @@ fn preemption_victim(active: &[Seq], starved: &[u64], in_flight: bool, alloc: &B
         .map(|(i, _)| i)
 }
 
+/// Whether a last stage's answer to a draft keeps to the rules: `token` then `more`, where all
+/// but the last of them are the draft's first proposals in order (the accepted ones).
+fn continues_draft(draft: &[u32], token: u32, more: &[u32]) -> bool {
+    let accepted = more.len();
+    accepted <= draft.len()
+        && std::iter::once(&token)
+            .chain(more)
+            .take(accepted)
+            .eq(&draft[..accepted])
+}
+
+/// Count one verify step: `proposed` tokens sent, `accepted` kept.
+fn record_verify(
+    method: Option<crate::speculative::DraftMethod>,
+    proposed: usize,
+    accepted: usize,
+    status: &PipelineStatus,
+) {
+    let method = method.map_or("test", |m| m.as_str());
+    metrics::counter!("baton_spec_proposed_tokens_total", "method" => method).increment(proposed as u64);
+    metrics::counter!("baton_spec_accepted_tokens_total", "method" => method).increment(accepted as u64);
+    metrics::histogram!("baton_spec_tokens_per_step", "method" => method).record((accepted + 1) as f64);
+    for position in 1..=accepted {
+        metrics::counter!("baton_spec_accepted_position_total", "method" => method, "position" => position.to_string())
+            .increment(1);
+    }
+    status.spec_steps.fetch_add(1, Ordering::Relaxed);
+    status
+        .spec_proposed_tokens
+        .fetch_add(proposed as u64, Ordering::Relaxed);
+    status
+        .spec_accepted_tokens
+        .fetch_add(accepted as u64, Ordering::Relaxed);
+}
+
 /// Count a finished request by how it ended, with its end-to-end latency.
 fn record_outcome(seq: &Seq, outcome: &'static str) {
     seq.span.record("finish_reason", outcome);
@@ -310,6 +409,8 @@ pub(crate) struct Scheduler<'a> {
     /// Micro-batches kept in flight at most: one per stage.
     depth: usize,
     batch_id: u64,
+    /// Proposes tokens for decode steps to carry (speculative decoding); None when off.
+    drafter: Option<Box<dyn Drafter>>,
 }
 
 impl<'a> Scheduler<'a> {
@@ -327,6 +428,7 @@ impl<'a> Scheduler<'a> {
             in_flight: VecDeque::new(),
             depth,
             batch_id: 0,
+            drafter: crate::speculative::drafter(&config.speculative),
         };
         // A rebuilt pipeline starts empty: no figures left over from the one before.
         sched.publish_blocks();
@@ -395,9 +497,15 @@ impl<'a> Scheduler<'a> {
                 self.next_up = Some(s);
                 break;
             }
-            self.active.push(new_seq(s));
+            self.active.push(new_seq(s, &self.config.speculative));
         }
         self.publish_blocks();
+    }
+
+    /// Replace the drafter (tests propose what they choose).
+    #[cfg(test)]
+    pub fn set_drafter(&mut self, drafter: Box<dyn Drafter>) {
+        self.drafter = Some(drafter);
     }
 
     /// Stop sequences whose requests went away and free their KV; returns the ids it stopped.
@@ -409,7 +517,7 @@ impl<'a> Scheduler<'a> {
         }
         let mut stopped = Vec::new();
         if self.next_up.as_ref().is_some_and(|s| ids.contains(&s.id)) {
-            let seq = new_seq(self.next_up.take().expect("checked"));
+            let seq = new_seq(self.next_up.take().expect("checked"), &self.config.speculative);
             record_outcome(&seq, "cancelled");
             stopped.push(seq.id);
         }
@@ -438,20 +546,40 @@ impl<'a> Scheduler<'a> {
         loop {
             let mut starved: Vec<u64> = Vec::new();
             let mut stalled = None;
+            // Blocks admitted prompts still need (admission reserved them): proposals leave
+            // them free.
+            let reserved_blocks: usize = self
+                .active
+                .iter()
+                .filter(|q| !q.decoding())
+                .map(|q| self.alloc.blocks_for(q.prefill_len).saturating_sub(q.blocks.len()))
+                .sum();
             while self.in_flight.len() < self.depth {
                 let free = self.depth - self.in_flight.len();
                 let mut idle = pick_idle(&mut self.active, self.depth, free);
                 if idle.is_empty() {
                     break;
                 }
+                let drafting = self.drafter.as_deref_mut().map(|drafter| Drafting {
+                    drafter,
+                    max_context: self.config.max_context,
+                    reserved_blocks,
+                });
                 let Composed {
                     chunks: seqs,
                     decode,
+                    draft,
                     starved: short,
                     stalled: stuck,
                     prefix_queried,
                     prefix_reused,
-                } = compose_step(&mut idle, self.config.micro_batch_tokens(), &mut self.alloc, out);
+                } = compose_step(
+                    &mut idle,
+                    self.config.micro_batch_tokens(),
+                    &mut self.alloc,
+                    drafting,
+                    out,
+                );
                 starved.extend(short);
                 stalled = stalled.or(stuck);
                 if prefix_queried > 0 {
@@ -466,7 +594,11 @@ impl<'a> Scheduler<'a> {
                     break;
                 }
                 let members: Vec<u64> = seqs.iter().map(|c| c.seq_id).collect();
-                let ends: Vec<usize> = seqs.iter().map(|c| c.pos0 as usize + c.tokens.len()).collect();
+                // Proposals' K/V counts only once they are accepted (`on_result`).
+                let ends: Vec<usize> = seqs
+                    .iter()
+                    .map(|c| c.pos0 as usize + c.tokens.len() - c.draft as usize)
+                    .collect();
                 self.batch_id += 1;
                 let batch_id = self.batch_id;
                 // Prompt chunks sent while an earlier chunk of theirs is still on a stage.
@@ -478,12 +610,13 @@ impl<'a> Scheduler<'a> {
                 }
                 metrics::counter!("baton_wavefront_chunks_total").increment(wavefront as u64);
                 let batch_tokens: usize = seqs.iter().map(|c| c.tokens.len()).sum();
+                let prefill = batch_tokens - decode - draft;
                 let span = step_span(batch_id, &idle, &members, batch_tokens, decode);
                 span.record("wavefront_chunks", wavefront);
-                metrics::counter!("baton_prefill_tokens_total").increment((batch_tokens - decode) as u64);
-                self.status
-                    .prompt_tokens
-                    .fetch_add((batch_tokens - decode) as u64, Ordering::Relaxed);
+                span.record("prefill_tokens", prefill);
+                span.record("draft_tokens", draft);
+                metrics::counter!("baton_prefill_tokens_total").increment(prefill as u64);
+                self.status.prompt_tokens.fetch_add(prefill as u64, Ordering::Relaxed);
                 metrics::counter!("baton_decode_tokens_total").increment(decode as u64);
                 metrics::histogram!("baton_step_batch_tokens").record(batch_tokens as f64);
                 tracing::debug!(
@@ -611,33 +744,67 @@ impl<'a> Scheduler<'a> {
             return Ok(());
         }
         let mut finished = Vec::new();
+        let method = self.drafter.as_ref().map(|d| d.method());
         for r in reply.results {
             let Some(seq) = self.active.iter_mut().find(|s| s.id == r.seq_id && !s.failed) else {
                 continue;
             };
-            seq.tokens.push(r.token);
-            self.status.generated_tokens.fetch_add(1, Ordering::Relaxed);
-            let now = Instant::now();
-            match seq.last_token {
-                None => {
-                    metrics::histogram!("baton_time_to_first_token_seconds").record((now - seq.submitted).as_secs_f64())
+            let proposed = seq.draft.len();
+            let accepted = r.more_tokens.len();
+            // The stage keeps proposals only while they match its own choices, in order.
+            if !continues_draft(&seq.draft, r.token, &r.more_tokens) {
+                let message = format!(
+                    "the last stage answered sequence {} with {} tokens for a draft of {proposed} that they do not continue",
+                    seq.id,
+                    accepted + 1
+                );
+                tracing::warn!(%message, "bad speculative result");
+                seq.failed = true;
+                record_outcome(seq, "failed");
+                out.event(
+                    seq.id,
+                    TokenEvent::Failed {
+                        message,
+                        retriable: false,
+                    },
+                );
+                continue;
+            }
+            if proposed > 0 {
+                seq.pace.observe(proposed, accepted, seq.spec_tokens);
+                record_verify(method, proposed, accepted, self.status);
+                seq.draft.clear();
+            }
+            for (j, token) in std::iter::once(r.token).chain(r.more_tokens).enumerate() {
+                seq.tokens.push(token);
+                self.status.generated_tokens.fetch_add(1, Ordering::Relaxed);
+                let now = Instant::now();
+                match seq.last_token {
+                    None => metrics::histogram!("baton_time_to_first_token_seconds")
+                        .record((now - seq.submitted).as_secs_f64()),
+                    Some(prev) => {
+                        metrics::histogram!("baton_inter_token_latency_seconds").record((now - prev).as_secs_f64())
+                    }
                 }
-                Some(prev) => {
-                    metrics::histogram!("baton_inter_token_latency_seconds").record((now - prev).as_secs_f64())
+                seq.last_token = Some(now);
+                // Tokens after the first come from a verified draft, which requests asking for
+                // logprobs never carry.
+                let logprobs = (seq.req.logprobs && j == 0).then(|| TokenLogprobs {
+                    logprob: r.logprob,
+                    top: r.top_ids.iter().copied().zip(r.top_logprobs.iter().copied()).collect(),
+                });
+                out.event(seq.id, TokenEvent::Token { id: token, logprobs });
+                if let Some(reason) = seq.finish_reason(self.config, token) {
+                    // Metrics first: a client that sees Done may read /metrics at once.
+                    record_outcome(seq, reason.as_str());
+                    out.event(seq.id, TokenEvent::Done { reason });
+                    finished.push(seq.id);
+                    break;
                 }
             }
-            seq.last_token = Some(now);
-            let logprobs = seq.req.logprobs.then(|| TokenLogprobs {
-                logprob: r.logprob,
-                top: r.top_ids.into_iter().zip(r.top_logprobs).collect(),
-            });
-            out.event(seq.id, TokenEvent::Token { id: r.token, logprobs });
-            if let Some(reason) = seq.finish_reason(self.config, r.token) {
-                // Metrics first: a client that sees Done may read /metrics at once.
-                record_outcome(seq, reason.as_str());
-                out.event(seq.id, TokenEvent::Done { reason });
-                finished.push(seq.id);
-            }
+            // Every token but the newest has its K/V on every stage (the accepted proposals'
+            // too; the rejected ones' is dropped by the next chunk).
+            seq.landed = seq.tokens.len() - 1;
         }
         // The batch's K/V is on every stage now: offer its members' full blocks to the prefix
         // index (before finished sequences release them, so they stay reusable).
@@ -751,7 +918,8 @@ fn step_span(batch_id: u64, seqs: &[&mut Seq], members: &[u64], batch_tokens: us
         sequences = members.len(),
         batch_tokens,
         decode_tokens = decode,
-        prefill_tokens = batch_tokens - decode,
+        prefill_tokens = tracing::field::Empty,
+        draft_tokens = tracing::field::Empty,
         wavefront_chunks = tracing::field::Empty,
     );
     for s in in_batch {
@@ -785,13 +953,20 @@ impl Seq {
 
 /// End a request that is not admitted, with `message`.
 fn refuse(s: SeqRequest, message: String, retriable: bool, out: &mut Outbox) {
-    let seq = new_seq(s);
+    let seq = new_seq(s, &SpeculativeConfig::OFF);
     record_outcome(&seq, "failed");
     out.event(seq.id, TokenEvent::Failed { message, retriable });
 }
 
-fn new_seq(s: SeqRequest) -> Seq {
+/// A sequence for an admitted request; it drafts with `speculative` unless the request turned
+/// that off or asks for logprobs (which only the first token of a verify step carries).
+fn new_seq(s: SeqRequest, speculative: &SpeculativeConfig) -> Seq {
     drop(s.queue_span);
+    let spec_tokens = if s.req.logprobs {
+        0
+    } else {
+        speculative.tokens_for(s.req.params.speculative_tokens)
+    };
     let resume = s.resume.unwrap_or_default();
     let mut tokens = s.req.prompt.clone();
     tokens.extend_from_slice(&resume.generated);
@@ -814,6 +989,9 @@ fn new_seq(s: SeqRequest) -> Seq {
         indexed: IndexProgress::Start,
         cached_reported: resume.cached_reported,
         tokens,
+        spec_tokens,
+        pace: Adaptive::new(spec_tokens),
+        draft: Vec::new(),
         req: s.req,
     }
 }
@@ -849,6 +1027,9 @@ mod tests {
             failed: false,
             last_batch: 0,
             migrations: 0,
+            spec_tokens: 0,
+            pace: Adaptive::new(0),
+            draft: Vec::new(),
             req,
             span: tracing::Span::none(),
         }
@@ -908,6 +1089,7 @@ mod tests {
             max_migrations: 2,
             queue_timeout: std::time::Duration::from_secs(60),
             live_replan: None,
+            speculative: SpeculativeConfig::OFF,
         }
     }
 
@@ -928,16 +1110,33 @@ mod tests {
         }
     }
 
-    /// What a last stage would answer: `token(seq, position)` for every chunk that samples.
+    /// What a last stage would answer: `token(seq, position)` for every chunk that samples,
+    /// and for a chunk with a draft, the next position's token while the proposal there
+    /// equals it (as `baton_worker::backend::sample_rows` verifies).
     fn answer(batch: &MicroBatch, token: impl Fn(u64, u32) -> u32) -> BatchResult {
         let results = batch
             .seqs
             .iter()
             .filter(|c| c.sample)
-            .map(|c| baton_shared::proto::SequenceResult {
-                seq_id: c.seq_id,
-                token: token(c.seq_id, c.pos0 + c.tokens.len() as u32),
-                ..Default::default()
+            .map(|c| {
+                let own = c.tokens.len() - c.draft as usize;
+                let next = c.pos0 + own as u32;
+                let first = token(c.seq_id, next);
+                let mut more = Vec::new();
+                let mut chosen = first;
+                for (j, &proposal) in c.tokens[own..].iter().enumerate() {
+                    if chosen != proposal {
+                        break;
+                    }
+                    chosen = token(c.seq_id, next + 1 + j as u32);
+                    more.push(chosen);
+                }
+                baton_shared::proto::SequenceResult {
+                    seq_id: c.seq_id,
+                    token: first,
+                    more_tokens: more,
+                    ..Default::default()
+                }
             })
             .collect();
         BatchResult {
@@ -1427,7 +1626,7 @@ mod tests {
     fn compose_all(active: &mut [Seq], budget: usize) -> (Vec<SequenceChunk>, usize) {
         let mut alloc = BlockAllocator::new(1 << 20, 16, true);
         let mut all: Vec<&mut Seq> = active.iter_mut().collect();
-        let c = compose_step(&mut all, budget, &mut alloc, &mut Outbox::default());
+        let c = compose_step(&mut all, budget, &mut alloc, None, &mut Outbox::default());
         assert!(c.starved.is_empty());
         (c.chunks, c.decode)
     }
@@ -1440,7 +1639,7 @@ mod tests {
         let mut active = vec![seq(1, 20, 11), seq(2, 100, 0)];
         assert!(alloc.cover(&mut active[0].blocks, 30));
         let mut all: Vec<&mut Seq> = active.iter_mut().collect();
-        let c = compose_step(&mut all, 512, &mut alloc, &mut Outbox::default());
+        let c = compose_step(&mut all, 512, &mut alloc, None, &mut Outbox::default());
         assert_eq!(c.decode, 1);
         assert_eq!(c.chunks[0].blocks.len(), 2, "position 30 fits the second block");
         assert_eq!(c.chunks[1].tokens.len(), 32, "the prompt chunk shrank to two blocks");
@@ -1451,7 +1650,7 @@ mod tests {
         active[0].tokens.push(7);
         active[0].tokens.push(8);
         let mut all: Vec<&mut Seq> = active.iter_mut().collect();
-        let c = compose_step(&mut all, 512, &mut alloc, &mut Outbox::default());
+        let c = compose_step(&mut all, 512, &mut alloc, None, &mut Outbox::default());
         assert_eq!(c.starved, [1]);
         assert!(c.chunks.is_empty(), "the prompt waits too: no block");
         // The newest sequence is the victim; after preemption it prefills all its tokens again.
@@ -1474,7 +1673,7 @@ mod tests {
             s.prefilled = 16;
         }
         let mut all: Vec<&mut Seq> = active.iter_mut().collect();
-        let c = compose_step(&mut all, 512, &mut alloc, &mut Outbox::default());
+        let c = compose_step(&mut all, 512, &mut alloc, None, &mut Outbox::default());
         assert!(c.chunks.is_empty());
         assert_eq!(c.stalled, Some(1), "the oldest prompt has budget and no block");
         let victim = preemption_victim(&active, &[1], false, &alloc).unwrap();
@@ -1511,7 +1710,7 @@ mod tests {
         new.tokens[..36].copy_from_slice(&old.tokens[..36]);
         new.req.prompt = new.tokens.clone();
         let mut all = vec![&mut new];
-        let c = compose_step(&mut all, 512, &mut alloc, &mut Outbox::default());
+        let c = compose_step(&mut all, 512, &mut alloc, None, &mut Outbox::default());
         assert_eq!((c.prefix_queried, c.prefix_reused), (50, 32));
         let chunk = &c.chunks[0];
         assert_eq!((chunk.pos0, chunk.cached, chunk.tokens.len()), (32, 32, 18));
@@ -1524,7 +1723,7 @@ mod tests {
         alloc.index(&new.blocks, &tokens, 50, &mut new.indexed);
         new.preempt(&mut alloc);
         let mut all = vec![&mut new];
-        let c = compose_step(&mut all, 512, &mut alloc, &mut Outbox::default());
+        let c = compose_step(&mut all, 512, &mut alloc, None, &mut Outbox::default());
         assert_eq!((c.chunks[0].pos0, c.chunks[0].cached), (48, 48));
         assert_eq!(c.chunks[0].tokens, [tokens[48], tokens[49], 7]);
     }
@@ -1542,7 +1741,7 @@ mod tests {
         let mut new = seq(3, 40, 0);
         new.tokens[..32].copy_from_slice(&old.tokens);
         let mut all = vec![&mut busy, &mut new];
-        let c = compose_step(&mut all, 512, &mut alloc, &mut Outbox::default());
+        let c = compose_step(&mut all, 512, &mut alloc, None, &mut Outbox::default());
         let chunk = c.chunks.iter().find(|c| c.seq_id == 3).unwrap();
         assert_eq!((chunk.pos0, chunk.cached, chunk.tokens.len()), (0, 0, 32));
         assert_eq!((c.prefix_queried, c.prefix_reused), (40, 0));
@@ -1591,5 +1790,269 @@ mod tests {
         assert!(!active[2].holds_kv());
         let (chunks, _) = compose_all(&mut active, 5);
         assert_eq!(chunks.iter().find(|c| c.seq_id == 3).map(|c| c.tokens.len()), Some(3));
+    }
+
+    /// Proposes exactly what the stand-in stages of these tests choose next: each generated
+    /// token is the one before it plus one (mod 50).
+    struct Oracle;
+
+    impl Drafter for Oracle {
+        fn method(&self) -> crate::speculative::DraftMethod {
+            crate::speculative::DraftMethod::Ngram
+        }
+
+        fn propose(&mut self, tokens: &[u32], k: usize, out: &mut Vec<u32>) {
+            let last = *tokens.last().expect("a decoding sequence has tokens");
+            out.extend((1..=k as u32).map(|i| (last + i) % 50));
+        }
+    }
+
+    /// Proposes tokens the stand-in stages never choose.
+    struct Wrong;
+
+    impl Drafter for Wrong {
+        fn method(&self) -> crate::speculative::DraftMethod {
+            crate::speculative::DraftMethod::Ngram
+        }
+
+        fn propose(&mut self, tokens: &[u32], k: usize, out: &mut Vec<u32>) {
+            let last = *tokens.last().expect("a decoding sequence has tokens");
+            out.extend(std::iter::repeat_n((last + 2) % 50, k));
+        }
+    }
+
+    fn speculative_config(k: usize) -> PipelineConfig {
+        PipelineConfig {
+            max_running: 8,
+            speculative: SpeculativeConfig::new(crate::speculative::DraftMethod::Ngram, k),
+            ..long_context_config()
+        }
+    }
+
+    /// Mixed prompts (one long enough for a wavefront) and output lengths, queued in order.
+    fn mixed_requests() -> Vec<SeqRequest> {
+        let mut q: Vec<SeqRequest> = [(1, 150, 20), (2, 7, 30), (3, 70, 4), (4, 33, 40), (5, 1, 30)]
+            .into_iter()
+            .map(|(id, len, max)| request(id, (0..len).map(|t| (t * 3 + id as u32) % 50).collect(), max))
+            .collect();
+        q.reverse();
+        q
+    }
+
+    /// Run the mixed workload to the end over `depth` stages and `blocks` KV blocks with
+    /// `drafter` (None: the configuration's, or none), checking every chunk starts where its
+    /// sequence's accepted tokens end; each sequence's tokens.
+    fn run_mixed(
+        config: &PipelineConfig,
+        status: &PipelineStatus,
+        depth: usize,
+        blocks: usize,
+        drafter: Option<Box<dyn Drafter>>,
+    ) -> Vec<Vec<u32>> {
+        let token = |seq: u64, pos: u32| (seq as u32 * 7 + pos) % 50;
+        let mut sched = Scheduler::new(config, status, depth, blocks);
+        if let Some(d) = drafter {
+            sched.set_drafter(d);
+        }
+        let mut out = Outbox::default();
+        let mut queue = mixed_requests();
+        let (mut sent, mut events) = (VecDeque::new(), Vec::new());
+        // Per sequence: where its next chunk may start (its accepted tokens' end) and how many
+        // proposals past that its previous chunk wrote.
+        let mut next: std::collections::HashMap<u64, (u32, u32)> = Default::default();
+        for _ in 0..2000 {
+            sched.admit(|| queue.pop(), &mut out);
+            sched.schedule(&mut out);
+            for b in out.batches.drain(..) {
+                for c in &b.seqs {
+                    assert!(c.draft == 0 || c.sample, "only sampling chunks carry proposals");
+                    let (at, written) = next.get(&c.seq_id).copied().unwrap_or((c.pos0, 0));
+                    let start = if c.sampling.is_some() { c.cached } else { c.pos0 };
+                    if c.sampling.is_none() {
+                        assert!(
+                            (at..=at + written).contains(&c.pos0),
+                            "sequence {} starts at {} after {at} + {written} proposals",
+                            c.seq_id,
+                            c.pos0
+                        );
+                    }
+                    assert!(
+                        c.pos0 as usize + c.tokens.len() <= config.max_context,
+                        "inside the context"
+                    );
+                    next.insert(c.seq_id, (start.max(c.pos0) + c.tokens.len() as u32 - c.draft, c.draft));
+                }
+                sent.push_back(b);
+            }
+            let Some(batch) = sent.pop_front() else { break };
+            let reply = answer(&batch, token);
+            for (c, r) in batch.seqs.iter().filter(|c| c.sample).zip(&reply.results) {
+                // The accepted proposals' K/V stays: the next chunk may start after them.
+                if let Some(e) = next.get_mut(&c.seq_id) {
+                    e.0 += r.more_tokens.len() as u32;
+                    e.1 -= r.more_tokens.len() as u32;
+                }
+            }
+            sched.on_result(reply, &mut out).unwrap();
+            events.append(&mut out.events);
+        }
+        assert!(sched.is_idle(), "every request finished");
+        (1..=5).map(|id| tokens_of(&events, id)).collect()
+    }
+
+    #[test]
+    fn speculative_decoding_changes_no_token_at_any_depth_with_or_without_preemption() {
+        let plain_config = long_context_config();
+        let plain_config = PipelineConfig {
+            max_running: 8,
+            ..plain_config
+        };
+        let alone = run_mixed(&plain_config, &PipelineStatus::default(), 1, 64, None);
+        let config = speculative_config(4);
+        for (depth, blocks) in [(1, 64), (2, 64), (3, 64), (1, 12), (2, 12), (3, 12)] {
+            let case = format!("depth {depth}, {blocks} blocks");
+            let status = PipelineStatus::default();
+            let got = run_mixed(&config, &status, depth, blocks, Some(Box::new(Oracle)));
+            assert_eq!(got, alone, "{case}, oracle drafter");
+            let (steps, proposed, accepted) = (
+                status.spec_steps.load(Ordering::Relaxed),
+                status.spec_proposed_tokens.load(Ordering::Relaxed),
+                status.spec_accepted_tokens.load(Ordering::Relaxed),
+            );
+            assert!(steps > 0 && accepted == proposed, "{case}: every proposal accepted");
+            // Budget and blocks may cut a draft short, but most steps carry several.
+            assert!(proposed >= 2 * steps, "{case}: {proposed} proposed in {steps} steps");
+
+            let status = PipelineStatus::default();
+            let got = run_mixed(&config, &status, depth, blocks, Some(Box::new(Wrong)));
+            assert_eq!(got, alone, "{case}, wrong drafter");
+            let (steps, proposed, accepted) = (
+                status.spec_steps.load(Ordering::Relaxed),
+                status.spec_proposed_tokens.load(Ordering::Relaxed),
+                status.spec_accepted_tokens.load(Ordering::Relaxed),
+            );
+            assert_eq!(accepted, 0, "{case}");
+            // 115 decode steps in all; after two misses a sequence pauses, longer each time.
+            assert!(
+                steps < 40 && proposed < 60,
+                "{case}: backs off ({steps} steps, {proposed} proposed)"
+            );
+
+            let status = PipelineStatus::default();
+            assert_eq!(
+                run_mixed(&config, &status, depth, blocks, None),
+                alone,
+                "{case}, n-gram"
+            );
+        }
+    }
+
+    #[test]
+    fn a_verified_draft_stops_at_eos_and_never_passes_max_tokens() {
+        let config = PipelineConfig {
+            speculative: SpeculativeConfig::new(crate::speculative::DraftMethod::Ngram, 4),
+            ..pipeline_config(4, vec![13])
+        };
+        let status = PipelineStatus::default();
+        let mut sched = Scheduler::new(&config, &status, 2, 32);
+        sched.set_drafter(Box::new(Oracle));
+        let mut out = Outbox::default();
+        let mut queue = vec![request(1, (1..=5).collect(), 100), request(2, vec![1, 2, 3], 6)];
+        let mut no_drafts = request(3, vec![1, 2], 5);
+        no_drafts.req.params.speculative_tokens = Some(0);
+        let mut logprobs = request(4, vec![1, 2, 3, 4], 5);
+        logprobs.req.logprobs = true;
+        queue.extend([no_drafts, logprobs]);
+        queue.reverse();
+        sched.admit(|| queue.pop(), &mut out);
+        let mut sent = VecDeque::new();
+        let mut events = Vec::new();
+        for _ in 0..50 {
+            sched.schedule(&mut out);
+            for b in out.batches.drain(..) {
+                for c in &b.seqs {
+                    if c.seq_id == 2 {
+                        assert!(c.pos0 as usize + c.tokens.len() < 3 + 6, "past max_tokens");
+                    }
+                    if c.seq_id >= 3 {
+                        assert_eq!(c.draft, 0, "sequence {} asked for no drafts", c.seq_id);
+                    }
+                }
+                sent.push_back(b);
+            }
+            let Some(batch) = sent.pop_front() else { break };
+            sched.on_result(answer(&batch, |_, pos| pos), &mut out).unwrap();
+            events.append(&mut out.events);
+        }
+        assert!(sched.is_idle());
+        assert_eq!(tokens_of(&events, 1), (5..=13).collect::<Vec<_>>(), "stops at EOS 13");
+        assert_eq!(tokens_of(&events, 2), (3..=8).collect::<Vec<_>>());
+        assert_eq!(tokens_of(&events, 3), (2..=6).collect::<Vec<_>>());
+        assert_eq!(tokens_of(&events, 4), (4..=8).collect::<Vec<_>>());
+        let done = |id| {
+            events
+                .iter()
+                .rev()
+                .find(|(i, e)| *i == id && matches!(e, TokenEvent::Done { .. }))
+                .cloned()
+        };
+        assert_eq!(
+            done(1).map(|e| e.1),
+            Some(TokenEvent::Done {
+                reason: FinishReason::Stop
+            })
+        );
+        assert_eq!(
+            done(2).map(|e| e.1),
+            Some(TokenEvent::Done {
+                reason: FinishReason::Length
+            })
+        );
+        assert!(status.spec_accepted_tokens.load(Ordering::Relaxed) >= 8);
+    }
+
+    #[test]
+    fn an_answer_that_does_not_continue_the_draft_fails_only_its_sequence() {
+        assert!(continues_draft(&[5, 6, 7], 5, &[6, 9]));
+        assert!(continues_draft(&[5, 6, 7], 5, &[6, 7, 8]));
+        assert!(continues_draft(&[5, 6, 7], 4, &[]));
+        assert!(continues_draft(&[], 4, &[]));
+        assert!(
+            !continues_draft(&[5, 6, 7], 4, &[6]),
+            "the first token rejected the draft"
+        );
+        assert!(
+            !continues_draft(&[5, 6, 7], 5, &[7, 7]),
+            "a rejected proposal cannot be followed"
+        );
+        assert!(!continues_draft(&[5], 5, &[6, 7]), "more tokens than proposals");
+        assert!(!continues_draft(&[], 4, &[5]));
+
+        let config = PipelineConfig {
+            speculative: SpeculativeConfig::new(crate::speculative::DraftMethod::Ngram, 2),
+            ..pipeline_config(4, vec![])
+        };
+        let status = PipelineStatus::default();
+        let mut sched = Scheduler::new(&config, &status, 1, 32);
+        sched.set_drafter(Box::new(Oracle));
+        let mut out = Outbox::default();
+        let mut queue = vec![request(2, vec![1, 2], 10), request(1, vec![1, 2], 10)];
+        sched.admit(|| queue.pop(), &mut out);
+        sched.schedule(&mut out);
+        let first = out.batches.pop().unwrap();
+        sched.on_result(answer(&first, |_, pos| pos), &mut out).unwrap();
+        sched.schedule(&mut out);
+        let verify = out.batches.pop().unwrap();
+        assert!(verify.seqs.iter().all(|c| c.draft == 2));
+        let mut reply = answer(&verify, |_, pos| pos);
+        // Sequence 1's stage claims a token its draft did not propose, then one more.
+        reply.results[0].more_tokens = vec![40, 41];
+        out.events.clear();
+        sched.on_result(reply, &mut out).unwrap();
+        assert!(matches!(
+            out.events.iter().find(|(id, _)| *id == 1),
+            Some((_, TokenEvent::Failed { .. }))
+        ));
+        assert_eq!(tokens_of(&out.events, 2), [3, 4, 5]);
     }
 }

@@ -125,7 +125,8 @@ impl Backend for CpuBackend {
 
     fn sample(&mut self, rows: &[f32], slots: &mut [SampleSlot]) -> Result<(), ForwardError> {
         let (h, vocab) = (self.shape.config.hidden_size, self.shape.config.vocab_size);
-        if rows.len() != slots.len() * h {
+        let wanted: usize = slots.iter().map(SampleSlot::rows).sum();
+        if rows.len() != wanted * h {
             return Err(ForwardError::HiddenShape {
                 got: rows.len(),
                 hidden: h,

@@ -143,18 +143,24 @@ pub struct BackendInfo {
     pub matrix_bytes: usize,
 }
 
-/// One row to sample on the last stage: the sequence's sampler going in, its token (and
-/// log-probabilities when asked) coming out.
+/// One sequence to sample on the last stage: the sequence's sampler going in, its token (and
+/// log-probabilities when asked) coming out. With a draft (speculative decoding) the slot
+/// takes `1 + draft.len()` rows and verifies the proposals (see [`sample_rows`]).
 #[derive(Debug, Clone)]
 pub struct SampleSlot {
-    /// The sequence's sampling state (parameters and random stream), advanced by one draw.
+    /// The sequence's sampling state (parameters and random stream), advanced by one draw per
+    /// token chosen.
     pub sampler: Sampler,
-    /// Return the chosen token's log-probability and this many alternatives.
+    /// Return the chosen token's log-probability and this many alternatives (for `token`).
     pub top_logprobs: Option<usize>,
+    /// Proposed tokens to verify, following the slot's first row in order.
+    pub draft: Vec<u32>,
     pub token: u32,
     pub logprob: f32,
     /// The most likely `(id, logprob)` pairs, best first.
     pub top: Vec<(u32, f32)>,
+    /// With a draft: the tokens chosen after `token` (accepted proposals, then one more).
+    pub more: Vec<u32>,
 }
 
 impl SampleSlot {
@@ -163,10 +169,17 @@ impl SampleSlot {
         Self {
             sampler,
             top_logprobs,
+            draft: Vec::new(),
             token: 0,
             logprob: 0.0,
             top: Vec::new(),
+            more: Vec::new(),
         }
+    }
+
+    /// Rows of hidden states (and logits) this slot takes.
+    pub fn rows(&self) -> usize {
+        1 + self.draft.len()
     }
 }
 
@@ -188,8 +201,9 @@ pub trait Backend: Send {
     /// Final norm and head on each row of `rows`, writing `rows × vocab` logits to `out`; last
     /// stage only.
     fn logits(&mut self, rows: &[f32], out: &mut [f32]) -> Result<(), ForwardError>;
-    /// The next token for each row of `rows` (one per slot, in order), drawn by the slot's
-    /// sampler, with log-probabilities when the slot asks; last stage only. A device backend
+    /// The next token for each slot, drawn by the slot's sampler from its rows of `rows` (one,
+    /// or `1 + draft` to verify a draft: see [`sample_rows`]; slots' rows back to back in
+    /// order), with log-probabilities when the slot asks; last stage only. A device backend
     /// samples where the logits are and returns only ids.
     fn sample(&mut self, rows: &[f32], slots: &mut [SampleSlot]) -> Result<(), ForwardError>;
     /// What each held layer is and caches, as the model declares it.
@@ -197,14 +211,37 @@ pub trait Backend: Send {
 }
 
 /// [`Backend::sample`] for a device whose logits are in host memory: each slot's sampler on
-/// its `vocab`-wide row of `logits`.
+/// its `vocab`-wide rows of `logits`.
+///
+/// A slot with a draft verifies it: the sampler draws a token from the first row, and while
+/// that token equals the next proposal it draws the following one from the next row. Each
+/// token is drawn exactly as plain decoding would draw it at that position (the same logits,
+/// the same random stream, one draw per token), and a proposal is kept only where the draw
+/// chose it, so the output is the same as without the draft: bit for bit with a seed, and in
+/// distribution without. For a drafter that proposes one token (no distribution of its own),
+/// this is what standard speculative rejection sampling reduces to: the proposal is accepted
+/// with probability p(proposal), and a rejection's replacement comes from p without it.
 pub fn sample_rows(logits: &[f32], vocab: usize, slots: &mut [SampleSlot]) {
-    for (slot, row) in slots.iter_mut().zip(logits.chunks_exact(vocab)) {
-        slot.token = slot.sampler.sample(row);
+    let mut at = 0;
+    for slot in slots.iter_mut() {
+        let rows = &logits[at * vocab..(at + slot.rows()) * vocab];
+        at += slot.rows();
+        let mut rows = rows.chunks_exact(vocab);
+        let first = rows.next().expect("a slot has at least one row");
+        slot.token = slot.sampler.sample(first);
         if let Some(k) = slot.top_logprobs {
-            let (lp, top) = crate::sampler::log_softmax_top(row, slot.token, k);
+            let (lp, top) = crate::sampler::log_softmax_top(first, slot.token, k);
             slot.logprob = lp;
             slot.top = top;
+        }
+        slot.more.clear();
+        let mut chosen = slot.token;
+        for (&proposal, row) in slot.draft.iter().zip(rows) {
+            if chosen != proposal {
+                break;
+            }
+            chosen = slot.sampler.sample(row);
+            slot.more.push(chosen);
         }
     }
 }
@@ -280,6 +317,7 @@ pub fn load_shape(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use baton_shared::sampling::SamplingParams;
 
     #[test]
     fn devices_parse_and_print() {
@@ -295,6 +333,110 @@ mod tests {
         for bad in ["", "cpu:0", "cpu:x", "tpu", "cuda:-1", "cpu:"] {
             let e = bad.parse::<Device>().unwrap_err();
             assert!(e.to_string().contains("expected cpu"), "{bad}: {e}");
+        }
+    }
+
+    fn slot(params: &SamplingParams, draft: &[u32]) -> SampleSlot {
+        let mut slot = SampleSlot::new(Sampler::new(params), None);
+        slot.draft = draft.to_vec();
+        slot
+    }
+
+    #[test]
+    fn a_greedy_draft_is_kept_while_it_matches_each_rows_choice() {
+        // Four rows over a vocabulary of 5: the argmaxes are 3, 1, 4, 0.
+        let rows: Vec<f32> = [
+            [0., 1., 2., 9., 3.],
+            [1., 8., 0., 2., 3.],
+            [0., 1., 2., 3., 7.],
+            [6., 1., 2., 3., 4.],
+        ]
+        .concat();
+        let greedy = SamplingParams::greedy(8);
+        let verify = |draft: &[u32]| {
+            let mut slots = [slot(&greedy, draft)];
+            sample_rows(&rows[..slots[0].rows() * 5], 5, &mut slots);
+            let [s] = slots;
+            (s.token, s.more)
+        };
+        assert_eq!(verify(&[]), (3, vec![]));
+        assert_eq!(
+            verify(&[3, 1, 4]),
+            (3, vec![1, 4, 0]),
+            "all accepted, plus the last row's choice"
+        );
+        assert_eq!(verify(&[3, 2, 4]), (3, vec![1]), "the second proposal rejected");
+        assert_eq!(verify(&[0, 1, 4]), (3, vec![]), "the first proposal rejected");
+        // Slots take their own rows in order.
+        let mut slots = [slot(&greedy, &[3]), slot(&greedy, &[])];
+        sample_rows(&rows[..15], 5, &mut slots);
+        assert_eq!((slots[0].token, &slots[0].more, slots[1].token), (3, &vec![1], 4));
+    }
+
+    #[test]
+    fn a_seeded_draft_reproduces_plain_sampling_draw_for_draw() {
+        let rows: Vec<f32> = (0..4 * 7).map(|i| ((i * 37 % 11) as f32) * 0.3).collect();
+        for seed in 0..50 {
+            let params = SamplingParams {
+                temperature: 1.0,
+                seed: Some(seed),
+                ..SamplingParams::greedy(8)
+            };
+            // Plain decoding: one draw per row in turn.
+            let mut plain = Sampler::new(&params);
+            let chain: Vec<u32> = rows.chunks_exact(7).map(|r| plain.sample(r)).collect();
+            // Proposing that chain accepts all of it; proposing a wrong second token keeps
+            // the first draw and replaces the second with the same draw plain decoding made.
+            let mut slots = [slot(&params, &chain[..3])];
+            sample_rows(&rows, 7, &mut slots);
+            assert_eq!(
+                (slots[0].token, &slots[0].more[..]),
+                (chain[0], &chain[1..]),
+                "seed {seed}"
+            );
+            let wrong = (chain[1] + 1) % 7;
+            let mut slots = [slot(&params, &[chain[0], wrong, chain[2]])];
+            sample_rows(&rows, 7, &mut slots);
+            assert_eq!(
+                (slots[0].token, &slots[0].more[..]),
+                (chain[0], &chain[1..2]),
+                "seed {seed}"
+            );
+        }
+    }
+
+    #[test]
+    fn verifying_a_proposal_keeps_the_targets_distribution() {
+        // p = softmax of the first row; the proposal is token 1 (p = 0.3). Over many
+        // unseeded-like streams the first token follows p, and the token after an accepted
+        // proposal follows the second row's distribution.
+        let p0 = [0.5f32, 0.3, 0.15, 0.05];
+        let p1 = [0.1f32, 0.2, 0.3, 0.4];
+        let rows: Vec<f32> = p0.iter().chain(&p1).map(|p| p.ln()).collect();
+        let n = 40_000;
+        let (mut first, mut second, mut accepted) = ([0usize; 4], [0usize; 4], 0);
+        for seed in 0..n {
+            let params = SamplingParams {
+                temperature: 1.0,
+                seed: Some(seed as u64 * 7919 + 1),
+                ..SamplingParams::greedy(8)
+            };
+            let mut slots = [slot(&params, &[1])];
+            sample_rows(&rows, 4, &mut slots);
+            first[slots[0].token as usize] += 1;
+            if let Some(&t) = slots[0].more.first() {
+                accepted += 1;
+                second[t as usize] += 1;
+            }
+        }
+        for (i, &p) in p0.iter().enumerate() {
+            let f = first[i] as f32 / n as f32;
+            assert!((f - p).abs() < 0.015, "first token {i}: {f} vs {p}");
+        }
+        assert_eq!(accepted, first[1], "the proposal is accepted exactly when it is drawn");
+        for (i, &p) in p1.iter().enumerate() {
+            let f = second[i] as f32 / accepted as f32;
+            assert!((f - p).abs() < 0.03, "after acceptance, token {i}: {f} vs {p}");
         }
     }
 
