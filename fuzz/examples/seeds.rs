@@ -447,6 +447,17 @@ fn main() {
                 cached: 16,
                 draft: 0,
             },
+            // A decode step carrying two proposals to verify (speculative decoding).
+            SequenceChunk {
+                seq_id: 3,
+                tokens: vec![4, 5, 6],
+                pos0: 0,
+                sample: true,
+                sampling: greedy(),
+                blocks: vec![3],
+                cached: 0,
+                draft: 2,
+            },
         ],
         hidden: Some(hidden.clone()),
         trace_context: trace,

@@ -177,6 +177,57 @@ fn seeded_sampling_is_reproducible() {
 }
 
 #[test]
+fn generate_with_ngram_speculation_prints_the_same_tokens() {
+    // A prompt whose answer repeats it, so prompt lookup has something to propose.
+    let m = default_model();
+    let prompt =
+        "Repeat exactly: the red fox jumps over the lazy dog, the red fox jumps over the lazy dog, the red fox";
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            "--model",
+            m.to_str().unwrap(),
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "24",
+            "--format",
+            "json",
+        ];
+        args.extend_from_slice(extra);
+        stdout_json(&args)
+    };
+    let plain = run(&[]);
+    for k in ["1", "4", "16"] {
+        let spec = run(&["--speculative", "ngram", "--num-speculative-tokens", k]);
+        assert_eq!(spec["tokens"], plain["tokens"], "k = {k}");
+        assert_eq!(spec["finish_reason"], plain["finish_reason"]);
+    }
+    let e = stderr_of_failure(&[
+        "generate",
+        "--model",
+        m.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--speculative",
+        "dflash",
+    ]);
+    assert!(e.contains("dflash") && e.contains("ngram"), "{e}");
+    let e = stderr_of_failure(&[
+        "generate",
+        "--model",
+        m.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--speculative",
+        "ngram",
+        "--num-speculative-tokens",
+        "17",
+    ]);
+    assert!(e.contains("num_speculative_tokens must be between 1 and 16"), "{e}");
+}
+
+#[test]
 fn convert_gguf_to_hf_directory() {
     let tmp = tempfile::tempdir().unwrap();
     let model = default_model();

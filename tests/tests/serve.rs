@@ -260,3 +260,71 @@ fn in_process_serving_batches_requests_like_a_pipeline_and_reports_its_stage() {
         assert!(metrics.contains(series), "missing {series}:\n{metrics}");
     }
 }
+
+#[test]
+fn ngram_speculation_through_serve_keeps_answers_and_reports_itself() {
+    // Two workers with prompt lookup on: answers equal a server without it, a request may turn
+    // it off or choose its own k, out-of-range values are refused naming the field, and the
+    // proposals and acceptances show in /metrics and /admin/cluster.
+    let model = default_model();
+    let prompt = "Copy this list exactly: apple, pear, plum, apple, pear, plum, apple, pear, plum, apple,";
+    let body = |extra: &str| {
+        format!(r#"{{"prompt": {prompt:?}, "max_tokens": 24, "temperature": 0, "ignore_eos": true{extra}}}"#)
+    };
+    let text = |addr: &str, extra: &str| -> (u16, String) {
+        let (code, out) = http_request(addr, "POST", "/v1/completions", &body(extra));
+        if code != 200 {
+            return (code, out);
+        }
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        (code, v["choices"][0]["text"].as_str().unwrap().to_string())
+    };
+    let plain = {
+        let (_server, url) = Server::start(&model, &["--workers", "0"]);
+        let addr = url.trim_start_matches("http://").trim_end_matches("/v1").to_string();
+        let (code, out) = text(&addr, r#", "speculative_tokens": 2"#);
+        assert_eq!(code, 400, "a server without speculation refuses the field: {out}");
+        assert!(out.contains("speculative"), "{out}");
+        let (code, out) = text(&addr, "");
+        assert_eq!(code, 200, "{out}");
+        out
+    };
+    let (_server, url) = Server::start(&model, &["--workers", "2", "--speculative", "ngram"]);
+    let addr = url.trim_start_matches("http://").trim_end_matches("/v1").to_string();
+    for extra in [
+        "",
+        r#", "speculative_tokens": 0"#,
+        r#", "speculative_tokens": 1"#,
+        r#", "speculative_tokens": 16"#,
+    ] {
+        let (code, out) = text(&addr, extra);
+        assert_eq!(code, 200, "{extra}: {out}");
+        assert_eq!(out, plain, "{extra}");
+    }
+    for bad in ["-1", "17", "\"many\""] {
+        let (code, out) = text(&addr, &format!(r#", "speculative_tokens": {bad}"#));
+        assert_eq!(code, 400, "{bad}: {out}");
+        assert!(out.contains("speculative_tokens"), "{bad}: {out}");
+    }
+    let (_, view) = http_request(&addr, "GET", "/admin/cluster", "");
+    let view: serde_json::Value = serde_json::from_str(&view).unwrap();
+    let spec = &view["speculative"];
+    assert_eq!(spec["method"], "ngram", "{view}");
+    let (proposed, accepted) = (
+        spec["proposed_tokens_total"].as_u64().unwrap(),
+        spec["accepted_tokens_total"].as_u64().unwrap(),
+    );
+    assert!(
+        accepted > 0 && accepted <= proposed,
+        "the repeated list was drafted and partly accepted: {spec}"
+    );
+    let (_, metrics) = http_request(&addr, "GET", "/metrics", "");
+    for series in [
+        "baton_spec_proposed_tokens_total{method=\"ngram\"}",
+        "baton_spec_accepted_tokens_total{method=\"ngram\"}",
+        "baton_spec_tokens_per_step_count{method=\"ngram\"}",
+        "baton_spec_accepted_position_total{method=\"ngram\",position=\"1\"}",
+    ] {
+        assert!(metrics.contains(series), "missing {series}");
+    }
+}
