@@ -234,3 +234,156 @@ async fn seeded_sampling_is_unchanged_by_speculation() {
         }
     }
 }
+
+/// Run `n` sampled requests for `prompt` on the tiny model in this process with `speculative`,
+/// seeds from `seed0`; each request's tokens and the verify counts.
+async fn sample_many(
+    dir: &std::path::Path,
+    prompt: &[u32],
+    params: impl Fn(u64) -> SamplingParams,
+    speculative: SpeculativeConfig,
+    seeds: std::ops::Range<u64>,
+) -> (Vec<Vec<u32>>, (u64, u64, u64)) {
+    use baton_coordinator::generation::{GenerationRequest, Generator, TokenEvent};
+    use baton_coordinator::local::{self, LocalStageOptions};
+    use baton_coordinator::pipeline::PipelineConfig;
+    let cfg = ModelFiles::open(dir).unwrap().config().unwrap();
+    let config = PipelineConfig {
+        max_running: 16,
+        max_queue: 4096,
+        speculative,
+        ..PipelineConfig::new(dir.display().to_string(), &cfg, vec![])
+    };
+    let generator = local::start(config, dir, &LocalStageOptions::default()).unwrap();
+    generator.wait_ready(PATIENCE).await.unwrap();
+    let runs = seeds.map(|seed| {
+        let mut rx = generator
+            .submit(GenerationRequest {
+                prompt: prompt.to_vec(),
+                params: params(seed),
+                top_logprobs: 0,
+                logprobs: false,
+            })
+            .unwrap();
+        async move {
+            let mut tokens = Vec::new();
+            while let Some(ev) = rx.recv().await {
+                match ev {
+                    TokenEvent::Token { id, .. } => tokens.push(id),
+                    TokenEvent::Done { .. } => break,
+                    TokenEvent::Failed { message, .. } => panic!("{message}"),
+                    TokenEvent::PromptCached { .. } => {}
+                }
+            }
+            tokens
+        }
+    });
+    let out = futures::future::join_all(runs).await;
+    (out, spec_counts(&generator.status))
+}
+
+/// Pearson's statistic for two samples of categories being drawn from one distribution,
+/// categories with fewer than 10 observations in both pooled into one; and its degrees of
+/// freedom.
+fn two_sample_chi_square(a: &[u32], b: &[u32]) -> (f64, usize) {
+    use std::collections::BTreeMap;
+    let mut counts: BTreeMap<u32, (f64, f64)> = BTreeMap::new();
+    for &t in a {
+        counts.entry(t).or_default().0 += 1.0;
+    }
+    for &t in b {
+        counts.entry(t).or_default().1 += 1.0;
+    }
+    let mut cells: Vec<(f64, f64)> = Vec::new();
+    let mut rare = (0.0, 0.0);
+    for (_, (x, y)) in counts {
+        if x + y < 10.0 {
+            rare = (rare.0 + x, rare.1 + y);
+        } else {
+            cells.push((x, y));
+        }
+    }
+    if rare.0 + rare.1 > 0.0 {
+        cells.push(rare);
+    }
+    let (na, nb) = (a.len() as f64, b.len() as f64);
+    let stat = cells
+        .iter()
+        .map(|&(x, y)| {
+            let total = x + y;
+            let (ea, eb) = (total * na / (na + nb), total * nb / (na + nb));
+            (x - ea).powi(2) / ea + (y - eb).powi(2) / eb
+        })
+        .sum();
+    (stat, cells.len().saturating_sub(1))
+}
+
+/// The 99.9th percentile of chi-square with `dof` degrees of freedom (Wilson–Hilferty, within
+/// a few percent for dof ≥ 2).
+fn chi_square_999(dof: usize) -> f64 {
+    let k = dof as f64;
+    let z = 3.090;
+    k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3)
+}
+
+#[test]
+fn the_chi_square_percentile_is_right_where_tabulated() {
+    for (dof, table) in [(2, 13.82), (5, 20.52), (10, 29.59), (24, 51.18)] {
+        let got = chi_square_999(dof);
+        assert!((got - table).abs() / table < 0.03, "{dof}: {got} vs {table}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampled_speculative_output_keeps_the_models_distribution() {
+    // Different seeds on each side, so the two samples are independent draws: with
+    // speculation the tokens must follow the same distribution as without (a verify step that
+    // favoured or disfavoured the proposal would shift the proposed token's share).
+    let dir = fixtures().join("tiny/llama_tied");
+    let prompt = [5u32, 17, 200, 3, 99];
+    let likely = reference(&dir, &[prompt.to_vec()], &greedy(3))[0].clone();
+    let params = |seed| SamplingParams {
+        temperature: 0.7,
+        top_k: 6,
+        seed: Some(seed),
+        ignore_eos: true,
+        ..SamplingParams::greedy(3)
+    };
+    /// Always proposes the greedy path's second and third tokens.
+    struct Fixed(Vec<u32>);
+    impl Drafter for Fixed {
+        fn method(&self) -> DraftMethod {
+            DraftMethod::Ngram
+        }
+        fn propose(&mut self, _tokens: &[u32], k: usize, out: &mut Vec<u32>) {
+            out.extend(self.0.iter().take(k));
+        }
+    }
+    let fixed = likely[1..].to_vec();
+    let speculative = SpeculativeConfig {
+        custom: Some(Arc::new(move || Box::new(Fixed(fixed.clone())) as Box<dyn Drafter>)),
+        ..SpeculativeConfig::new(DraftMethod::Ngram, 2)
+    };
+    let n = 600;
+    let (plain, _) = sample_many(&dir, &prompt, params, SpeculativeConfig::OFF, 0..n).await;
+    let (spec, (steps, proposed, accepted)) = sample_many(&dir, &prompt, params, speculative, n..2 * n).await;
+    assert!(
+        steps > 0 && accepted > 0 && accepted < proposed,
+        "{steps} steps, {accepted} of {proposed} accepted"
+    );
+    for position in 1..3 {
+        let a: Vec<u32> = plain.iter().map(|t| t[position]).collect();
+        let b: Vec<u32> = spec.iter().map(|t| t[position]).collect();
+        let (stat, dof) = two_sample_chi_square(&a, &b);
+        assert!(dof >= 2, "token {position}: {dof} degrees of freedom");
+        let limit = chi_square_999(dof);
+        assert!(
+            stat < limit,
+            "token {position}: chi-square {stat:.1} with {dof} degrees of freedom (99.9th percentile {limit:.1})"
+        );
+    }
+    // The same test tells a biased sampler apart: always accepting the proposal.
+    let a: Vec<u32> = plain.iter().map(|t| t[1]).collect();
+    let biased: Vec<u32> = vec![likely[1]; n as usize];
+    assert!(two_sample_chi_square(&a, &biased).0 > 100.0);
+}
