@@ -4,9 +4,10 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
+use baton_coordinator::speculative::{DraftMethod, Drafter, SpeculativeConfig};
 use baton_shared::model_files::ModelFiles;
 use baton_shared::sampling::SamplingParams;
-use baton_tests::cluster::TestCluster;
+use baton_tests::cluster::{Limits, TestCluster};
 use baton_tests::fixtures;
 
 /// Metric names (`baton_*`) that appear in a Prometheus text page.
@@ -53,6 +54,38 @@ async fn dashboard_queries_only_exported_metrics() {
     )
     .await
     .unwrap();
+    // Speculative decoding's metrics come from a pipeline that drafts (here, always the same
+    // proposals: their acceptance does not matter).
+    struct Always;
+    impl Drafter for Always {
+        fn method(&self) -> DraftMethod {
+            DraftMethod::Ngram
+        }
+        fn propose(&mut self, _tokens: &[u32], k: usize, out: &mut Vec<u32>) {
+            out.extend((1..=k as u32).map(|t| t % 7));
+        }
+    }
+    let drafting = SpeculativeConfig {
+        custom: Some(std::sync::Arc::new(|| Box::new(Always) as Box<dyn Drafter>)),
+        ..SpeculativeConfig::new(DraftMethod::Ngram, 4)
+    };
+    let spec = TestCluster::start_speculative(&dir, &cfg, vec![], &[], Limits::default(), drafting).await;
+    spec.generate(
+        &[1, 2, 3],
+        SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(8)
+        },
+    )
+    .await
+    .unwrap();
+    assert!(
+        spec.generator
+            .status
+            .spec_steps
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
+    );
 
     let mut names = exported(&baton_shared::telemetry::render());
     for p in &ports {
