@@ -527,6 +527,7 @@ fn main() {
             logprob: -0.25,
             top_ids: vec![42, 7],
             top_logprobs: vec![-0.25, -2.0],
+            more_tokens: vec![43, 44],
         }],
         error: String::new(),
     };
