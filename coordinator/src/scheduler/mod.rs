@@ -285,7 +285,7 @@ fn compose_step(
         let seq = &mut active[i];
         seq.draft.clear();
         if let Some(d) = drafting.as_mut().filter(|_| seq.spec_tokens > 0) {
-            let k = seq.pace.next(seq.draft_limit(d.max_context).min(spare));
+            let k = seq.pace.next(seq.draft_limit(d.max_context).min(spare), decoding.len());
             if k > 0 {
                 d.drafter.propose(&seq.tokens, k, &mut seq.draft);
                 seq.draft.truncate(k);

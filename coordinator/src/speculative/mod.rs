@@ -122,6 +122,17 @@ pub fn drafter(config: &SpeculativeConfig) -> Option<Box<dyn Drafter>> {
     }
 }
 
+/// Decode rows in a micro-batch beyond which it is compute-bound on a CPU: every proposal then
+/// costs about what a sequence's own token does, so only sequences whose proposals are mostly
+/// accepted keep drafting.
+pub const LOADED_DECODE_ROWS: usize = 4;
+/// Share of proposals a sequence must have had accepted lately to draft in a loaded batch.
+const LOADED_MIN_ACCEPTANCE: f32 = 0.5;
+/// Weight of the latest verify step in the acceptance average.
+const ACCEPTANCE_WEIGHT: f32 = 0.25;
+/// How far each step skipped under load moves that average back towards 1.
+const RECOVERY_WEIGHT: f32 = 0.05;
+
 /// Consecutive verify steps that accept nothing before a sequence pauses drafting.
 const MISSES_BEFORE_PAUSE: u32 = 2;
 /// Longest pause, in decode steps.
@@ -131,25 +142,41 @@ const MAX_PAUSE: u32 = 64;
 /// drafts are accepted, shrinks to what was accepted plus one after a partial acceptance, and
 /// after repeated misses pauses drafting for a number of steps that doubles per further miss
 /// (up to [`MAX_PAUSE`]), so a stream the drafter cannot predict costs almost nothing extra.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// In a loaded micro-batch (more than [`LOADED_DECODE_ROWS`] decode rows) it drafts only while
+/// at least half its recent proposals were accepted.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Adaptive {
     /// Proposals to ask for next, before the caller's limits.
     k: usize,
     misses: u32,
     /// Decode steps left without drafting.
     pause: u32,
+    /// Recent share of proposals accepted (a moving average; 1 before the first verify).
+    acceptance: f32,
 }
 
 impl Adaptive {
     /// A fresh sequence: ask for the full `k` at first.
     pub fn new(k: usize) -> Self {
-        Self { k, misses: 0, pause: 0 }
+        Self {
+            k,
+            misses: 0,
+            pause: 0,
+            acceptance: 1.0,
+        }
     }
 
-    /// Proposals to ask for this step (at most `max`); 0 while paused (and counts the step).
-    pub fn next(&mut self, max: usize) -> usize {
+    /// Proposals to ask for this step (at most `max`) in a micro-batch of `decode_rows`
+    /// decoding sequences; 0 while paused (and counts the step).
+    pub fn next(&mut self, max: usize, decode_rows: usize) -> usize {
         if self.pause > 0 {
             self.pause -= 1;
+            return 0;
+        }
+        if decode_rows > LOADED_DECODE_ROWS && self.acceptance < LOADED_MIN_ACCEPTANCE {
+            // Skipped steps slowly restore confidence, so the sequence tries again later (its
+            // text may have turned repetitive).
+            self.acceptance += RECOVERY_WEIGHT * (1.0 - self.acceptance);
             return 0;
         }
         self.k.clamp(1, max.max(1)).min(max)
@@ -160,6 +187,8 @@ impl Adaptive {
         if proposed == 0 {
             return;
         }
+        let share = accepted as f32 / proposed as f32;
+        self.acceptance += ACCEPTANCE_WEIGHT * (share - self.acceptance);
         if accepted == 0 {
             self.misses += 1;
             self.k = 1;
@@ -184,23 +213,23 @@ mod tests {
     #[test]
     fn adaptive_grows_on_full_acceptance_and_shrinks_on_partial() {
         let mut a = Adaptive::new(4);
-        assert_eq!(a.next(8), 4);
+        assert_eq!(a.next(8, 1), 4);
         a.observe(4, 4, 8);
-        assert_eq!(a.next(8), 8);
+        assert_eq!(a.next(8, 1), 8);
         a.observe(8, 2, 8);
-        assert_eq!(a.next(8), 3);
+        assert_eq!(a.next(8, 1), 3);
         // The caller's limit (tokens left, context) always wins.
-        assert_eq!(a.next(2), 2);
-        assert_eq!(a.next(0), 0);
+        assert_eq!(a.next(2, 1), 2);
+        assert_eq!(a.next(0, 1), 0);
     }
 
     #[test]
     fn adaptive_pauses_after_misses_for_longer_each_time() {
         let mut a = Adaptive::new(4);
         a.observe(4, 0, 4);
-        assert_eq!(a.next(4), 1, "one miss: keep trying with one proposal");
+        assert_eq!(a.next(4, 1), 1, "one miss: keep trying with one proposal");
         a.observe(1, 0, 4);
-        let pause = |a: &mut Adaptive| (0..100).take_while(|_| a.next(4) == 0).count();
+        let pause = |a: &mut Adaptive| (0..100).take_while(|_| a.next(4, 1) == 0).count();
         assert_eq!(pause(&mut a), 2);
         a.observe(1, 0, 4);
         assert_eq!(pause(&mut a), 4);
@@ -212,7 +241,31 @@ mod tests {
         assert_eq!(pause(&mut a), MAX_PAUSE as usize);
         // One hit ends the pauses.
         a.observe(1, 1, 4);
-        assert_eq!(a.next(4), 2);
+        assert_eq!(a.next(4, 1), 2);
+    }
+
+    #[test]
+    fn adaptive_drafts_in_a_loaded_batch_only_while_mostly_accepted() {
+        let mut a = Adaptive::new(4);
+        let loaded = LOADED_DECODE_ROWS + 1;
+        assert_eq!(a.next(4, loaded), 4, "no verify yet: optimistic");
+        // A quarter of each draft accepted: the average falls below one half.
+        for _ in 0..8 {
+            a.observe(4, 1, 4);
+        }
+        assert_eq!(
+            a.next(4, loaded),
+            0,
+            "a quarter accepted lately: no drafting under load"
+        );
+        assert_eq!(a.next(4, 1), 2, "alone it still drafts");
+        // Skipped loaded steps restore enough confidence to try again.
+        let skipped = (0..100).take_while(|_| a.next(4, loaded) == 0).count();
+        assert!((1..10).contains(&skipped), "{skipped}");
+        for _ in 0..8 {
+            a.observe(2, 2, 4);
+        }
+        assert!(a.next(4, loaded) > 0, "mostly accepted again");
     }
 
     #[test]
