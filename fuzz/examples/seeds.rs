@@ -528,6 +528,18 @@ fn main() {
             top_ids: vec![42, 7],
             top_logprobs: vec![-0.25, -2.0],
             more_tokens: vec![43, 44],
+            more_logprobs: vec![
+                TokenLogprobs {
+                    logprob: -0.5,
+                    top_ids: vec![43],
+                    top_logprobs: vec![-0.5],
+                },
+                TokenLogprobs {
+                    logprob: -1.5,
+                    top_ids: vec![7],
+                    top_logprobs: vec![-0.75],
+                },
+            ],
         }],
         error: String::new(),
     };

@@ -203,27 +203,14 @@ fn generate_with_ngram_speculation_prints_the_same_tokens() {
         assert_eq!(spec["tokens"], plain["tokens"], "k = {k}");
         assert_eq!(spec["finish_reason"], plain["finish_reason"]);
     }
-    let e = stderr_of_failure(&[
-        "generate",
-        "--model",
-        m.to_str().unwrap(),
-        "--prompt",
-        "hi",
-        "--speculative",
-        "dflash",
-    ]);
+    let refused = |extra: &[&str]| {
+        let mut args = vec!["generate", "--model", m.to_str().unwrap(), "--prompt", "hi"];
+        args.extend_from_slice(extra);
+        stderr_of_failure(&args)
+    };
+    let e = refused(&["--speculative", "dflash"]);
     assert!(e.contains("dflash") && e.contains("ngram"), "{e}");
-    let e = stderr_of_failure(&[
-        "generate",
-        "--model",
-        m.to_str().unwrap(),
-        "--prompt",
-        "hi",
-        "--speculative",
-        "ngram",
-        "--num-speculative-tokens",
-        "17",
-    ]);
+    let e = refused(&["--speculative", "ngram", "--num-speculative-tokens", "17"]);
     assert!(e.contains("num_speculative_tokens must be between 1 and 16"), "{e}");
 }
 

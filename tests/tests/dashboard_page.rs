@@ -334,7 +334,9 @@ fn proxy_one(mut conn: TcpStream, target: &str, delay: Duration) -> std::io::Res
 
 #[test]
 fn dashboard_shows_a_live_two_stage_cluster() {
-    let (mut server, url) = Server::start(&default_model(), &["--workers", "2"]);
+    // A fixed step budget: the batch counts checked below must not depend on how the workers'
+    // profiles size it on a loaded machine (a small budget splits the prompt into chunks).
+    let (mut server, url) = Server::start(&default_model(), &["--workers", "2", "--max-batch-tokens", "64"]);
     let addr = url.trim_start_matches("http://").trim_end_matches("/v1").to_string();
     let page = format!("http://{addr}/dashboard");
 

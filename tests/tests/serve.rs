@@ -279,7 +279,14 @@ fn ngram_speculation_through_serve_keeps_answers_and_reports_itself() {
         let v: serde_json::Value = serde_json::from_str(&out).unwrap();
         (code, v["choices"][0]["text"].as_str().unwrap().to_string())
     };
-    let plain = {
+    // Log-probabilities of every token, a verified draft's included.
+    let logprobs = |addr: &str| -> serde_json::Value {
+        let (code, out) = http_request(addr, "POST", "/v1/completions", &body(r#", "logprobs": 2"#));
+        assert_eq!(code, 200, "{out}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        v["choices"][0]["logprobs"].clone()
+    };
+    let (plain, plain_logprobs) = {
         let (_server, url) = Server::start(&model, &["--workers", "0"]);
         let addr = url.trim_start_matches("http://").trim_end_matches("/v1").to_string();
         let (code, out) = text(&addr, r#", "speculative_tokens": 2"#);
@@ -287,7 +294,7 @@ fn ngram_speculation_through_serve_keeps_answers_and_reports_itself() {
         assert!(out.contains("speculative"), "{out}");
         let (code, out) = text(&addr, "");
         assert_eq!(code, 200, "{out}");
-        out
+        (out, logprobs(&addr))
     };
     let (_server, url) = Server::start(&model, &["--workers", "2", "--speculative", "ngram"]);
     let addr = url.trim_start_matches("http://").trim_end_matches("/v1").to_string();
@@ -301,6 +308,20 @@ fn ngram_speculation_through_serve_keeps_answers_and_reports_itself() {
         assert_eq!(code, 200, "{extra}: {out}");
         assert_eq!(out, plain, "{extra}");
     }
+    let before = http_request(&addr, "GET", "/admin/cluster", "").1;
+    let spec_logprobs = logprobs(&addr);
+    let after = http_request(&addr, "GET", "/admin/cluster", "").1;
+    let accepted = |view: &str| {
+        let v: serde_json::Value = serde_json::from_str(view).unwrap();
+        v["speculative"]["accepted_tokens_total"].as_u64().unwrap()
+    };
+    assert!(
+        accepted(&after) > accepted(&before),
+        "the logprobs request was drafted for"
+    );
+    // The same logits (a pipeline and batching change no row), so the same numbers exactly.
+    assert_eq!(spec_logprobs["token_logprobs"].as_array().map(Vec::len), Some(24));
+    assert_eq!(spec_logprobs, plain_logprobs);
     for bad in ["-1", "17", "\"many\""] {
         let (code, out) = text(&addr, &format!(r#", "speculative_tokens": {bad}"#));
         assert_eq!(code, 400, "{bad}: {out}");

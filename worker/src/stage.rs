@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use baton_shared::proto::{
-    BatchResult, Dtype, HealthResponse, MicroBatch, SequenceChunk, SequenceResult, StageInfo, Tensor,
+    BatchResult, Dtype, HealthResponse, MicroBatch, SequenceChunk, SequenceResult, StageInfo, Tensor, TokenLogprobs,
 };
 use baton_shared::sampling::SamplingParams;
 use baton_shared::wire;
@@ -410,6 +410,7 @@ impl Stage {
                 logprob,
                 top,
                 more,
+                more_logprobs,
                 ..
             } = slot;
             if let Some(seq) = self.seqs.get_mut(&chunk.seq_id) {
@@ -424,6 +425,17 @@ impl Stage {
             if top_logprobs.is_some() {
                 r.logprob = logprob;
                 (r.top_ids, r.top_logprobs) = top.into_iter().unzip();
+                r.more_logprobs = more_logprobs
+                    .into_iter()
+                    .map(|(logprob, top)| {
+                        let (top_ids, top_logprobs) = top.into_iter().unzip();
+                        TokenLogprobs {
+                            logprob,
+                            top_ids,
+                            top_logprobs,
+                        }
+                    })
+                    .collect();
             }
             results.push(r);
         }

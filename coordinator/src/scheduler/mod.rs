@@ -752,11 +752,13 @@ impl<'a> Scheduler<'a> {
             let proposed = seq.draft.len();
             let accepted = r.more_tokens.len();
             // The stage keeps proposals only while they match its own choices, in order.
-            if !continues_draft(&seq.draft, r.token, &r.more_tokens) {
+            let logprobs_missing = seq.req.logprobs && r.more_logprobs.len() != accepted;
+            if !continues_draft(&seq.draft, r.token, &r.more_tokens) || logprobs_missing {
                 let message = format!(
-                    "the last stage answered sequence {} with {} tokens for a draft of {proposed} that they do not continue",
+                    "the last stage answered sequence {} with {} tokens ({} with logprobs) for a draft of {proposed} that they do not continue",
                     seq.id,
-                    accepted + 1
+                    accepted + 1,
+                    r.more_logprobs.len() + 1
                 );
                 tracing::warn!(%message, "bad speculative result");
                 seq.failed = true;
@@ -787,11 +789,19 @@ impl<'a> Scheduler<'a> {
                     }
                 }
                 seq.last_token = Some(now);
-                // Tokens after the first come from a verified draft, which requests asking for
-                // logprobs never carry.
-                let logprobs = (seq.req.logprobs && j == 0).then(|| TokenLogprobs {
-                    logprob: r.logprob,
-                    top: r.top_ids.iter().copied().zip(r.top_logprobs.iter().copied()).collect(),
+                let logprobs = seq.req.logprobs.then(|| match j {
+                    0 => TokenLogprobs {
+                        logprob: r.logprob,
+                        top: r.top_ids.iter().copied().zip(r.top_logprobs.iter().copied()).collect(),
+                    },
+                    // A verified draft's later tokens (their count was checked above).
+                    _ => {
+                        let l = &r.more_logprobs[j - 1];
+                        TokenLogprobs {
+                            logprob: l.logprob,
+                            top: l.top_ids.iter().copied().zip(l.top_logprobs.iter().copied()).collect(),
+                        }
+                    }
                 });
                 out.event(seq.id, TokenEvent::Token { id: token, logprobs });
                 if let Some(reason) = seq.finish_reason(self.config, token) {
@@ -959,14 +969,10 @@ fn refuse(s: SeqRequest, message: String, retriable: bool, out: &mut Outbox) {
 }
 
 /// A sequence for an admitted request; it drafts with `speculative` unless the request turned
-/// that off or asks for logprobs (which only the first token of a verify step carries).
+/// that off.
 fn new_seq(s: SeqRequest, speculative: &SpeculativeConfig) -> Seq {
     drop(s.queue_span);
-    let spec_tokens = if s.req.logprobs {
-        0
-    } else {
-        speculative.tokens_for(s.req.params.speculative_tokens)
-    };
+    let spec_tokens = speculative.tokens_for(s.req.params.speculative_tokens);
     let resume = s.resume.unwrap_or_default();
     let mut tokens = s.req.prompt.clone();
     tokens.extend_from_slice(&resume.generated);
@@ -1134,6 +1140,14 @@ mod tests {
                 baton_shared::proto::SequenceResult {
                     seq_id: c.seq_id,
                     token: first,
+                    logprob: -0.5,
+                    more_logprobs: more
+                        .iter()
+                        .map(|&t| baton_shared::proto::TokenLogprobs {
+                            logprob: -1.0 - t as f32,
+                            ..Default::default()
+                        })
+                        .collect(),
                     more_tokens: more,
                     ..Default::default()
                 }
@@ -1967,6 +1981,7 @@ mod tests {
         sched.admit(|| queue.pop(), &mut out);
         let mut sent = VecDeque::new();
         let mut events = Vec::new();
+        let mut drafted_with_logprobs = false;
         for _ in 0..50 {
             sched.schedule(&mut out);
             for b in out.batches.drain(..) {
@@ -1974,9 +1989,10 @@ mod tests {
                     if c.seq_id == 2 {
                         assert!(c.pos0 as usize + c.tokens.len() < 3 + 6, "past max_tokens");
                     }
-                    if c.seq_id >= 3 {
-                        assert_eq!(c.draft, 0, "sequence {} asked for no drafts", c.seq_id);
+                    if c.seq_id == 3 {
+                        assert_eq!(c.draft, 0, "sequence 3 asked for no drafts");
                     }
+                    drafted_with_logprobs |= c.seq_id == 4 && c.draft > 0;
                 }
                 sent.push_back(b);
             }
@@ -1989,6 +2005,20 @@ mod tests {
         assert_eq!(tokens_of(&events, 2), (3..=8).collect::<Vec<_>>());
         assert_eq!(tokens_of(&events, 3), (2..=6).collect::<Vec<_>>());
         assert_eq!(tokens_of(&events, 4), (4..=8).collect::<Vec<_>>());
+        // Logprobs come with every token, the verified draft's later ones included.
+        assert!(drafted_with_logprobs);
+        let logprobs: Vec<f32> = events
+            .iter()
+            .filter_map(|(id, e)| match e {
+                TokenEvent::Token { logprobs, .. } if *id == 4 => Some(logprobs.as_ref().expect("asked for").logprob),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(logprobs.len(), 5);
+        assert!(
+            logprobs.iter().skip(1).any(|&l| l < -1.0),
+            "a drafted token's own logprob: {logprobs:?}"
+        );
         let done = |id| {
             events
                 .iter()

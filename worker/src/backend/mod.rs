@@ -161,6 +161,8 @@ pub struct SampleSlot {
     pub top: Vec<(u32, f32)>,
     /// With a draft: the tokens chosen after `token` (accepted proposals, then one more).
     pub more: Vec<u32>,
+    /// Their log-probabilities and alternatives, when `top_logprobs` asks.
+    pub more_logprobs: Vec<(f32, Vec<(u32, f32)>)>,
 }
 
 impl SampleSlot {
@@ -174,6 +176,7 @@ impl SampleSlot {
             logprob: 0.0,
             top: Vec::new(),
             more: Vec::new(),
+            more_logprobs: Vec::new(),
         }
     }
 
@@ -235,6 +238,7 @@ pub fn sample_rows(logits: &[f32], vocab: usize, slots: &mut [SampleSlot]) {
             slot.top = top;
         }
         slot.more.clear();
+        slot.more_logprobs.clear();
         let mut chosen = slot.token;
         for (&proposal, row) in slot.draft.iter().zip(rows) {
             if chosen != proposal {
@@ -242,6 +246,9 @@ pub fn sample_rows(logits: &[f32], vocab: usize, slots: &mut [SampleSlot]) {
             }
             chosen = slot.sampler.sample(row);
             slot.more.push(chosen);
+            if let Some(k) = slot.top_logprobs {
+                slot.more_logprobs.push(crate::sampler::log_softmax_top(row, chosen, k));
+            }
         }
     }
 }
