@@ -1336,14 +1336,6 @@ mod tests {
             max_running: 8,
             ..long_context_config()
         };
-        let requests = || {
-            let mut q: Vec<SeqRequest> = [(1, 150, 20), (2, 7, 30), (3, 70, 4), (4, 33, 40), (5, 1, 30)]
-                .into_iter()
-                .map(|(id, len, max)| request(id, (0..len).map(|t| (t * 3 + id as u32) % 50).collect(), max))
-                .collect();
-            q.reverse();
-            q
-        };
         let token = |seq: u64, pos: u32| (seq as u32 * 7 + pos) % 50;
         let mut alone = Vec::new();
         // 64 blocks hold everything; 12 make the newest sequences give way (preemption) while
@@ -1352,7 +1344,7 @@ mod tests {
             let status = PipelineStatus::default();
             let mut sched = Scheduler::new(&config, &status, depth, blocks);
             let mut out = Outbox::default();
-            let mut queue = requests();
+            let mut queue = mixed_requests();
             sched.admit(|| queue.pop(), &mut out);
             let (mut sent, mut events, mut next) = (VecDeque::new(), Vec::new(), Default::default());
             let mut most = 0;
