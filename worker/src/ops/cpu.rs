@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::{AttnShape, HostMatrix, Ops, OpsInfo, Product};
+use super::{AttnMask, AttnShape, HostMatrix, Ops, OpsInfo, Product};
 use crate::kernels::cpu::attention::{SeqAttn, attention_batch};
 use crate::kernels::cpu::dispatch::Kernels;
 use crate::kernels::cpu::elementwise as ew;
@@ -238,6 +238,16 @@ impl Ops for CpuOps {
         moe::scatter_add(y, width, routing, expert, out);
     }
 
+    fn store_kv(&self, layer: usize, k: &CpuBuf, v: &CpuBuf, kv: &mut (dyn BatchKv + '_)) {
+        let kvd = k.len() / kv_rows(kv).max(1);
+        let mut row = 0;
+        for i in 0..kv.seqs() {
+            let n = kv.span(i).1;
+            kv.write(i, layer, &k[row * kvd..(row + n) * kvd], &v[row * kvd..(row + n) * kvd]);
+            row += n;
+        }
+    }
+
     fn attention(
         &self,
         ws: &mut CpuWorkspace,
@@ -247,6 +257,7 @@ impl Ops for CpuOps {
         v: &CpuBuf,
         kv: &mut (dyn BatchKv + '_),
         shape: AttnShape,
+        mask: AttnMask,
         longest: usize,
         out: &mut CpuBuf,
     ) {
@@ -282,10 +293,16 @@ impl Ops for CpuOps {
             &seq,
             longest,
             shape,
+            mask,
             &mut ws.scores,
             out,
         );
     }
+}
+
+/// Rows the sequences of `kv` contribute to a batch.
+fn kv_rows(kv: &(dyn BatchKv + '_)) -> usize {
+    (0..kv.seqs()).map(|i| kv.span(i).1).sum()
 }
 
 /// Rows `tokens` of an f32 `table` into host rows `out`.

@@ -21,6 +21,8 @@ use crate::kernels::cpu::matmul::WeightFormat;
 use crate::kv_cache::KvSpans;
 use crate::model::ForwardError;
 
+/// Which cached positions each query row attends to.
+pub use crate::kernels::cpu::attention::AttnMask;
 /// The shape of one attention call: query heads, K/V heads (grouped-query) and head width.
 pub use crate::kernels::cpu::reference::AttnShape;
 
@@ -133,9 +135,12 @@ pub trait Ops: Send + Sync + Sized + 'static {
     fn gather_routed(&self, x: &Self::Buf, routing: &Self::Routing, expert: usize, out: &mut Self::Buf) -> usize;
     /// `out[row] += weight · y[i]` for the `i`-th row routed to `expert`.
     fn scatter_routed(&self, y: &Self::Buf, routing: &Self::Routing, expert: usize, out: &mut Self::Buf);
-    /// Store each sequence's new K/V rows of `layer` in `kv`, then causal attention of every
-    /// query row over its own sequence's cache, into `out`. `longest` is the largest end
-    /// position in the batch.
+    /// Store each sequence's new K/V rows of `layer` in `kv` (rows with no query: a DFlash
+    /// draft's context).
+    fn store_kv(&self, layer: usize, k: &Self::Buf, v: &Self::Buf, kv: &mut Self::Kv<'_>);
+    /// Store each sequence's new K/V rows of `layer` in `kv`, then attention of every query
+    /// row over its own sequence's cache, as `mask` says, into `out`. `longest` is the largest
+    /// end position in the batch.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -146,6 +151,7 @@ pub trait Ops: Send + Sync + Sized + 'static {
         v: &Self::Buf,
         kv: &mut Self::Kv<'_>,
         shape: AttnShape,
+        mask: AttnMask,
         longest: usize,
         out: &mut Self::Buf,
     );

@@ -40,6 +40,17 @@ pub enum KvData<'a> {
     F16(&'a [u16]),
 }
 
+/// Which cached positions a query row attends to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttnMask {
+    /// Positions up to its own: a decoder's causal attention.
+    #[default]
+    Causal,
+    /// Every position up to the last row its sequence has in the batch, so the rows of one
+    /// chunk see each other both ways (a DFlash draft block, which is denoised as a whole).
+    Block,
+}
+
 /// One sequence of a batched attention: its query rows (positions `pos0..pos0+rows`), where
 /// they start in the batch, and its keys/values.
 #[derive(Debug, Clone, Copy)]
@@ -244,6 +255,7 @@ pub fn attention_batch<'a>(
     seq: &(dyn Fn(usize) -> SeqAttn<'a> + Sync),
     longest: usize,
     shape: AttnShape,
+    mask: AttnMask,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
@@ -266,7 +278,11 @@ pub fn attention_batch<'a>(
             let qh = &q[row * q_dim + h * shape.head_dim..][..shape.head_dim];
             // SAFETY: as above; rows of different sequences never overlap.
             let oh = unsafe { shared.slice(row * q_dim + h * shape.head_dim, shape.head_dim) };
-            one_head(kern, qh, &s, s.pos0 + i, h / group, shape, sc, oh);
+            let pos = match mask {
+                AttnMask::Causal => s.pos0 + i,
+                AttnMask::Block => s.pos0 + s.rows - 1,
+            };
+            one_head(kern, qh, &s, pos, h / group, shape, sc, oh);
         }
     });
 }
@@ -356,9 +372,91 @@ mod tests {
                 paths.record(kern.path());
                 let mut got = vec![0f32; total * qd];
                 let seq = |i: usize| seqs[i];
-                attention_batch(kern, &pool, &q, seqs.len(), &seq, 40, shape, &mut Vec::new(), &mut got);
+                attention_batch(
+                    kern,
+                    &pool,
+                    &q,
+                    seqs.len(),
+                    &seq,
+                    40,
+                    shape,
+                    AttnMask::Causal,
+                    &mut Vec::new(),
+                    &mut got,
+                );
                 assert_eq!(got, want, "{shape:?} f16={f16}, {threads} threads, {}", kern.path());
             }
+        }
+    }
+
+    #[test]
+    fn under_a_block_mask_every_row_of_a_chunk_attends_to_the_whole_chunk() {
+        let shape = AttnShape {
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 16,
+        };
+        let (qd, kvd) = (shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim);
+        // A block of 4 rows after 5 cached positions, and a block of 3 from position 0.
+        let spans = [(5usize, 4usize), (0, 3)];
+        let caches: Vec<(Vec<f32>, Vec<f32>)> = spans
+            .iter()
+            .enumerate()
+            .map(|(i, (p, n))| {
+                (
+                    noise((p + n) * kvd, 30 + i as u64, 1.0),
+                    noise((p + n) * kvd, 40 + i as u64, 1.0),
+                )
+            })
+            .collect();
+        let total: usize = spans.iter().map(|s| s.1).sum();
+        let q = noise(total * qd, 9, 1.0);
+        // Each row as a lone query at its block's last position.
+        let mut want = vec![0f32; total * qd];
+        let mut row = 0;
+        for ((p, n), (k, v)) in spans.iter().zip(&caches) {
+            for _ in 0..*n {
+                let mut sc = vec![0f32; p + n];
+                let at = row * qd..(row + 1) * qd;
+                reference::attention(&q[at.clone()], k, v, p + n - 1, shape, &mut sc, &mut want[at]);
+                row += 1;
+            }
+        }
+        let mut offset = 0;
+        let seqs: Vec<SeqAttn<'_>> = spans
+            .iter()
+            .zip(&caches)
+            .map(|((p, n), (k, v))| {
+                let s = SeqAttn {
+                    pos0: *p,
+                    rows: *n,
+                    offset,
+                    k: KvData::F32(k),
+                    v: KvData::F32(v),
+                    layout: Rows::Contiguous,
+                };
+                offset += n;
+                s
+            })
+            .collect();
+        let pool = ThreadPool::new(2);
+        for kern in Kernels::all_supported() {
+            let mut got = vec![0f32; total * qd];
+            let seq = |i: usize| seqs[i];
+            let mut scores = Vec::new();
+            attention_batch(
+                kern,
+                &pool,
+                &q,
+                seqs.len(),
+                &seq,
+                9,
+                shape,
+                AttnMask::Block,
+                &mut scores,
+                &mut got,
+            );
+            assert_eq!(got, want, "{}", kern.path());
         }
     }
 

@@ -7,7 +7,7 @@ use super::super::arch::AttentionTensors;
 use super::super::loader::WeightLoader;
 use super::super::scratch::{Batch, Scratch};
 use super::RmsNorm;
-use crate::ops::{AttnShape, Ops};
+use crate::ops::{AttnMask, AttnShape, Ops};
 
 /// A self-attention block.
 pub struct Attention<O: Ops> {
@@ -46,8 +46,17 @@ impl<O: Ops> Attention<O> {
         })
     }
 
-    /// `s.proj = attention(s.xn)`, storing this layer's new K/V in slot `index` of `kv`.
-    pub fn forward(&self, ops: &O, index: usize, kv: &mut O::Kv<'_>, batch: &Batch, s: &mut Scratch<O>) {
+    /// `s.proj = attention(s.xn)`, storing this layer's new K/V in slot `index` of `kv`; each
+    /// row sees the positions `mask` says.
+    pub fn forward(
+        &self,
+        ops: &O,
+        index: usize,
+        kv: &mut O::Kv<'_>,
+        batch: &Batch,
+        mask: AttnMask,
+        s: &mut Scratch<O>,
+    ) {
         let [bq, bk, bv] = match &self.bias {
             Some([q, k, v]) => [Some(q), Some(k), Some(v)],
             None => [None; 3],
@@ -68,8 +77,36 @@ impl<O: Ops> Attention<O> {
         let (hd, sh) = (self.shape.head_dim, self.shape);
         ops.rope(&mut s.q, sh.num_heads * hd, hd, &batch.cos, &batch.sin);
         ops.rope(&mut s.k, sh.num_kv_heads * hd, hd, &batch.cos, &batch.sin);
-        ops.attention(&mut s.ws, index, &s.q, &s.k, &s.v, kv, sh, batch.longest, &mut s.attn);
+        ops.attention(
+            &mut s.ws,
+            index,
+            &s.q,
+            &s.k,
+            &s.v,
+            kv,
+            sh,
+            mask,
+            batch.longest,
+            &mut s.attn,
+        );
         ops.matmul(&mut s.ws, &s.attn, &self.o, None, &mut s.proj);
+    }
+
+    /// Keys and values of the rows in `s.xn` (normed, rotated at `batch`'s positions) stored in
+    /// slot `index` of `kv`, with no queries: a DFlash draft's context rows, which every later
+    /// block attends to.
+    pub fn store_context(&self, ops: &O, index: usize, kv: &mut O::Kv<'_>, batch: &Batch, s: &mut Scratch<O>) {
+        let [_, bk, bv] = match &self.bias {
+            Some([q, k, v]) => [Some(q), Some(k), Some(v)],
+            None => [None; 3],
+        };
+        ops.matmul_many(&mut s.ws, &s.xn, [(&self.k, bk, &mut s.k), (&self.v, bv, &mut s.v)]);
+        if let Some([_, kn]) = &self.qk_norm {
+            kn.apply_inplace(ops, &mut s.k);
+        }
+        let hd = self.shape.head_dim;
+        ops.rope(&mut s.k, self.shape.num_kv_heads * hd, hd, &batch.cos, &batch.sin);
+        ops.store_kv(index, &s.k, &s.v, kv);
     }
 
     /// q, k, v, o.

@@ -19,7 +19,7 @@ use baton_shared::model_files::LoadError;
 use super::arch::{FfnTensors, LayerPlan, MixerTensors};
 use super::loader::WeightLoader;
 use super::scratch::{Batch, Scratch};
-use crate::ops::Ops;
+use crate::ops::{AttnMask, Ops};
 
 /// What mixes positions in a layer.
 pub enum Mixer<O: Ops> {
@@ -59,9 +59,22 @@ impl<O: Ops> DecoderLayer<O> {
     /// Run the layer on `s.hidden`; `index` is the layer's position within the stage (its
     /// slot in the stage's K/V store).
     pub fn forward(&self, ops: &O, index: usize, kv: &mut O::Kv<'_>, batch: &Batch, s: &mut Scratch<O>) {
+        self.forward_masked(ops, index, kv, batch, AttnMask::Causal, s);
+    }
+
+    /// [`forward`](Self::forward) with the attention seeing what `mask` says.
+    pub fn forward_masked(
+        &self,
+        ops: &O,
+        index: usize,
+        kv: &mut O::Kv<'_>,
+        batch: &Batch,
+        mask: AttnMask,
+        s: &mut Scratch<O>,
+    ) {
         self.mixer_norm.apply(ops, &s.hidden, &mut s.xn);
         match &self.mixer {
-            Mixer::Attention(a) => a.forward(ops, index, kv, batch, s),
+            Mixer::Attention(a) => a.forward(ops, index, kv, batch, mask, s),
         }
         ops.add(&mut s.hidden, &s.proj);
         self.ffn_norm.apply(ops, &s.hidden, &mut s.xn);
