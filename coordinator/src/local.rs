@@ -28,6 +28,8 @@ pub struct LocalStageOptions {
     pub kv_max_blocks: Option<usize>,
     pub kv_block_size: usize,
     pub kv_dtype: KvDtype,
+    /// A DFlash draft checkpoint the stage serves (speculative decoding).
+    pub draft_model: Option<std::path::PathBuf>,
 }
 
 impl Default for LocalStageOptions {
@@ -41,6 +43,7 @@ impl Default for LocalStageOptions {
             kv_max_blocks: None,
             kv_block_size: 16,
             kv_dtype: KvDtype::F32,
+            draft_model: None,
         }
     }
 }
@@ -96,15 +99,27 @@ pub fn load_stage(path: &Path, opts: &LocalStageOptions) -> Result<Stage, LocalE
         kv_block_size: opts.kv_block_size,
         kv_dtype: opts.kv_dtype,
     };
-    let backend =
+    let mut backend =
         backend::load(&files, &config, 0..config.num_layers, &backend_opts).map_err(|source| LocalError::Backend {
             path: path.to_path_buf(),
             source: Box::new(source),
         })?;
+    let runner = match &opts.draft_model {
+        Some(draft) => baton_worker::drafting::attach(&mut *backend, draft, &files, opts.threads.max(1), None)
+            .map_err(|source| LocalError::Backend {
+                path: draft.clone(),
+                source: Box::new(source),
+            })?,
+        None => None,
+    };
     let info = backend.info();
     tracing::info!(kernels = %info.kernels, threads = info.threads, weights = %info.weights,
         weight_bytes = info.weight_bytes, kv_blocks, kv_dtype = %opts.kv_dtype, "in-process stage loaded");
-    Ok(Stage::new(backend, 0, Dtype::F32))
+    let mut stage = Stage::new(backend, 0, Dtype::F32);
+    if let Some(runner) = runner {
+        stage.serve_draft(Some(runner));
+    }
+    Ok(stage)
 }
 
 /// Load the model at `path` as one in-process stage and serve it with the engine (call

@@ -103,13 +103,16 @@ setting_enum! {
 setting_enum! {
     /// Speculative decoding's drafter (`speculative`).
     SpeculativeSetting, key = "speculative",
-    error = "unknown speculative method '{}': expected off or ngram (DFlash drafts are not supported yet)",
+    error = "unknown speculative method '{}': expected off, ngram or dflash",
     {
         /// One token per decode step.
         Off = "off" | "none" | "false" | "",
         /// Prompt lookup: propose what followed the latest earlier occurrence of the last few
         /// tokens (no weights).
         Ngram = "ngram" | "prompt_lookup" | "prompt-lookup",
+        /// A DFlash block-diffusion draft (`draft_model`) on the last stage, conditioned on
+        /// taps of target layers that cross stages as partial sums.
+        Dflash = "dflash",
     }
 }
 
@@ -274,10 +277,14 @@ pub struct PipelineSettings {
     /// from the plan (a worker slowed by a neighbour): the slowest stage 15% over what a new
     /// plan predicts, three 2-second windows in a row, at most once per 10 s.
     pub live_replan: bool,
-    /// Speculative decoding: `off`, or `ngram` (prompt lookup: decode steps carry up to
-    /// num_speculative_tokens proposals copied from earlier text, verified by the last stage;
-    /// output is unchanged). A request may set `speculative_tokens` (0 turns it off).
+    /// Speculative decoding: `off`, `ngram` (prompt lookup: decode steps carry up to
+    /// num_speculative_tokens proposals copied from earlier text) or `dflash` (a draft model
+    /// on the last stage, `draft_model`); the last stage verifies them and output is
+    /// unchanged. A request may set `speculative_tokens` (0 turns it off).
     pub speculative: SpeculativeSetting,
+    /// The DFlash draft checkpoint directory (with `speculative = "dflash"`), as the workers
+    /// see it.
+    pub draft_model: Option<String>,
     /// Proposals per verify step at most (1..=16).
     pub num_speculative_tokens: usize,
 }
@@ -308,6 +315,7 @@ impl Default for PipelineSettings {
             queue_timeout_secs: 60,
             live_replan: true,
             speculative: SpeculativeSetting::Off,
+            draft_model: None,
             num_speculative_tokens: 4,
         }
     }

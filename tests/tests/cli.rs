@@ -208,10 +208,56 @@ fn generate_with_ngram_speculation_prints_the_same_tokens() {
         args.extend_from_slice(extra);
         stderr_of_failure(&args)
     };
-    let e = refused(&["--speculative", "dflash"]);
+    let e = refused(&["--speculative", "eagle"]);
     assert!(e.contains("dflash") && e.contains("ngram"), "{e}");
+    let e = refused(&["--speculative", "dflash"]);
+    assert!(e.contains("--draft-model"), "{e}");
+    let draft = fixtures().join("tiny/qwen3_dflash");
+    let e = refused(&["--draft-model", draft.to_str().unwrap()]);
+    assert!(e.contains("only used with speculative = dflash"), "{e}");
+    // A draft made for another model's width is refused by name.
+    let e = refused(&["--speculative", "dflash", "--draft-model", draft.to_str().unwrap()]);
+    assert!(e.contains("hidden size 64 vs the target's 576"), "{e}");
     let e = refused(&["--speculative", "ngram", "--num-speculative-tokens", "17"]);
     assert!(e.contains("num_speculative_tokens must be between 1 and 16"), "{e}");
+}
+
+#[test]
+fn generate_with_a_dflash_draft_prints_the_same_tokens() {
+    // The tiny Qwen3 and the random-weight draft the fixture script made for it.
+    let model = fixtures().join("tiny/qwen3");
+    let draft = fixtures().join("tiny/qwen3_dflash");
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--tokens",
+            "5,77,140,23,9,301,64,18",
+            "--max-tokens",
+            "20",
+            "--ignore-eos",
+            "--weights",
+            "f32",
+            "--format",
+            "json",
+        ];
+        args.extend_from_slice(extra);
+        stdout_json(&args)
+    };
+    let plain = run(&[]);
+    assert_eq!(plain["tokens"].as_array().unwrap().len(), 20);
+    for k in ["1", "3", "8"] {
+        let spec = run(&[
+            "--speculative",
+            "dflash",
+            "--draft-model",
+            draft.to_str().unwrap(),
+            "--num-speculative-tokens",
+            k,
+        ]);
+        assert_eq!(spec["tokens"], plain["tokens"], "k = {k}");
+    }
 }
 
 #[test]

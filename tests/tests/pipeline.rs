@@ -473,6 +473,8 @@ async fn trim_keeps_a_prefix_and_a_cached_prefix_starts_a_sequence() {
         blocks: vec![1000 + seq_id as u32 % 100],
         cached: 0,
         draft: 0,
+        taps: false,
+        propose: 0,
     };
     let mut step = async |c: SequenceChunk| {
         tx.send(MicroBatch {

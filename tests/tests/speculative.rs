@@ -1,8 +1,9 @@
 //! Speculative decoding through real worker processes: decode steps carry proposals, the last
 //! stage verifies them and every stage drops the rejected positions' K/V. Output must equal
 //! plain decoding token for token (greedy, and seeded sampling too) through 1, 2 and 3 stages,
-//! under concurrency with preemption and prefix-cache hits, with the n-gram drafter and with a
-//! drafter that proposes the model's own continuation (every proposal accepted).
+//! under concurrency with preemption and prefix-cache hits, with the n-gram drafter, with a
+//! random-weight DFlash draft on the last stage (its taps crossing stages as partial sums) and
+//! with a drafter that proposes the model's own continuation (every proposal accepted).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -41,6 +42,12 @@ fn oracle(k: usize, sequences: Vec<Vec<u32>>) -> SpeculativeConfig {
         })),
         ..SpeculativeConfig::new(DraftMethod::Ngram, k)
     }
+}
+
+/// The random-weight DFlash draft the fixture script writes for the tiny models' shape (taps
+/// of layers 0 and 1, hidden 64), drafting `k` tokens a step.
+fn dflash(k: usize) -> SpeculativeConfig {
+    SpeculativeConfig::dflash(fixtures().join("tiny/qwen3_dflash").display().to_string(), k)
 }
 
 fn greedy(max_tokens: usize) -> SamplingParams {
@@ -95,6 +102,7 @@ async fn greedy_speculative_output_equals_plain_through_one_two_and_three_stages
         .zip(&want)
         .map(|(p, w)| [p.clone(), w.clone()].concat())
         .collect();
+    let mut dflash_counts = None;
     for cuts in [&[][..], &[1], &[1, 2]] {
         // n-gram drafting, all prompts at once.
         let ngram = SpeculativeConfig::new(DraftMethod::Ngram, 4);
@@ -109,6 +117,29 @@ async fn greedy_speculative_output_equals_plain_through_one_two_and_three_stages
             "cuts {cuts:?}: the repeated prompts were drafted for"
         );
         assert!(accepted <= proposed);
+        drop(tc);
+
+        // A random-weight DFlash draft on the last stage, fed by taps from every stage; one
+        // request at a time, so each step's batch is the same whatever the split. The draft
+        // then sees the same context (up to summation order) through every split, so it
+        // proposes the same tokens: the same counts of proposals and acceptances.
+        let tc = TestCluster::start_speculative(&dir, &cfg, vec![], cuts, Limits::default(), dflash(3)).await;
+        for (i, (p, w)) in prompts.iter().zip(&want).enumerate() {
+            assert_eq!(
+                &tc.generate(p, params.clone()).await.unwrap().0,
+                w,
+                "dflash, cuts {cuts:?}, prompt {i}"
+            );
+        }
+        let counts = spec_counts(&tc.generator.status);
+        let (steps, proposed, accepted) = counts;
+        assert!(steps > 0 && proposed > 0, "cuts {cuts:?}: the draft proposed tokens");
+        assert!(accepted <= proposed);
+        eprintln!("dflash, cuts {cuts:?}: {steps} verify steps, {proposed} proposed, {accepted} accepted");
+        match dflash_counts {
+            None => dflash_counts = Some(counts),
+            Some(one_stage) => assert_eq!(counts, one_stage, "dflash through cuts {cuts:?} against one stage"),
+        }
         drop(tc);
 
         // The model's own continuation, one request at a time: every verify step emits k + 1.
@@ -163,6 +194,7 @@ async fn sixteen_speculative_streams_with_preemption_and_prefix_hits_equal_plain
     for (name, speculative) in [
         ("n-gram", SpeculativeConfig::new(DraftMethod::Ngram, 4)),
         ("oracle", oracle(4, full.clone())),
+        ("dflash", dflash(4)),
     ] {
         let tc = TestCluster::start_speculative(&dir, &cfg, vec![], &[1], limits, speculative).await;
         let runs = cases.iter().map(|p| tc.generate(p, params.clone()));
@@ -218,6 +250,7 @@ async fn seeded_sampling_is_unchanged_by_speculation() {
     for (name, speculative) in [
         ("n-gram", SpeculativeConfig::new(DraftMethod::Ngram, 3)),
         ("oracle", oracle(3, full)),
+        ("dflash", dflash(3)),
     ] {
         let tc = TestCluster::start_speculative(&dir, &cfg, vec![], &[2], Limits::default(), speculative).await;
         let runs = prompts

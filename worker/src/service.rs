@@ -1,6 +1,7 @@
 //! The worker's gRPC service: load a stage, run micro-batches and pass their hidden states
 //! straight to the next stage, relay sampled tokens back, free sequences, report health.
 
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use baton_shared::auth::{AddToken, PeerAuth};
@@ -252,8 +253,20 @@ impl Worker for WorkerService {
             tracing::info!(device = %info.device, kernels = %info.kernels, threads = info.threads,
                 weights = %info.weights, weight_bytes = info.weight_bytes, kv_dtype = %opts.kv_dtype,
                 "stage backend loaded");
+            let mut backend = backend;
+            let runner = match r.draft_model.is_empty() {
+                true => None,
+                false => Some(
+                    crate::drafting::attach(&mut *backend, Path::new(&r.draft_model), &files, opts.cpu.threads, None)
+                        .map_err(|e| Status::failed_precondition(e.to_string()))?,
+                ),
+            };
             let dtype = Dtype::try_from(r.activation_dtype).unwrap_or(Dtype::F32);
-            Ok((Stage::new(backend, r.stage_index, dtype), r.next_stage))
+            let mut stage = Stage::new(backend, r.stage_index, dtype);
+            if let Some(runner) = runner {
+                stage.serve_draft(runner);
+            }
+            Ok((stage, r.next_stage))
         })
         .await
         .map_err(|e| Status::internal(format!("stage load task failed: {e}")))??;

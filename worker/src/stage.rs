@@ -11,6 +11,7 @@ use baton_shared::sampling::SamplingParams;
 use baton_shared::wire;
 
 use crate::backend::{Backend, SampleSlot, SeqChunk};
+use crate::drafting::{DraftRunner, DraftWork};
 use crate::model::ForwardError;
 use crate::sampler::Sampler;
 
@@ -85,6 +86,12 @@ pub struct Stage {
     sample_rows: Vec<f32>,
     /// One slot per sampled row (reused).
     slots: Vec<SampleSlot>,
+    /// Whether a DFlash draft is served: this stage adds its taps to the context sum.
+    drafting: bool,
+    /// The draft itself (last stage).
+    draft: Option<DraftRunner>,
+    /// The context sum of the current micro-batch (reused).
+    taps: Vec<f32>,
 }
 
 /// Bounds on what one micro-batch may ask for, so a bad message cannot exhaust memory.
@@ -105,7 +112,17 @@ impl Stage {
             hidden: Vec::new(),
             sample_rows: Vec::new(),
             slots: Vec::new(),
+            drafting: false,
+            draft: None,
+            taps: Vec::new(),
         }
+    }
+
+    /// Serve a DFlash draft: this stage's tap blocks are loaded in its backend, and the last
+    /// stage brings the draft (`runner`).
+    pub fn serve_draft(&mut self, runner: Option<DraftRunner>) {
+        self.drafting = true;
+        self.draft = runner;
     }
 
     /// Description for LoadStage/Health answers.
@@ -154,6 +171,9 @@ impl Stage {
 
     /// Drop sequences; returns how many existed.
     pub fn free(&mut self, ids: &[u64]) -> usize {
+        if let Some(d) = &mut self.draft {
+            d.forget(ids);
+        }
         ids.iter().filter(|id| self.seqs.remove(id).is_some()).count()
     }
 
@@ -185,6 +205,9 @@ impl Stage {
         if let Ok(StageOutput::Forward(mb)) = &out {
             let bytes = mb.hidden.as_ref().map_or(0, |t| t.data.len());
             metrics::counter!("baton_transfer_bytes_total", &label).increment(bytes as u64);
+            if let Some(t) = &mb.draft_context {
+                metrics::counter!("baton_spec_tap_bytes_total", &label).increment(t.data.len() as u64);
+            }
         }
         if out.is_err() {
             metrics::counter!("baton_stage_errors_total", &label).increment(1);
@@ -246,24 +269,135 @@ impl Stage {
             let t = batch.hidden.take().unwrap_or_default();
             wire::decode(&t, total, h, &mut hidden).map_err(|e| self.err(e))
         };
-        let result = prepared.and_then(|()| self.run_layers(&batch.seqs, &mut hidden));
+        let mut taps = std::mem::take(&mut self.taps);
+        let tapped = batch.seqs.iter().any(|s| s.taps);
+        let prepared = prepared.and_then(|()| match tapped {
+            false => Ok(()),
+            true => self.start_taps(&mut batch, first, total, h, &mut taps),
+        });
+        let result = prepared.and_then(|()| self.run_layers(&batch.seqs, &mut hidden, tapped.then_some(&mut taps[..])));
         let out = result.and_then(|()| {
             if last {
-                self.sample(&batch, &hidden).map(StageOutput::Sampled)
+                let mut sampled = self.sample(&batch, &hidden)?;
+                if tapped || batch.seqs.iter().any(|c| c.propose > 0) {
+                    self.draft_step(&batch, &taps, &mut sampled)?;
+                }
+                Ok(StageOutput::Sampled(sampled))
             } else {
                 let mut t = Tensor::default();
                 wire::encode(&hidden, total, h, self.activation_dtype, &mut t);
                 batch.hidden = Some(t);
+                if tapped {
+                    // The context sum stays f32: it is exact up to summation order.
+                    let mut c = Tensor::default();
+                    wire::encode(&taps, total, h, Dtype::F32, &mut c);
+                    batch.draft_context = Some(c);
+                }
                 Ok(StageOutput::Forward(batch))
             }
         });
         self.hidden = hidden;
+        self.taps = taps;
         out
+    }
+
+    /// The context sum this stage adds its taps to: zeros on the first stage, what the
+    /// previous stage sent otherwise.
+    fn start_taps(
+        &self,
+        batch: &mut MicroBatch,
+        first: bool,
+        total: usize,
+        h: usize,
+        taps: &mut Vec<f32>,
+    ) -> Result<(), String> {
+        if !self.drafting {
+            return Err(self.err("a chunk asks for DFlash taps, but this stage serves no draft (--draft-model)"));
+        }
+        match batch.draft_context.take() {
+            Some(t) if !first => wire::decode(&t, total, h, taps).map_err(|e| self.err(format!("draft context: {e}"))),
+            Some(_) => Err(self.err("the first stage got a draft context; it starts the sum itself")),
+            None if first => {
+                taps.clear();
+                taps.resize(total * h, 0.0);
+                Ok(())
+            }
+            None => Err(self.err("a chunk asks for DFlash taps, but the micro-batch carries no draft context")),
+        }
+    }
+
+    /// Feed each tapped chunk's kept rows to its sequence's draft context and draft the
+    /// proposals chunks ask for, into their results.
+    fn draft_step(&mut self, batch: &MicroBatch, taps: &[f32], sampled: &mut BatchResult) -> Result<(), String> {
+        let h = self.backend.shape().config.hidden_size;
+        let Some(runner) = self.draft.as_mut() else {
+            let l = &self.backend.shape().layers;
+            return Err(format!(
+                "stage {} (layers {}..{}): a chunk asks for DFlash proposals, but this stage serves no draft (--draft-model)",
+                self.stage_index, l.start, l.end
+            ));
+        };
+        let mut work = Vec::new();
+        let mut result_of = Vec::new();
+        let mut offset = 0;
+        for chunk in &batch.seqs {
+            let n = chunk.tokens.len();
+            let rows = offset..offset + n;
+            offset += n;
+            let result = sampled.results.iter().position(|r| r.seq_id == chunk.seq_id);
+            // Rows kept: all of a prompt chunk; of a verify step, those before the draft and
+            // the accepted proposals.
+            let (kept, anchor) = match (chunk.sample, result) {
+                (true, Some(i)) => {
+                    let r = &sampled.results[i];
+                    let accepted = r.more_tokens.len();
+                    (
+                        n - chunk.draft as usize + accepted,
+                        *r.more_tokens.last().unwrap_or(&r.token),
+                    )
+                }
+                _ => (n, 0),
+            };
+            let context = match chunk.taps {
+                true => &taps[rows.start * h..(rows.start + kept) * h],
+                false => &taps[..0],
+            };
+            let propose = match result {
+                Some(_) => chunk.propose as usize,
+                None => 0,
+            };
+            if context.is_empty() && propose == 0 {
+                continue;
+            }
+            work.push(DraftWork {
+                seq_id: chunk.seq_id,
+                start: chunk.pos0 as usize,
+                context,
+                anchor,
+                propose,
+            });
+            result_of.push(result);
+        }
+        let mut proposals = Vec::new();
+        let stepped = runner.step(&work, &mut *self.backend, &mut proposals);
+        metrics::gauge!("baton_spec_draft_context_bytes").set(runner.context_bytes() as f64);
+        stepped.map_err(|e| self.err(format!("DFlash draft: {e}")))?;
+        for (r, p) in result_of.into_iter().zip(proposals) {
+            if let Some(i) = r {
+                sampled.results[i].proposals = p;
+            }
+        }
+        Ok(())
     }
 
     /// Run every chunk's rows through the layers as one batch (each weight matrix read once
     /// for the whole micro-batch), after checking each sequence can take its chunk.
-    fn run_layers(&mut self, seqs: &[SequenceChunk], hidden: &mut [f32]) -> Result<(), String> {
+    fn run_layers(
+        &mut self,
+        seqs: &[SequenceChunk],
+        hidden: &mut [f32],
+        taps: Option<&mut [f32]>,
+    ) -> Result<(), String> {
         let shape = self.backend.shape();
         let (max_ctx, last) = (shape.config.max_position_embeddings, shape.last);
         for (i, chunk) in seqs.iter().enumerate() {
@@ -319,6 +453,9 @@ impl Stage {
                     top_logprobs: (sampling.top_logprobs as usize).min(MAX_TOP_LOGPROBS),
                 };
                 self.seqs.insert(chunk.seq_id, state);
+                if let Some(d) = &mut self.draft {
+                    d.forget(&[chunk.seq_id]);
+                }
             }
             let Some(seq) = self.seqs.get_mut(&chunk.seq_id) else {
                 return Err(format!(
@@ -348,7 +485,11 @@ impl Stage {
                 table: &chunk.blocks,
             })
             .collect();
-        if let Err(e) = self.backend.forward(hidden, &batch) {
+        let ran = match taps {
+            Some(taps) => self.backend.forward_tapped(hidden, &batch, taps),
+            None => self.backend.forward(hidden, &batch),
+        };
+        if let Err(e) = ran {
             return Err(self.err(e));
         }
         for chunk in seqs {

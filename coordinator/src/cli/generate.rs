@@ -64,9 +64,13 @@ pub struct GenerateArgs {
     /// Threads for the matrix products (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
-    /// Speculative decoding: off, or ngram (prompt lookup; output unchanged).
+    /// Speculative decoding: off, ngram (prompt lookup) or dflash (a draft model,
+    /// --draft-model); output unchanged.
     #[arg(long, default_value = "off", value_parser = names!(SpeculativeSetting))]
     pub speculative: SpeculativeSetting,
+    /// The DFlash draft checkpoint directory for --speculative dflash.
+    #[arg(long)]
+    pub draft_model: Option<String>,
     /// Proposals per verify step at most (1 to 16).
     #[arg(long, default_value_t = 4)]
     pub num_speculative_tokens: usize,
@@ -119,6 +123,7 @@ pub fn run(ctx: &Ctx, a: GenerateArgs) -> Result<()> {
     let speculative = super::pipeline_args::speculative(&PipelineSettings {
         speculative: a.speculative,
         num_speculative_tokens: a.num_speculative_tokens,
+        draft_model: a.draft_model.clone(),
         ..PipelineSettings::default()
     })?;
     let block = 16;
@@ -150,6 +155,7 @@ pub fn run(ctx: &Ctx, a: GenerateArgs) -> Result<()> {
         kv_max_blocks: pipeline.kv_max_blocks,
         kv_block_size: block,
         kv_dtype: KvDtype::F32,
+        draft_model: pipeline.speculative.worker_draft().map(std::path::PathBuf::from),
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -134,11 +134,17 @@ pub struct PipelineArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub live_replan: Option<bool>,
-    /// Speculative decoding: off, or ngram (prompt lookup: decode steps carry proposals copied
-    /// from earlier text, verified on the last stage; output unchanged) [default: off].
+    /// Speculative decoding: off, ngram (prompt lookup: decode steps carry proposals copied
+    /// from earlier text) or dflash (a draft model, --draft-model, on the last stage); the last
+    /// stage verifies them and output is unchanged [default: off].
     #[arg(long, value_parser = names!(SpeculativeSetting))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub speculative: Option<SpeculativeSetting>,
+    /// The DFlash draft checkpoint directory for --speculative dflash (config.json with
+    /// dflash_config, and safetensors), as the workers see it.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub draft_model: Option<String>,
     /// Proposals per verify step at most, 1 to 16 (a request's `speculative_tokens` may ask for
     /// another number, or 0 for none) [default: 4].
     #[arg(long)]
@@ -167,13 +173,21 @@ pub(super) fn speculative(p: &PipelineSettings) -> Result<SpeculativeConfig> {
     let method = match p.speculative {
         SpeculativeSetting::Off => DraftMethod::Off,
         SpeculativeSetting::Ngram => DraftMethod::Ngram,
+        SpeculativeSetting::Dflash => DraftMethod::Dflash,
     };
     anyhow::ensure!(
         (1..=MAX_SPECULATIVE_TOKENS).contains(&p.num_speculative_tokens),
         "num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {}",
         p.num_speculative_tokens
     );
-    Ok(SpeculativeConfig::new(method, p.num_speculative_tokens))
+    match (method, &p.draft_model) {
+        (DraftMethod::Dflash, Some(path)) if !path.trim().is_empty() => {
+            Ok(SpeculativeConfig::dflash(path.trim(), p.num_speculative_tokens))
+        }
+        (DraftMethod::Dflash, _) => anyhow::bail!("speculative = dflash needs draft_model (--draft-model DIR)"),
+        (_, Some(_)) => anyhow::bail!("draft_model is only used with speculative = dflash (--speculative dflash)"),
+        _ => Ok(SpeculativeConfig::new(method, p.num_speculative_tokens)),
+    }
 }
 
 /// The wire type an `activation_dtype` setting names.

@@ -473,6 +473,7 @@ impl Generator for PipelineGenerator {
             "speculative": {
                 "method": self.config.speculative.method.as_str(),
                 "num_speculative_tokens": self.config.speculative.tokens,
+                "draft_model": self.config.speculative.worker_draft(),
                 "verify_steps_total": self.status.spec_steps.load(Ordering::Relaxed),
                 "proposed_tokens_total": self.status.spec_proposed_tokens.load(Ordering::Relaxed),
                 "accepted_tokens_total": self.status.spec_accepted_tokens.load(Ordering::Relaxed),

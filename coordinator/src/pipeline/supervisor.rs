@@ -221,6 +221,7 @@ pub(super) async fn load_stages(
             next_stage: next,
             stage_index: i as u32,
             staged,
+            draft_model: config.speculative.worker_draft().unwrap_or_default().to_string(),
         };
         let label = format!("stage {i} ({}, layers {:?})", a.address, a.layers);
         async move {

@@ -81,6 +81,10 @@ struct Seq {
     pace: Adaptive,
     /// The proposals its micro-batch in flight carries (empty: a plain decode step).
     draft: Vec<u32>,
+    /// DFlash: its chunks carry feature taps and ask the last stage to draft.
+    taps: bool,
+    /// DFlash: what the last stage drafted after its latest step, to verify next.
+    drafted: Vec<u32>,
     req: GenerationRequest,
     /// Ends (and is exported) when the sequence is dropped.
     span: tracing::Span,
@@ -117,6 +121,7 @@ impl Seq {
         self.reused = 0;
         self.indexed = IndexProgress::Start;
         self.prefill_len = self.tokens.len();
+        self.drafted.clear();
     }
 
     /// Before the first chunk of a (re)start: take the cached blocks the tokens to prefill start
@@ -152,6 +157,16 @@ impl Seq {
             blocks: self.blocks.clone(),
             cached: 0,
             draft: self.draft.len() as u32,
+            taps: self.taps,
+            propose: self.proposals_wanted(),
+        }
+    }
+
+    /// Proposals a sampling chunk asks the last stage to draft (DFlash; 0 otherwise).
+    fn proposals_wanted(&self) -> u32 {
+        match self.taps {
+            true => self.spec_tokens as u32,
+            false => 0,
         }
     }
 
@@ -171,11 +186,14 @@ impl Seq {
         let pos0 = self.prefilled;
         let first = pos0 == self.reused;
         self.prefilled += n;
+        let sample = self.prefilled == self.prefill_len;
         SequenceChunk {
+            taps: self.taps,
+            propose: if sample { self.proposals_wanted() } else { 0 },
             seq_id: self.id,
             tokens: self.tokens[pos0..pos0 + n].to_vec(),
             pos0: pos0 as u32,
-            sample: self.prefilled == self.prefill_len,
+            sample,
             blocks: self.blocks.clone(),
             cached: if first { self.reused as u32 } else { 0 },
             draft: 0,
@@ -287,7 +305,10 @@ fn compose_step(
         if let Some(d) = drafting.as_mut().filter(|_| seq.spec_tokens > 0) {
             let k = seq.pace.next(seq.draft_limit(d.max_context).min(spare), decoding.len());
             if k > 0 {
-                d.drafter.propose(&seq.tokens, k, &mut seq.draft);
+                match d.drafter.on_last_stage() {
+                    true => seq.draft.extend(seq.drafted.iter().take(k)),
+                    false => d.drafter.propose(&seq.tokens, k, &mut seq.draft),
+                }
                 seq.draft.truncate(k);
             }
             // Only blocks beyond what admitted prompts still need.
@@ -632,6 +653,7 @@ impl<'a> Scheduler<'a> {
                     hidden: None,
                     trace_context: baton_shared::trace_context::inject(&span),
                     sent_unix_nanos: baton_shared::wire::unix_nanos(),
+                    draft_context: None,
                 });
                 self.in_flight.push_back(InFlight {
                     batch_id,
@@ -777,6 +799,8 @@ impl<'a> Scheduler<'a> {
                 record_verify(method, proposed, accepted, self.status);
                 seq.draft.clear();
             }
+            // Drafted for the positions after this answer's last token.
+            seq.drafted = r.proposals;
             for (j, token) in std::iter::once(r.token).chain(r.more_tokens).enumerate() {
                 seq.tokens.push(token);
                 self.status.generated_tokens.fetch_add(1, Ordering::Relaxed);
@@ -973,6 +997,7 @@ fn refuse(s: SeqRequest, message: String, retriable: bool, out: &mut Outbox) {
 fn new_seq(s: SeqRequest, speculative: &SpeculativeConfig) -> Seq {
     drop(s.queue_span);
     let spec_tokens = speculative.tokens_for(s.req.params.speculative_tokens);
+    let taps = spec_tokens > 0 && speculative.method == crate::speculative::DraftMethod::Dflash;
     let resume = s.resume.unwrap_or_default();
     let mut tokens = s.req.prompt.clone();
     tokens.extend_from_slice(&resume.generated);
@@ -998,6 +1023,8 @@ fn new_seq(s: SeqRequest, speculative: &SpeculativeConfig) -> Seq {
         spec_tokens,
         pace: Adaptive::new(spec_tokens),
         draft: Vec::new(),
+        taps,
+        drafted: Vec::new(),
         req: s.req,
     }
 }
@@ -1036,6 +1063,8 @@ mod tests {
             spec_tokens: 0,
             pace: Adaptive::new(0),
             draft: Vec::new(),
+            taps: false,
+            drafted: Vec::new(),
             req,
             span: tracing::Span::none(),
         }

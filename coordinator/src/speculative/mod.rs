@@ -23,6 +23,8 @@ pub enum DraftMethod {
     Off,
     /// Prompt lookup: continue the latest earlier occurrence of the last few tokens.
     Ngram,
+    /// A DFlash block-diffusion draft on the last stage, conditioned on taps of target layers.
+    Dflash,
 }
 
 impl DraftMethod {
@@ -31,6 +33,7 @@ impl DraftMethod {
         match self {
             DraftMethod::Off => "off",
             DraftMethod::Ngram => "ngram",
+            DraftMethod::Dflash => "dflash",
         }
     }
 }
@@ -53,6 +56,8 @@ pub struct SpeculativeConfig {
     pub tokens: usize,
     /// A drafter of the caller's own instead of `method`'s (`method` must not be `Off`).
     pub custom: Option<DrafterFactory>,
+    /// The DFlash draft checkpoint directory, as the workers resolve it (`Dflash` only).
+    pub draft_model: Option<String>,
 }
 
 impl fmt::Debug for SpeculativeConfig {
@@ -61,6 +66,7 @@ impl fmt::Debug for SpeculativeConfig {
             .field("method", &self.method)
             .field("tokens", &self.tokens)
             .field("custom", &self.custom.is_some())
+            .field("draft_model", &self.draft_model)
             .finish()
     }
 }
@@ -71,6 +77,7 @@ impl SpeculativeConfig {
         method: DraftMethod::Off,
         tokens: 0,
         custom: None,
+        draft_model: None,
     };
 
     /// `method` proposing up to `tokens` per verify step.
@@ -79,6 +86,23 @@ impl SpeculativeConfig {
             method,
             tokens,
             custom: None,
+            draft_model: None,
+        }
+    }
+
+    /// DFlash with the draft at `draft_model` (a directory the workers can read).
+    pub fn dflash(draft_model: impl Into<String>, tokens: usize) -> Self {
+        Self {
+            draft_model: Some(draft_model.into()),
+            ..Self::new(DraftMethod::Dflash, tokens)
+        }
+    }
+
+    /// The draft the workers load (DFlash only).
+    pub fn worker_draft(&self) -> Option<&str> {
+        match self.method {
+            DraftMethod::Dflash => self.draft_model.as_deref(),
+            _ => None,
         }
     }
 
@@ -97,6 +121,28 @@ pub trait Drafter: Send {
     fn method(&self) -> DraftMethod;
     /// Append up to `k` proposed tokens to follow `tokens` (prompt and output so far).
     fn propose(&mut self, tokens: &[u32], k: usize, out: &mut Vec<u32>);
+    /// Whether the last stage drafts (DFlash): a sequence's chunks then carry taps and ask for
+    /// proposals, and its next step verifies what came back instead of asking `propose`.
+    fn on_last_stage(&self) -> bool {
+        false
+    }
+}
+
+/// DFlash: the last stage drafts right after each verify step (`baton_worker::drafting`), so
+/// the proposals come back with the tokens; there is nothing to propose here.
+#[derive(Debug, Default)]
+pub struct DflashDrafter;
+
+impl Drafter for DflashDrafter {
+    fn method(&self) -> DraftMethod {
+        DraftMethod::Dflash
+    }
+
+    fn propose(&mut self, _tokens: &[u32], _k: usize, _out: &mut Vec<u32>) {}
+
+    fn on_last_stage(&self) -> bool {
+        true
+    }
 }
 
 /// Prompt-lookup drafting ([`ngram::propose`]).
@@ -119,6 +165,7 @@ pub fn drafter(config: &SpeculativeConfig) -> Option<Box<dyn Drafter>> {
         (DraftMethod::Off, _) => None,
         (_, Some(make)) => Some(make()),
         (DraftMethod::Ngram, None) => Some(Box::new(NgramDrafter)),
+        (DraftMethod::Dflash, None) => Some(Box::new(DflashDrafter)),
     }
 }
 

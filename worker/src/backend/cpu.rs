@@ -9,6 +9,7 @@ use super::{
     sample_rows,
 };
 use crate::kv_cache::{PagedBatch, PagedKv};
+use crate::model::dflash::{DflashFiles, TapProjection};
 use crate::model::spec::{LayerSpec, uniform_kv_dim};
 use crate::model::{ForwardError, Scratch, StageModel};
 use crate::ops::cpu::CpuOps;
@@ -117,6 +118,34 @@ impl Backend for CpuBackend {
             seqs,
         };
         self.model.forward_host(hidden, &mut kv, &mut self.scratch)
+    }
+
+    fn forward_tapped(
+        &mut self,
+        hidden: &mut [f32],
+        seqs: &[SeqChunk<'_>],
+        taps: &mut [f32],
+    ) -> Result<(), ForwardError> {
+        let mut kv = PagedBatch {
+            pool: &mut self.kv,
+            seqs,
+        };
+        self.model
+            .forward_host_tapped(hidden, Some(taps), &mut kv, &mut self.scratch)
+    }
+
+    fn load_taps(&mut self, draft: &DflashFiles) -> Result<Vec<usize>, BackendError> {
+        let taps = TapProjection::load(&self.model.ops, draft, self.model.layers.clone())?;
+        self.model.set_taps(taps);
+        Ok(self.model.tap_layers())
+    }
+
+    fn draft_argmax(&mut self, rows: &[f32], out: &mut Vec<u32>) -> Result<(), ForwardError> {
+        let vocab = self.shape.config.vocab_size;
+        self.model.head_only_into(rows, &mut self.scratch)?;
+        out.clear();
+        out.extend(self.scratch.logits.chunks_exact(vocab).map(crate::sampler::argmax));
+        Ok(())
     }
 
     fn logits(&mut self, rows: &[f32], out: &mut [f32]) -> Result<(), ForwardError> {

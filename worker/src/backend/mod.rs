@@ -23,6 +23,7 @@ use baton_shared::model_files::{LoadError, ModelFiles};
 
 pub use crate::kv_cache::PagedSeq as SeqChunk;
 use crate::kv_cache::{KvDtype, PagedKv};
+use crate::model::dflash::{DflashError, DflashFiles};
 use crate::model::spec::LayerSpec;
 use crate::model::{ForwardError, PartBytes, WeightFormat, registry};
 pub use crate::ops::cpu::CpuOptions;
@@ -201,6 +202,20 @@ pub trait Backend: Send {
     /// once; each row's result is the same as running its sequence alone. An error leaves the
     /// KV store as it was.
     fn forward(&mut self, hidden: &mut [f32], seqs: &[SeqChunk<'_>]) -> Result<(), ForwardError>;
+    /// [`forward`](Self::forward) that also adds each DFlash tap layer's output times its
+    /// `fc` block to `taps` (the running context sum, one row per row of `hidden`).
+    fn forward_tapped(
+        &mut self,
+        hidden: &mut [f32],
+        seqs: &[SeqChunk<'_>],
+        taps: &mut [f32],
+    ) -> Result<(), ForwardError>;
+    /// Load `fc`'s blocks for the DFlash taps among this stage's layers; returns the tap
+    /// layers held (stage-relative).
+    fn load_taps(&mut self, draft: &DflashFiles) -> Result<Vec<usize>, BackendError>;
+    /// The target's head alone (no final norm) on rows a DFlash draft normalized, and the
+    /// most likely token of each row into `out`; last stage only.
+    fn draft_argmax(&mut self, rows: &[f32], out: &mut Vec<u32>) -> Result<(), ForwardError>;
     /// Final norm and head on each row of `rows`, writing `rows × vocab` logits to `out`; last
     /// stage only.
     fn logits(&mut self, rows: &[f32], out: &mut [f32]) -> Result<(), ForwardError>;
@@ -296,6 +311,8 @@ pub enum BackendError {
         "layers of this stage cache K/V of different widths ({0} and {1}); the paged pool holds one width per stage"
     )]
     MixedKvWidths(usize, usize),
+    #[error(transparent)]
+    Draft(#[from] DflashError),
 }
 
 /// Load `layers` of the model in `files` onto the device `opts` names, as a pipeline stage.

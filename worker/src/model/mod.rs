@@ -4,6 +4,7 @@
 
 pub mod arch;
 pub mod blocks;
+pub mod dflash;
 mod error;
 mod format_choice;
 mod loader;

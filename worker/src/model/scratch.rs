@@ -29,6 +29,11 @@ pub struct Scratch<O: Ops = CpuOps> {
     pub moe: MoeStats,
     /// Head output of the last stage.
     pub logits: O::Buf,
+    /// The running sum of DFlash taps times their `fc` blocks, one row per batch row, while
+    /// `tapping`; and one tap's product before it is added.
+    pub taps: O::Buf,
+    pub tap_product: O::Buf,
+    pub tapping: bool,
     /// Per-call work memory of the operations.
     pub ws: O::Workspace,
     /// Host-side per-batch tables (kept to reuse their memory).
@@ -53,6 +58,9 @@ impl<O: Ops> Default for Scratch<O> {
             routing: O::Routing::default(),
             moe: MoeStats::default(),
             logits: O::Buf::default(),
+            taps: O::Buf::default(),
+            tap_product: O::Buf::default(),
+            tapping: false,
             ws: O::Workspace::default(),
             batch: Batch::default(),
         }

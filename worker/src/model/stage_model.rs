@@ -10,6 +10,7 @@ use baton_shared::model_files::{LoadError, ModelFiles};
 use super::ForwardError;
 use super::arch::{self, Architecture};
 use super::blocks::{DecoderLayer, RmsNorm};
+use super::dflash::TapProjection;
 use super::loader::WeightLoader;
 use super::registry;
 use super::rope::Rope;
@@ -52,6 +53,8 @@ pub struct StageModel<O: Ops> {
     pub format: WeightFormat,
     /// The device the weights live on.
     pub ops: O,
+    /// `fc`'s blocks for the DFlash taps among this stage's layers, when a draft is served.
+    taps: Option<TapProjection<O>>,
 }
 
 impl<O: Ops> std::fmt::Debug for StageModel<O> {
@@ -159,7 +162,19 @@ impl<O: Ops> StageModel<O> {
             rope: Rope::new(config),
             format,
             ops,
+            taps: None,
         })
+    }
+
+    /// Add each tap layer's output times its `fc` block to the running sum whenever a batch
+    /// asks for taps ([`forward_host_tapped`](Self::forward_host_tapped)).
+    pub fn set_taps(&mut self, taps: Option<TapProjection<O>>) {
+        self.taps = taps;
+    }
+
+    /// Stage-relative indices of the tap layers held.
+    pub fn tap_layers(&self) -> Vec<usize> {
+        self.taps.as_ref().map_or_else(Vec::new, |t| t.layers().collect())
     }
 
     /// The tensors the whole model needs, checked against the files (nothing missing, nothing
@@ -249,8 +264,13 @@ impl<O: Ops> StageModel<O> {
             }
         }
         s.moe = MoeStats::default();
+        let taps = self.taps.as_ref().filter(|_| s.tapping);
         for (index, layer) in self.blocks.iter().enumerate() {
             layer.forward(&self.ops, index, kv, &batch, s);
+            if let Some(fc) = taps.and_then(|t| t.at(index)) {
+                self.ops.matmul(&mut s.ws, &s.hidden, fc, None, &mut s.tap_product);
+                self.ops.add(&mut s.taps, &s.tap_product);
+            }
         }
         s.batch = batch;
         kv.commit();
@@ -269,6 +289,49 @@ impl<O: Ops> StageModel<O> {
         self.ops.upload(hidden, &mut s.hidden);
         self.run_layers(kv, s)?;
         self.ops.download(&s.hidden, hidden);
+        Ok(())
+    }
+
+    /// [`forward_host`](Self::forward_host) that also adds this stage's DFlash taps to `taps`
+    /// (the running sum, one `hidden`-wide row per row of `hidden`) when given.
+    pub fn forward_host_tapped(
+        &self,
+        hidden: &mut [f32],
+        taps: Option<&mut [f32]>,
+        kv: &mut O::Kv<'_>,
+        s: &mut Scratch<O>,
+    ) -> Result<(), ForwardError> {
+        let Some(taps) = taps else {
+            return self.forward_host(hidden, kv, s);
+        };
+        if taps.len() != hidden.len() {
+            return Err(ForwardError::HiddenShape {
+                got: taps.len(),
+                hidden: self.config.hidden_size,
+            });
+        }
+        self.ops.upload(taps, &mut s.taps);
+        s.tapping = true;
+        let result = self.forward_host(hidden, kv, s);
+        s.tapping = false;
+        result?;
+        self.ops.download(&s.taps, taps);
+        Ok(())
+    }
+
+    /// The head alone (no final norm) on host rows already normalized elsewhere (a DFlash
+    /// draft's output), leaving `rows × vocab` logits in `s.logits`.
+    pub fn head_only_into(&self, rows: &[f32], s: &mut Scratch<O>) -> Result<(), ForwardError> {
+        let head = self.head().ok_or(ForwardError::MissingPart("head"))?;
+        let h = self.config.hidden_size;
+        if rows.is_empty() || !rows.len().is_multiple_of(h) {
+            return Err(ForwardError::HiddenShape {
+                got: rows.len(),
+                hidden: h,
+            });
+        }
+        self.ops.upload(rows, &mut s.xn);
+        self.ops.matmul(&mut s.ws, &s.xn, head, None, &mut s.logits);
         Ok(())
     }
 
