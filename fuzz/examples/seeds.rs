@@ -225,6 +225,8 @@ fn seq(seq_id: u64, tokens: Vec<u32>, pos0: u32, blocks: Vec<u32>, sampling: Opt
         blocks,
         cached: 0,
         draft: 0,
+        taps: false,
+        propose: 0,
     }
 }
 
@@ -412,6 +414,7 @@ fn main() {
         kv_block_size: 16,
         kv_dtype: "f16".into(),
         staged: true,
+        draft_model: "/models/smollm2-dflash".into(),
     };
     let mut trace = HashMap::new();
     trace.insert(
@@ -446,6 +449,8 @@ fn main() {
                 blocks: vec![1, 2],
                 cached: 16,
                 draft: 0,
+                taps: false,
+                propose: 0,
             },
             // A decode step carrying two proposals to verify (speculative decoding).
             SequenceChunk {
@@ -457,11 +462,15 @@ fn main() {
                 blocks: vec![3],
                 cached: 0,
                 draft: 2,
+                // DFlash: its rows carry taps, and the last stage drafts three more.
+                taps: true,
+                propose: 3,
             },
         ],
         hidden: Some(hidden.clone()),
         trace_context: trace,
         sent_unix_nanos: 1_700_000_000_000_000_000,
+        draft_context: Some(hidden.clone()),
     };
     put_proto(0, "load_stage", &|| load.encode_to_vec());
     put_proto(1, "micro_batch", &|| mb.encode_to_vec());
@@ -528,6 +537,7 @@ fn main() {
             top_ids: vec![42, 7],
             top_logprobs: vec![-0.25, -2.0],
             more_tokens: vec![43, 44],
+            proposals: vec![45, 46, 47],
             more_logprobs: vec![
                 TokenLogprobs {
                     logprob: -0.5,
