@@ -12,6 +12,9 @@
 #   ROUNDS=3 MAX_TOKENS=192        rounds, and most tokens per answer
 #   WORKERS=2 WEIGHTS=q8_0 K=4     how each server runs (K: --num-speculative-tokens)
 #   PORT=8293 OUT=DIR              where it listens; keep raw outputs and logs in DIR
+#   MODE=ngram                     the speculative mode set against off: ngram, or dflash
+#   DRAFT=DIR                      the draft for MODE=dflash (bench/make_dflash_draft.py writes
+#                                  a random-weight one: it measures the cost, not acceptance)
 set -euo pipefail
 
 [[ $# == 1 ]] || { echo "usage: $0 BATON" >&2; exit 2; }
@@ -22,6 +25,8 @@ WORKERS=${WORKERS:-2}
 WEIGHTS=${WEIGHTS:-q8_0}
 K=${K:-4}
 PORT=${PORT:-8293}
+MODE=${MODE:-ngram}
+DRAFT=${DRAFT:-}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 BATON_BENCH=${BATON_BENCH:-$REPO/target/release/baton-bench}
 OUT=${OUT:-$(mktemp -d /tmp/speculative-ab.XXXXXX)}
@@ -35,11 +40,13 @@ source "$REPO/bench/lib.sh"
 
 echo "speculative-ab: $ROUNDS rounds, $WORKERS workers, k = $K; raw outputs in $OUT" >&2
 for ((r = 1; r <= ROUNDS; r++)); do
-    modes=(off ngram)
-    ((r % 2 == 0)) && modes=(ngram off)
+    modes=(off "$MODE")
+    ((r % 2 == 0)) && modes=("$MODE" off)
     for mode in "${modes[@]}"; do
+        draft=()
+        [[ $mode == dflash ]] && draft=(--draft-model "$DRAFT")
         "$BIN" serve --weights "$WEIGHTS" --workers "$WORKERS" --host 127.0.0.1 --port "$PORT" \
-            --speculative "$mode" --num-speculative-tokens "$K" >"$OUT/$mode.$r.server.log" 2>&1 &
+            --speculative "$mode" --num-speculative-tokens "$K" "${draft[@]}" >"$OUT/$mode.$r.server.log" 2>&1 &
         PID=$!
         wait_ready "http://127.0.0.1:$PORT" "$OUT/$mode.$r.server.log" speculative-ab
         url="http://127.0.0.1:$PORT"
@@ -56,27 +63,27 @@ for ((r = 1; r <= ROUNDS; r++)); do
     done
 done
 
-python3 - "$OUT" "$ROUNDS" <<'EOF'
+python3 - "$OUT" "$ROUNDS" "$MODE" <<'EOF'
 import json, statistics, sys
-out, rounds = sys.argv[1], int(sys.argv[2])
+out, rounds, spec = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 def level(path):
     with open(path) as f:
         return json.load(f)["levels"][-1]
 for w in ("repetitive", "open"):
     med = {}
-    for mode in ("off", "ngram"):
+    for mode in ("off", spec):
         speed = [1 / level(f"{out}/{mode}.{w}.{r}.json")["tpot_s"]["mean"] for r in range(1, rounds + 1)]
         toks = [level(f"{out}/{mode}.{w}.{r}.json")["output_tokens"] for r in range(1, rounds + 1)]
         med[mode] = statistics.median(speed)
         print(f"{w:10s} {mode:5s}: decode tok/s {[round(x, 1) for x in speed]} (median {med[mode]:.1f}), output tokens {toks}")
-    print(f"{w:10s} ngram / off: {med['ngram'] / med['off']:.2f}")
+    print(f"{w:10s} {spec} / off: {med[spec] / med['off']:.2f}")
 for r in range(1, rounds + 1):
     try:
-        s = json.load(open(f"{out}/ngram.{r}.cluster.json"))["speculative"]
+        s = json.load(open(f"{out}/{spec}.{r}.cluster.json"))["speculative"]
     except Exception:
         continue
     steps, prop, acc = s["verify_steps_total"], s["proposed_tokens_total"], s["accepted_tokens_total"]
     if steps:
-        print(f"round {r} ngram: {steps} verify steps, {prop} proposed, {acc} accepted "
+        print(f"round {r} {spec}: {steps} verify steps, {prop} proposed, {acc} accepted "
               f"({acc / max(prop, 1):.0%}), {(acc + steps) / steps:.2f} tokens per verify step")
 EOF

@@ -254,7 +254,13 @@ fn step(
     for stage in stages.iter_mut() {
         match stage.run(batch).unwrap() {
             StageOutput::Forward(next) => {
-                assert!(next.draft_context.is_some(), "the context sum travels with the rows");
+                // One f32 row of `hidden` per token travels, not one per tap layer.
+                let rows: usize = next.seqs.iter().map(|c| c.tokens.len()).sum();
+                let sum = next
+                    .draft_context
+                    .as_ref()
+                    .expect("the context sum travels with the rows");
+                assert_eq!(sum.data.len(), rows * 64 * 4);
                 batch = next;
             }
             StageOutput::Sampled(result) => return result,

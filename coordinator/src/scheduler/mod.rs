@@ -162,9 +162,11 @@ impl Seq {
         }
     }
 
-    /// Proposals a sampling chunk asks the last stage to draft (DFlash; 0 otherwise).
+    /// Proposals a sampling chunk asks the last stage to draft (DFlash; 0 otherwise, and while
+    /// its pace pauses drafting, so a draft that keeps missing costs the last stage nothing
+    /// but its context rows).
     fn proposals_wanted(&self) -> u32 {
-        match self.taps {
+        match self.taps && !self.pace.pausing() {
             true => self.spec_tokens as u32,
             false => 0,
         }

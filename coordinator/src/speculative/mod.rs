@@ -229,6 +229,12 @@ impl Adaptive {
         self.k.clamp(1, max.max(1)).min(max)
     }
 
+    /// Whether the next step drafts nothing, whatever happens to this one (a pause is under
+    /// way): a drafter on the last stage need not draft for it.
+    pub fn pausing(&self) -> bool {
+        self.pause > 0
+    }
+
     /// A verify step proposed `proposed` tokens (at most `max`) and `accepted` were kept.
     pub fn observe(&mut self, proposed: usize, accepted: usize, max: usize) {
         if proposed == 0 {
@@ -276,8 +282,10 @@ mod tests {
         a.observe(4, 0, 4);
         assert_eq!(a.next(4, 1), 1, "one miss: keep trying with one proposal");
         a.observe(1, 0, 4);
+        assert!(a.pausing());
         let pause = |a: &mut Adaptive| (0..100).take_while(|_| a.next(4, 1) == 0).count();
         assert_eq!(pause(&mut a), 2);
+        assert!(!a.pausing());
         a.observe(1, 0, 4);
         assert_eq!(pause(&mut a), 4);
         a.observe(1, 0, 4);
