@@ -2,8 +2,8 @@
 //! `f32` is its SIMD twin (picked at run time by `dispatch`), `q8` the Q8_0 panel layout and
 //! activation quantization, `q8_gemm` the Q8_0 panel kernels, `q4` the Q4_0/Q4_1 kernels, `half`
 //! the bf16/f16 ones, `elementwise` the row-wise ones (norms, RoPE, SiLU, softmax) on the
-//! dispatched path, `moe` routes rows to experts, and `matmul` runs them over weight matrices on
-//! a thread pool.
+//! dispatched path, `linear_attention` the Gated DeltaNet ones (causal conv1d, delta rule),
+//! `moe` routes rows to experts, and `matmul` runs them over weight matrices on a thread pool.
 
 pub mod aligned;
 pub mod attention;
@@ -11,6 +11,7 @@ pub mod dispatch;
 pub mod elementwise;
 pub mod f32;
 pub mod half;
+pub mod linear_attention;
 pub mod matmul;
 pub mod moe;
 #[cfg(test)]
