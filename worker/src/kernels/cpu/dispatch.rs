@@ -139,3 +139,40 @@ impl Default for Kernels {
         Self::detect()
     }
 }
+
+/// Define `$name(k, args..)`, which runs `reference::$name` (the `reference` in scope where
+/// it is invoked) compiled for the path `k` names. Plain element-wise f32 code compiled with
+/// AVX2 or AVX-512 enabled rounds exactly as the scalar code does, so each twin gives the
+/// reference's bits.
+macro_rules! dispatched {
+    ($(#[$doc:meta])* $name:ident($($arg:ident: $ty:ty),*)) => {
+        $(#[$doc])*
+        #[allow(clippy::too_many_arguments)]
+        pub fn $name(k: Kernels, $($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                use $crate::kernels::cpu::dispatch::KernelPath;
+                #[allow(clippy::too_many_arguments)]
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2($($arg: $ty),*) {
+                    reference::$name($($arg),*)
+                }
+                #[allow(clippy::too_many_arguments)]
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+                unsafe fn avx512($($arg: $ty),*) {
+                    reference::$name($($arg),*)
+                }
+                match k.path() {
+                    // SAFETY: `Kernels` is only made for paths the CPU supports.
+                    KernelPath::Avx2 | KernelPath::AvxVnni => return unsafe { avx2($($arg),*) },
+                    // SAFETY: as above.
+                    KernelPath::Avx512 | KernelPath::Avx512Vnni => return unsafe { avx512($($arg),*) },
+                    KernelPath::Scalar => {}
+                }
+            }
+            let _ = k;
+            reference::$name($($arg),*)
+        }
+    };
+}
+pub(crate) use dispatched;

@@ -7,56 +7,29 @@
 //! instructions round identically, and Rust never fuses a multiply and an add on its own. Each
 //! twin here is that compilation, and the tests check the bits.
 
-use super::dispatch::{KernelPath, Kernels};
+use super::dispatch::{Kernels, dispatched};
+use super::reference;
+#[cfg(test)]
 use super::reference as r;
 
-/// Define `$name(k, args..)` that runs `reference::$name` compiled for the path `k` names.
-macro_rules! dispatched {
-    ($(#[$doc:meta])* $name:ident($($arg:ident: $ty:ty),*)) => {
-        $(#[$doc])*
-        pub fn $name(k: Kernels, $($arg: $ty),*) {
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx2,fma")]
-                unsafe fn avx2($($arg: $ty),*) {
-                    r::$name($($arg),*)
-                }
-                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-                unsafe fn avx512($($arg: $ty),*) {
-                    r::$name($($arg),*)
-                }
-                match k.path() {
-                    // SAFETY: `Kernels` is only made for paths the CPU supports.
-                    KernelPath::Avx2 | KernelPath::AvxVnni => return unsafe { avx2($($arg),*) },
-                    // SAFETY: as above.
-                    KernelPath::Avx512 | KernelPath::Avx512Vnni => return unsafe { avx512($($arg),*) },
-                    KernelPath::Scalar => {}
-                }
-            }
-            let _ = k;
-            r::$name($($arg),*)
-        }
-    };
-}
-
 dispatched!(
-    /// [`r::rmsnorm`] on path `k`.
+    /// [`reference::rmsnorm`] on path `k`.
     rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32])
 );
 dispatched!(
-    /// [`r::rmsnorm_inplace`] on path `k`.
+    /// [`reference::rmsnorm_inplace`] on path `k`.
     rmsnorm_inplace(x: &mut [f32], weight: &[f32], eps: f32)
 );
 dispatched!(
-    /// [`r::rope_rotate_half`] on path `k`.
+    /// [`reference::rope_rotate_half`] on path `k`.
     rope_rotate_half(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32])
 );
 dispatched!(
-    /// [`r::silu_mul`] on path `k`.
+    /// [`reference::silu_mul`] on path `k`.
     silu_mul(gate: &mut [f32], up: &[f32])
 );
 dispatched!(
-    /// [`r::softmax`] on path `k`.
+    /// [`reference::softmax`] on path `k`.
     softmax(x: &mut [f32])
 );
 

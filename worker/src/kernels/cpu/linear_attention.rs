@@ -13,7 +13,7 @@
 //! (sums only along the state's rows, never across vector lanes), and each twin is the same
 //! code compiled for AVX2 or AVX-512, which rounds identically: the tests check the bits.
 
-use super::dispatch::{KernelPath, Kernels};
+use super::dispatch::{Kernels, dispatched};
 
 /// The scalar definitions every twin compiles.
 pub mod reference {
@@ -119,38 +119,6 @@ pub mod reference {
     }
 }
 
-/// Define `$name(k, args..)` that runs `reference::$name` compiled for the path `k` names.
-macro_rules! dispatched {
-    ($(#[$doc:meta])* $name:ident($($arg:ident: $ty:ty),*)) => {
-        $(#[$doc])*
-        #[allow(clippy::too_many_arguments)]
-        pub fn $name(k: Kernels, $($arg: $ty),*) {
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[allow(clippy::too_many_arguments)]
-                #[target_feature(enable = "avx2,fma")]
-                unsafe fn avx2($($arg: $ty),*) {
-                    reference::$name($($arg),*)
-                }
-                #[allow(clippy::too_many_arguments)]
-                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-                unsafe fn avx512($($arg: $ty),*) {
-                    reference::$name($($arg),*)
-                }
-                match k.path() {
-                    // SAFETY: `Kernels` is only made for paths the CPU supports.
-                    KernelPath::Avx2 | KernelPath::AvxVnni => return unsafe { avx2($($arg),*) },
-                    // SAFETY: as above.
-                    KernelPath::Avx512 | KernelPath::Avx512Vnni => return unsafe { avx512($($arg),*) },
-                    KernelPath::Scalar => {}
-                }
-            }
-            let _ = k;
-            reference::$name($($arg),*)
-        }
-    };
-}
-
 dispatched!(
     /// [`reference::conv1d_silu`] on path `k`.
     conv1d_silu(
@@ -183,6 +151,7 @@ dispatched!(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::cpu::dispatch::KernelPath;
     use crate::kernels::cpu::paths_run::PathsRun;
     use crate::kernels::cpu::testdata::noise;
 
