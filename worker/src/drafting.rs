@@ -102,11 +102,6 @@ impl DraftRunner {
         })
     }
 
-    /// Rows of a drafted block (proposals per step are at most one fewer).
-    pub fn block_size(&self) -> usize {
-        self.model.config.block_size
-    }
-
     /// Drop the context of sequences that ended or restart.
     pub fn forget(&mut self, ids: &[u64]) {
         for id in ids {
@@ -134,21 +129,19 @@ impl DraftRunner {
         // Take each sequence's cache out of the map for the batch (put back whatever happens).
         let mut taken: Vec<DraftSeq> = Vec::with_capacity(work.len());
         for w in work {
-            let mut seq = self.seqs.remove(&w.seq_id).unwrap_or(DraftSeq {
-                kv: SequenceKv::new(layers, kv_dim, 0),
-                origin: w.start,
-            });
-            let end = seq.origin + seq.kv.len();
-            if w.start < seq.origin || w.start > end {
-                // A restart from a cached prefix (no taps for it) or a gap: start over here.
-                seq = DraftSeq {
+            let seq = match self.seqs.remove(&w.seq_id) {
+                Some(mut seq) if (seq.origin..=seq.origin + seq.kv.len()).contains(&w.start) => {
+                    // Positions from `start` on were dropped and are being recomputed.
+                    seq.kv.truncate(w.start - seq.origin);
+                    seq
+                }
+                // New, restarted from a cached prefix (no taps for it) or after a gap: the
+                // context starts here.
+                _ => DraftSeq {
                     kv: SequenceKv::new(layers, kv_dim, 0),
                     origin: w.start,
-                };
-            } else {
-                // Positions from `start` on were dropped and are being recomputed.
-                seq.kv.truncate(w.start - seq.origin);
-            }
+                },
+            };
             taken.push(seq);
         }
         let result = self.run(work, &mut taken, backend, h, out);

@@ -330,13 +330,9 @@ impl Stage {
     /// proposals chunks ask for, into their results.
     fn draft_step(&mut self, batch: &MicroBatch, taps: &[f32], sampled: &mut BatchResult) -> Result<(), String> {
         let h = self.backend.shape().config.hidden_size;
-        let Some(runner) = self.draft.as_mut() else {
-            let l = &self.backend.shape().layers;
-            return Err(format!(
-                "stage {} (layers {}..{}): a chunk asks for DFlash proposals, but this stage serves no draft (--draft-model)",
-                self.stage_index, l.start, l.end
-            ));
-        };
+        if self.draft.is_none() {
+            return Err(self.err("a chunk asks for DFlash proposals, but this stage serves no draft (--draft-model)"));
+        }
         let mut work = Vec::new();
         let mut result_of = Vec::new();
         let mut offset = 0;
@@ -379,6 +375,7 @@ impl Stage {
             result_of.push(result);
         }
         let mut proposals = Vec::new();
+        let runner = self.draft.as_mut().expect("checked above");
         let stepped = runner.step(&work, &mut *self.backend, &mut proposals);
         metrics::gauge!("baton_spec_draft_context_bytes").set(runner.context_bytes() as f64);
         stepped.map_err(|e| self.err(format!("DFlash draft: {e}")))?;

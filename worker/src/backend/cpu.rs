@@ -62,6 +62,21 @@ impl CpuBackend {
         ))
     }
 
+    /// The layers over `hidden` with each chunk's K/V in the paged pool, adding the DFlash taps
+    /// to `taps` when given.
+    fn forward_paged(
+        &mut self,
+        hidden: &mut [f32],
+        seqs: &[SeqChunk<'_>],
+        taps: Option<&mut [f32]>,
+    ) -> Result<(), ForwardError> {
+        let mut kv = PagedBatch {
+            pool: &mut self.kv,
+            seqs,
+        };
+        self.model.forward_host_tapped(hidden, taps, &mut kv, &mut self.scratch)
+    }
+
     /// A backend over a loaded model and a KV pool for its layers.
     pub fn new(model: StageModel<CpuOps>, device: Device, kv: PagedKv) -> Self {
         let shape = StageShape {
@@ -113,11 +128,7 @@ impl Backend for CpuBackend {
     }
 
     fn forward(&mut self, hidden: &mut [f32], seqs: &[SeqChunk<'_>]) -> Result<(), ForwardError> {
-        let mut kv = PagedBatch {
-            pool: &mut self.kv,
-            seqs,
-        };
-        self.model.forward_host(hidden, &mut kv, &mut self.scratch)
+        self.forward_paged(hidden, seqs, None)
     }
 
     fn forward_tapped(
@@ -126,12 +137,7 @@ impl Backend for CpuBackend {
         seqs: &[SeqChunk<'_>],
         taps: &mut [f32],
     ) -> Result<(), ForwardError> {
-        let mut kv = PagedBatch {
-            pool: &mut self.kv,
-            seqs,
-        };
-        self.model
-            .forward_host_tapped(hidden, Some(taps), &mut kv, &mut self.scratch)
+        self.forward_paged(hidden, seqs, Some(taps))
     }
 
     fn load_taps(&mut self, draft: &DflashFiles) -> Result<Vec<usize>, BackendError> {

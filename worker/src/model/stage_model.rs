@@ -322,14 +322,7 @@ impl<O: Ops> StageModel<O> {
     /// The head alone (no final norm) on host rows already normalized elsewhere (a DFlash
     /// draft's output), leaving `rows × vocab` logits in `s.logits`.
     pub fn head_only_into(&self, rows: &[f32], s: &mut Scratch<O>) -> Result<(), ForwardError> {
-        let head = self.head().ok_or(ForwardError::MissingPart("head"))?;
-        let h = self.config.hidden_size;
-        if rows.is_empty() || !rows.len().is_multiple_of(h) {
-            return Err(ForwardError::HiddenShape {
-                got: rows.len(),
-                hidden: h,
-            });
-        }
+        let head = self.head_for(rows)?;
         self.ops.upload(rows, &mut s.xn);
         self.ops.matmul(&mut s.ws, &s.xn, head, None, &mut s.logits);
         Ok(())
@@ -346,22 +339,28 @@ impl<O: Ops> StageModel<O> {
     /// Final norm and head on each host row of `hidden`, leaving `rows × vocab` logits in
     /// `s.logits` on the device (where a backend samples them).
     pub fn head_into(&self, hidden: &[f32], s: &mut Scratch<O>) -> Result<(), ForwardError> {
-        let head = self.head().ok_or(ForwardError::MissingPart("head"))?;
+        let head = self.head_for(hidden)?;
         let norm = self
             .final_norm
             .as_ref()
             .ok_or(ForwardError::MissingPart("final norm"))?;
-        let h = self.config.hidden_size;
-        if hidden.is_empty() || !hidden.len().is_multiple_of(h) {
-            return Err(ForwardError::HiddenShape {
-                got: hidden.len(),
-                hidden: h,
-            });
-        }
         self.ops.upload(hidden, &mut s.hidden);
         norm.apply(&self.ops, &s.hidden, &mut s.xn);
         self.ops.matmul(&mut s.ws, &s.xn, head, None, &mut s.logits);
         Ok(())
+    }
+
+    /// The head, after checking `rows` are whole non-empty rows of the hidden width.
+    fn head_for(&self, rows: &[f32]) -> Result<&O::Mat, ForwardError> {
+        let head = self.head().ok_or(ForwardError::MissingPart("head"))?;
+        let h = self.config.hidden_size;
+        if rows.is_empty() || !rows.len().is_multiple_of(h) {
+            return Err(ForwardError::HiddenShape {
+                got: rows.len(),
+                hidden: h,
+            });
+        }
+        Ok(head)
     }
 
     /// Bytes of weights held (vectors and matrices as stored on the device).

@@ -57,10 +57,7 @@ impl<O: Ops> Attention<O> {
         mask: AttnMask,
         s: &mut Scratch<O>,
     ) {
-        let [bq, bk, bv] = match &self.bias {
-            Some([q, k, v]) => [Some(q), Some(k), Some(v)],
-            None => [None; 3],
-        };
+        let [bq, bk, bv] = self.biases();
         ops.matmul_many(
             &mut s.ws,
             &s.xn,
@@ -96,10 +93,7 @@ impl<O: Ops> Attention<O> {
     /// slot `index` of `kv`, with no queries: a DFlash draft's context rows, which every later
     /// block attends to.
     pub fn store_context(&self, ops: &O, index: usize, kv: &mut O::Kv<'_>, batch: &Batch, s: &mut Scratch<O>) {
-        let [_, bk, bv] = match &self.bias {
-            Some([q, k, v]) => [Some(q), Some(k), Some(v)],
-            None => [None; 3],
-        };
+        let [_, bk, bv] = self.biases();
         ops.matmul_many(&mut s.ws, &s.xn, [(&self.k, bk, &mut s.k), (&self.v, bv, &mut s.v)]);
         if let Some([_, kn]) = &self.qk_norm {
             kn.apply_inplace(ops, &mut s.k);
@@ -107,6 +101,14 @@ impl<O: Ops> Attention<O> {
         let hd = self.shape.head_dim;
         ops.rope(&mut s.k, self.shape.num_kv_heads * hd, hd, &batch.cos, &batch.sin);
         ops.store_kv(index, &s.k, &s.v, kv);
+    }
+
+    /// The q, k and v biases, each None without them.
+    fn biases(&self) -> [Option<&O::Vector>; 3] {
+        match &self.bias {
+            Some([q, k, v]) => [Some(q), Some(k), Some(v)],
+            None => [None; 3],
+        }
     }
 
     /// q, k, v, o.
