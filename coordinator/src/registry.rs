@@ -24,6 +24,8 @@ pub struct WorkerEntry {
     pub features: Vec<String>,
     /// Bytes the worker gives its paged KV pool.
     pub kv_cache_bytes: u64,
+    /// host:port of the worker's `/metrics` (empty: none).
+    pub metrics_address: String,
     /// Registration order, so assignments are stable.
     pub seq: u64,
     pub last_seen: Instant,
@@ -100,6 +102,9 @@ impl Registry for RegistryService {
         if r.address.is_empty() || r.address.len() > MAX_FIELD || r.worker_id.len() > MAX_FIELD {
             return Err(Status::invalid_argument("address must be a URL of at most 512 bytes"));
         }
+        if r.metrics_address.len() > MAX_FIELD {
+            return Err(Status::invalid_argument("metrics_address must be at most 512 bytes"));
+        }
         if !(r.address.starts_with("http://") || r.address.starts_with("https://")) {
             return Err(Status::invalid_argument(format!(
                 "address '{}' must start with http:// or https://",
@@ -120,6 +125,7 @@ impl Registry for RegistryService {
             memory_bytes: r.memory_bytes,
             features: r.features,
             kv_cache_bytes: r.kv_cache_bytes,
+            metrics_address: r.metrics_address,
             seq,
             last_seen: Instant::now(),
         };

@@ -501,6 +501,7 @@ fn main() {
         memory_bytes: 64 << 30,
         features: vec!["avx512f".into(), "fp32-reference".into()],
         kv_cache_bytes: 1 << 30,
+        metrics_address: "10.0.0.2:9100".into(),
     };
     put_proto(7, "register", &|| register.encode_to_vec());
     let heartbeat = HeartbeatRequest {

@@ -199,19 +199,21 @@ impl TestCluster {
     }
 
     /// A cluster whose workers serve Prometheus metrics; returns it and the workers' metrics
-    /// ports (in spawn order, which need not be stage order).
-    pub async fn start_with_worker_metrics(model: &Path, cfg: &ModelConfig, cuts: &[usize]) -> (Self, Vec<u16>) {
-        // Hold every reservation until all ports are known, so they differ.
-        let held: Vec<_> = (0..=cuts.len())
-            .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("reserving a port"))
-            .collect();
-        let ports: Vec<u16> = held.iter().map(|l| l.local_addr().expect("port").port()).collect();
-        drop(held);
-        let flags: Vec<Vec<String>> = ports
-            .iter()
-            .map(|p| vec!["--metrics-listen".into(), format!("127.0.0.1:{p}")])
-            .collect();
-        (Self::start_with(model, cfg, vec![], cuts, &flags).await, ports)
+    /// addresses (host:port, in registration order, which need not be stage order).
+    pub async fn start_with_worker_metrics(model: &Path, cfg: &ModelConfig, cuts: &[usize]) -> (Self, Vec<String>) {
+        // Port 0: each worker binds a free port and registers it, so no port is reserved here
+        // and then lost to another socket before the worker binds it.
+        let flags = vec![vec!["--metrics-listen".to_string(), "127.0.0.1:0".to_string()]; cuts.len() + 1];
+        let tc = Self::start_with(model, cfg, vec![], cuts, &flags).await;
+        let addresses: Vec<String> = tc.cluster.alive().into_iter().map(|w| w.metrics_address).collect();
+        assert_eq!(addresses.len(), cuts.len() + 1, "every worker registered");
+        assert!(
+            addresses
+                .iter()
+                .all(|a| a.starts_with("127.0.0.1:") && !a.ends_with(":0")),
+            "every worker registers the metrics port it bound: {addresses:?}"
+        );
+        (tc, addresses)
     }
 
     /// Everything configurable.
@@ -330,7 +332,7 @@ impl TestCluster {
                 workers.push(start_worker_in(worker_command(), &registry_url, &token, flags, tls));
             }
         }
-        let tc = Self {
+        let mut tc = Self {
             generator,
             cluster,
             registry_url,
@@ -342,10 +344,16 @@ impl TestCluster {
         tc
     }
 
-    /// Wait until the pipeline is ready, or panic.
-    pub async fn wait_ready(&self, limit: Duration) {
+    /// Wait until the pipeline is ready, or panic: at once when a worker process has exited
+    /// (its stderr, inherited, says why), else after `limit`.
+    pub async fn wait_ready(&mut self, limit: Duration) {
         let start = Instant::now();
         while !self.generator.ready() {
+            for (i, w) in self.workers.iter_mut().enumerate() {
+                if let Ok(Some(status)) = w.try_wait() {
+                    panic!("worker {i} exited ({status}) before the pipeline was ready");
+                }
+            }
             assert!(start.elapsed() < limit, "pipeline not ready after {limit:?}");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }

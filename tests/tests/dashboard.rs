@@ -88,8 +88,8 @@ async fn dashboard_queries_only_exported_metrics() {
     );
 
     let mut names = exported(&baton_shared::telemetry::render());
-    for p in &ports {
-        let (code, body) = baton_tests::serve::http_request(&format!("127.0.0.1:{p}"), "GET", "/metrics", "");
+    for addr in &ports {
+        let (code, body) = baton_tests::serve::http_request(addr, "GET", "/metrics", "");
         assert_eq!(code, 200);
         names.extend(exported(&body));
     }

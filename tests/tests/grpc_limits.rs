@@ -37,15 +37,13 @@ async fn oversized_messages_are_refused_counted_and_the_worker_serves_on() {
         )
         .await
     });
-    let metrics_addr = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().to_string()
-    };
     let mut cmd = worker_command();
     cmd.env("BATON_GRPC__MAX_MESSAGE_MIB", "1");
-    let _worker = spawn_worker_from(cmd, &url, token, &["--metrics-listen".into(), metrics_addr.clone()]);
+    let _worker = spawn_worker_from(cmd, &url, token, &["--metrics-listen".into(), "127.0.0.1:0".into()]);
     wait_for_a_worker(&cluster, "the worker registers").await;
     let address = cluster.alive()[0].address.clone();
+    // The worker bound a free port and registered it.
+    let metrics_addr = cluster.alive()[0].metrics_address.clone();
     let peer = PeerAuth::plaintext(token);
     let mut client = connect_worker(&address, &peer).await.unwrap();
     let scrape = || baton_tests::serve::http_request(&metrics_addr, "GET", "/metrics", "").1;

@@ -383,7 +383,7 @@ async fn workers_export_stage_metrics() {
         ..SamplingParams::greedy(6)
     };
     tc.generate(&[1, 2, 3], params).await.unwrap();
-    let texts: Vec<String> = ports.iter().map(|p| scrape(&format!("127.0.0.1:{p}"))).collect();
+    let texts: Vec<String> = ports.iter().map(|addr| scrape(addr)).collect();
     // Workers register in any order, so find which one became which stage.
     let stage_of = |text: &str| {
         ["0", "1"]
@@ -426,8 +426,8 @@ async fn mixture_of_experts_workers_report_the_experts_each_micro_batch_reads() 
         ..SamplingParams::greedy(4)
     };
     tc.generate(&[1, 2, 3, 4, 5, 6, 7, 8], params).await.unwrap();
-    for p in ports {
-        let text = scrape(&format!("127.0.0.1:{p}"));
+    for addr in ports {
+        let text = scrape(&addr);
         assert_prometheus_text(&text);
         let count = text
             .lines()

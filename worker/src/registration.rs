@@ -22,6 +22,8 @@ pub struct WorkerDescription {
     pub features: Vec<String>,
     /// Budget of the paged KV pool.
     pub kv_cache_bytes: u64,
+    /// Where `/metrics` is served (empty: nowhere).
+    pub metrics_address: String,
 }
 
 const MIN_BACKOFF: Duration = Duration::from_millis(200);
@@ -47,6 +49,7 @@ async fn register_once(url: &str, peer: &PeerAuth, desc: &WorkerDescription) -> 
             memory_bytes: desc.memory_bytes,
             features: desc.features.clone(),
             kv_cache_bytes: desc.kv_cache_bytes,
+            metrics_address: desc.metrics_address.clone(),
         })
         .await
         .map_err(|e| format!("register rejected by {url}: {} ({:?})", e.message(), e.code()))?

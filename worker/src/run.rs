@@ -162,6 +162,26 @@ pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
             .max_encoding_message_size(MAX_MESSAGE),
         peer.check_token(),
     );
+    baton_shared::telemetry::prometheus();
+    metrics::gauge!("baton_kernel_info", "path" => kernels.path().name()).set(1.0);
+    // Bound before registering, so the address the coordinator shows is the one that serves
+    // (port 0 picks a free port: tests and several workers on one host need no port plan).
+    let metrics_address = match w.metrics_listen {
+        Some(addr) => {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding metrics on {addr}"))?;
+            let bound = listener.local_addr()?;
+            tracing::info!(addr = %bound, "metrics at /metrics");
+            let app = axum::Router::new().route(
+                "/metrics",
+                axum::routing::get(|| async { baton_shared::telemetry::render() }),
+            );
+            tokio::spawn(async move { axum::serve(listener, app).await });
+            bound.to_string()
+        }
+        None => String::new(),
+    };
     let desc = WorkerDescription {
         worker_id: w.worker_id.clone(),
         address: address.clone(),
@@ -169,25 +189,13 @@ pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
         cores,
         memory_bytes: total_memory(),
         kv_cache_bytes: w.kv_cache_mib << 20,
+        metrics_address,
         features: vec![
             format!("kernels:{}", kernels.path().name()),
             "weights:f32,bf16,f16,q8_0,q4_0,q4_1,native".into(),
             "kv_dtype:f32,f16".into(),
         ],
     };
-    baton_shared::telemetry::prometheus();
-    metrics::gauge!("baton_kernel_info", "path" => kernels.path().name()).set(1.0);
-    if let Some(addr) = w.metrics_listen {
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .with_context(|| format!("binding metrics on {addr}"))?;
-        tracing::info!(addr = %listener.local_addr()?, "metrics at /metrics");
-        let app = axum::Router::new().route(
-            "/metrics",
-            axum::routing::get(|| async { baton_shared::telemetry::render() }),
-        );
-        tokio::spawn(async move { axum::serve(listener, app).await });
-    }
     if args.exit_with_stdin {
         std::thread::spawn(|| {
             let mut sink = [0u8; 64];

@@ -432,6 +432,7 @@ impl Generator for PipelineGenerator {
                 serde_json::json!({
                     "worker_id": w.id, "address": w.address, "device": w.device_kind, "cores": w.cores,
                     "memory_bytes": w.memory_bytes, "features": w.features,
+                    "metrics_address": (!w.metrics_address.is_empty()).then_some(&w.metrics_address),
                     "last_seen_ms_ago": w.last_seen.elapsed().as_millis() as u64,
                 })
             })
