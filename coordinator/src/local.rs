@@ -30,6 +30,9 @@ pub struct LocalStageOptions {
     pub kv_dtype: KvDtype,
     /// A DFlash draft checkpoint the stage serves (speculative decoding).
     pub draft_model: Option<std::path::PathBuf>,
+    /// Recurrent-state slots (the running limit) for a model with linear-attention layers;
+    /// 0: as many as the pool has blocks, at most 64.
+    pub state_slots: usize,
 }
 
 impl Default for LocalStageOptions {
@@ -44,6 +47,7 @@ impl Default for LocalStageOptions {
             kv_block_size: 16,
             kv_dtype: KvDtype::F32,
             draft_model: None,
+            state_slots: 0,
         }
     }
 }
@@ -98,6 +102,7 @@ pub fn load_stage(path: &Path, opts: &LocalStageOptions) -> Result<Stage, LocalE
         kv_blocks,
         kv_block_size: opts.kv_block_size,
         kv_dtype: opts.kv_dtype,
+        state_slots: opts.state_slots,
     };
     let mut backend =
         backend::load(&files, &config, 0..config.num_layers, &backend_opts).map_err(|source| LocalError::Backend {

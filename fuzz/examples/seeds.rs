@@ -415,6 +415,7 @@ fn main() {
         kv_dtype: "f16".into(),
         staged: true,
         draft_model: "/models/smollm2-dflash".into(),
+        state_slots: 16,
     };
     let mut trace = HashMap::new();
     trace.insert(
@@ -570,6 +571,8 @@ fn main() {
         kv_bytes: 1 << 20,
         kv_blocks_used: 7,
         kv_blocks_total: 64,
+        state_slots_used: 3,
+        state_slots_total: 16,
     };
     put_proto(14, "health_response", &|| health.encode_to_vec());
     let points = |scale: f64| -> Vec<CostPoint> {

@@ -163,6 +163,7 @@ fn stage_options(format: WeightFormat, kv_blocks: usize, kv_block_size: usize, k
         kv_blocks,
         kv_block_size,
         kv_dtype,
+        state_slots: 0,
     }
 }
 

@@ -19,6 +19,9 @@ pub enum Architecture {
     Qwen3,
     /// Qwen3-MoE: Qwen3's attention with mixture-of-experts feed-forward layers.
     Qwen3Moe,
+    /// Qwen3-Next: Gated DeltaNet (linear attention) layers between gated full-attention
+    /// ones, a sparse MoE with a gated shared expert, `(1 + weight)` RMSNorms.
+    Qwen3Next,
 }
 
 impl Architecture {
@@ -29,6 +32,7 @@ impl Architecture {
             "qwen2" | "Qwen2ForCausalLM" => Some(Self::Qwen2),
             "qwen3" | "Qwen3ForCausalLM" => Some(Self::Qwen3),
             "qwen3_moe" | "qwen3moe" | "Qwen3MoeForCausalLM" => Some(Self::Qwen3Moe),
+            "qwen3_next" | "qwen3next" | "Qwen3NextForCausalLM" => Some(Self::Qwen3Next),
             _ => None,
         }
     }
@@ -40,12 +44,13 @@ impl Architecture {
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
             Self::Qwen3Moe => "qwen3_moe",
+            Self::Qwen3Next => "qwen3_next",
         }
     }
 
     /// Whether q and k get a per-head RMSNorm (and head_dim may differ from hidden/heads).
     pub fn has_qk_norm(self) -> bool {
-        matches!(self, Self::Qwen3 | Self::Qwen3Moe)
+        matches!(self, Self::Qwen3 | Self::Qwen3Moe | Self::Qwen3Next)
     }
 
     /// The Hugging Face class name in `architectures`.
@@ -55,6 +60,7 @@ impl Architecture {
             Self::Qwen2 => "Qwen2ForCausalLM",
             Self::Qwen3 => "Qwen3ForCausalLM",
             Self::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Self::Qwen3Next => "Qwen3NextForCausalLM",
         }
     }
 }
@@ -98,6 +104,50 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     /// Mixture-of-experts feed-forward layers (Qwen3-MoE); `None` for dense models.
     pub moe: Option<MoeConfig>,
+    /// Values of each head RoPE rotates (the first ones; the rest pass through): `head_dim`
+    /// unless the model rotates part of each head (Qwen3-Next's `partial_rotary_factor`).
+    pub rotary_dim: usize,
+    /// Linear-attention layers among the full-attention ones (Qwen3-Next); `None`: every
+    /// layer is full attention.
+    pub linear_attention: Option<LinearAttentionConfig>,
+}
+
+/// What mixes positions in one decoder layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerType {
+    /// Causal softmax attention over a K/V cache.
+    FullAttention,
+    /// Gated DeltaNet: a per-sequence recurrent state instead of K/V per position.
+    LinearAttention,
+}
+
+/// The Gated DeltaNet layers of a hybrid model (names as transformers' Qwen3-Next config).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct LinearAttentionConfig {
+    /// Every layer's type, in order.
+    pub layer_types: Vec<LayerType>,
+    /// Query/key heads (`linear_num_key_heads`).
+    pub num_key_heads: usize,
+    /// Value heads (`linear_num_value_heads`), a multiple of the key heads.
+    pub num_value_heads: usize,
+    pub key_head_dim: usize,
+    pub value_head_dim: usize,
+    /// Taps of the causal depthwise conv1d (`linear_conv_kernel_dim`).
+    pub conv_kernel: usize,
+}
+
+impl LinearAttentionConfig {
+    /// Channels of the conv1d: queries, keys and values side by side.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+    }
+
+    /// f32 values of one sequence's state in one linear layer: the conv1d's last
+    /// `conv_kernel - 1` input rows and one `[key_head_dim, value_head_dim]` matrix per value head.
+    pub fn state_values(&self) -> usize {
+        (self.conv_kernel - 1) * self.conv_dim() + self.num_value_heads * self.key_head_dim * self.value_head_dim
+    }
 }
 
 /// How a mixture-of-experts model routes each position's feed-forward pass.
@@ -115,6 +165,9 @@ pub struct MoeConfig {
     pub decoder_sparse_step: usize,
     /// Layers that stay dense whatever the step says.
     pub mlp_only_layers: Vec<usize>,
+    /// Width of the shared expert every position also runs, scaled by a sigmoid gate
+    /// (Qwen3-Next); `None`: no shared expert.
+    pub shared_expert_intermediate_size: Option<usize>,
 }
 
 impl MoeConfig {
@@ -139,7 +192,7 @@ pub enum ConfigError {
         value: String,
         expected: String,
     },
-    #[error("{source_name}: unsupported architecture '{name}' (supported: llama, qwen2, qwen3, qwen3_moe)")]
+    #[error("{source_name}: unsupported architecture '{name}' (supported: llama, qwen2, qwen3, qwen3_moe, qwen3_next)")]
     UnsupportedArchitecture { source_name: String, name: String },
     #[error("{source_name}: unsupported rope scaling type '{kind}' (supported: default, linear, llama3)")]
     UnsupportedRope { source_name: String, kind: String },
@@ -267,6 +320,46 @@ fn moe_from_hf(f: &Fields<'_>) -> Result<MoeConfig, ConfigError> {
         norm_topk_prob: f.bool_opt("norm_topk_prob")?.unwrap_or(false),
         decoder_sparse_step: f.usize_opt("decoder_sparse_step")?.unwrap_or(1),
         mlp_only_layers,
+        shared_expert_intermediate_size: f.usize_opt("shared_expert_intermediate_size")?,
+    })
+}
+
+/// The linear-attention fields of a Qwen3-Next config: `layer_types`, or every
+/// `full_attention_interval`-th layer full (transformers' default, 4) and the rest linear.
+fn linear_attention_from_hf(f: &Fields<'_>, num_layers: usize) -> Result<LinearAttentionConfig, ConfigError> {
+    let layer_types = match f.json.get("layer_types") {
+        None | Some(Value::Null) => {
+            let every = f.usize_opt("full_attention_interval")?.unwrap_or(4);
+            (0..num_layers)
+                .map(|l| match (l + 1).is_multiple_of(every) {
+                    true => LayerType::FullAttention,
+                    false => LayerType::LinearAttention,
+                })
+                .collect()
+        }
+        Some(Value::Array(items)) if items.len() == num_layers => items
+            .iter()
+            .map(|v| match v.as_str() {
+                Some("full_attention") => Ok(LayerType::FullAttention),
+                Some("linear_attention") => Ok(LayerType::LinearAttention),
+                _ => Err(f.invalid("layer_types", v, "\"full_attention\" or \"linear_attention\"")),
+            })
+            .collect::<Result<_, _>>()?,
+        Some(v) => {
+            return Err(f.invalid(
+                "layer_types",
+                v,
+                &format!("a list of {num_layers} layer types (one per layer)"),
+            ));
+        }
+    };
+    Ok(LinearAttentionConfig {
+        layer_types,
+        num_key_heads: f.usize("linear_num_key_heads")?,
+        num_value_heads: f.usize("linear_num_value_heads")?,
+        key_head_dim: f.usize("linear_key_head_dim")?,
+        value_head_dim: f.usize("linear_value_head_dim")?,
+        conv_kernel: f.usize_opt("linear_conv_kernel_dim")?.unwrap_or(4),
     })
 }
 
@@ -321,18 +414,33 @@ impl ModelConfig {
             Architecture::Qwen2 => true,
             _ => f.bool_opt("attention_bias")?.unwrap_or(false),
         };
+        let num_layers = f.usize("num_hidden_layers")?;
+        let head_dim = match f.usize_opt("head_dim")? {
+            Some(d) => d,
+            None => hidden_size / num_heads,
+        };
+        let partial_rotary = match rope_params {
+            Some(p) => Fields { source_name, json: p }.f64_opt("partial_rotary_factor")?,
+            None => None,
+        }
+        .or(f.f64_opt("partial_rotary_factor")?)
+        .unwrap_or(1.0);
+        if partial_rotary > 1.0 {
+            return Err(f.invalid(
+                "partial_rotary_factor",
+                &Value::from(partial_rotary),
+                "a fraction of the head in (0, 1]",
+            ));
+        }
         let cfg = ModelConfig {
             architecture,
             vocab_size: f.usize("vocab_size")?,
             hidden_size,
             intermediate_size: f.usize("intermediate_size")?,
-            num_layers: f.usize("num_hidden_layers")?,
+            num_layers,
             num_heads,
             num_kv_heads: f.usize_opt("num_key_value_heads")?.unwrap_or(num_heads),
-            head_dim: match f.usize_opt("head_dim")? {
-                Some(d) => d,
-                None => hidden_size / num_heads,
-            },
+            head_dim,
             rms_norm_eps: f.f64_opt("rms_norm_eps")?.unwrap_or(1e-6) as f32,
             rope_theta,
             rope_scaling,
@@ -342,6 +450,14 @@ impl ModelConfig {
             qk_norm: architecture.has_qk_norm(),
             moe: match architecture {
                 Architecture::Qwen3Moe => Some(moe_from_hf(&f)?),
+                // A Qwen3-Next without experts (`num_experts` 0, as transformers reads it) is dense.
+                Architecture::Qwen3Next if json.get("num_experts").and_then(Value::as_u64) == Some(0) => None,
+                Architecture::Qwen3Next => Some(moe_from_hf(&f)?),
+                _ => None,
+            },
+            rotary_dim: (head_dim as f64 * partial_rotary) as usize,
+            linear_attention: match architecture {
+                Architecture::Qwen3Next => Some(linear_attention_from_hf(&f, num_layers)?),
                 _ => None,
             },
         };
@@ -442,10 +558,25 @@ impl ModelConfig {
                         .unwrap_or(true),
                     decoder_sparse_step: 1,
                     mlp_only_layers: Vec::new(),
+                    shared_expert_intermediate_size: None,
                 }),
                 _ => None,
             },
+            rotary_dim: 0,
+            linear_attention: None,
         };
+        let cfg = ModelConfig {
+            rotary_dim: dim("rope.dimension_count")?.unwrap_or(cfg.head_dim),
+            ..cfg
+        };
+        if architecture == Architecture::Qwen3Next {
+            // llama.cpp's converter rewrites Qwen3-Next's tensors (norms, A, the fused
+            // projections); reading them back is not done yet.
+            return Err(ConfigError::UnsupportedArchitecture {
+                source_name,
+                name: "qwen3next from GGUF (load the Hugging Face safetensors directory instead)".into(),
+            });
+        }
         cfg.validate(&source_name)?;
         Ok(cfg)
     }
@@ -474,6 +605,46 @@ impl ModelConfig {
                 "hidden_size {} is not num_attention_heads {} x head_dim {}",
                 self.hidden_size, self.num_heads, self.head_dim
             ));
+        }
+        if self.rotary_dim == 0 || !self.rotary_dim.is_multiple_of(2) || self.rotary_dim > self.head_dim {
+            return bad(format!(
+                "the rotated part of each head ({} values) must be even, positive and at most head_dim {}",
+                self.rotary_dim, self.head_dim
+            ));
+        }
+        if let Some(la) = &self.linear_attention {
+            if !la.num_value_heads.is_multiple_of(la.num_key_heads) {
+                return bad(format!(
+                    "linear_num_value_heads {} is not a multiple of linear_num_key_heads {}",
+                    la.num_value_heads, la.num_key_heads
+                ));
+            }
+            if la.conv_kernel > 64 {
+                return bad(format!("linear_conv_kernel_dim {} is more than 64", la.conv_kernel));
+            }
+            for (what, heads, dim) in [
+                ("key", la.num_key_heads, la.key_head_dim),
+                ("value", la.num_value_heads, la.value_head_dim),
+            ] {
+                if heads as u64 * dim as u64 > MAX_DIM as u64 {
+                    return bad(format!(
+                        "{heads} linear-attention {what} heads of {dim} are wider than {MAX_DIM}"
+                    ));
+                }
+            }
+            let state = la.num_value_heads as u64 * la.key_head_dim as u64 * la.value_head_dim as u64;
+            if state > (1 << 28) {
+                return bad(format!(
+                    "a linear-attention layer's state of {state} values is too large"
+                ));
+            }
+            if la.layer_types.len() != self.num_layers {
+                return bad(format!(
+                    "layer_types lists {} layers, but the model has {}",
+                    la.layer_types.len(),
+                    self.num_layers
+                ));
+            }
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
             return bad(format!("rms_norm_eps {} must be positive", self.rms_norm_eps));
@@ -555,6 +726,41 @@ mod tests {
     fn base() -> Value {
         json!({"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})
+    }
+
+    #[test]
+    fn a_partial_rotation_is_read_from_rope_parameters_or_the_top_level_and_bounded() {
+        let mut v = base();
+        assert_eq!(
+            ModelConfig::from_hf_value("t", &v).unwrap().rotary_dim,
+            16,
+            "the whole head"
+        );
+        v["partial_rotary_factor"] = json!(0.5);
+        assert_eq!(ModelConfig::from_hf_value("t", &v).unwrap().rotary_dim, 8);
+        v["rope_parameters"] = json!({"rope_theta": 1e4, "partial_rotary_factor": 0.25});
+        assert_eq!(
+            ModelConfig::from_hf_value("t", &v).unwrap().rotary_dim,
+            4,
+            "rope_parameters first"
+        );
+        v["rope_parameters"] = json!({"rope_theta": 1e4, "partial_rotary_factor": 1.5});
+        let e = ModelConfig::from_hf_value("t", &v).unwrap_err().to_string();
+        assert!(e.contains("partial_rotary_factor"), "{e}");
+        v["rope_parameters"] = json!({"rope_theta": 1e4, "partial_rotary_factor": 0.1});
+        let e = ModelConfig::from_hf_value("t", &v).unwrap_err().to_string();
+        assert!(e.contains("must be even, positive"), "{e}");
+    }
+
+    #[test]
+    fn linear_attention_heads_too_wide_are_refused_by_name() {
+        let v = json!({"model_type": "qwen3_next", "vocab_size": 100, "hidden_size": 64,
+            "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "num_experts": 0,
+            "linear_num_key_heads": 4096, "linear_num_value_heads": 4096, "linear_key_head_dim": 8192,
+            "linear_value_head_dim": 8});
+        let e = ModelConfig::from_hf_value("t", &v).unwrap_err().to_string();
+        assert!(e.contains("linear-attention key heads"), "{e}");
     }
 
     #[test]

@@ -21,6 +21,20 @@ pub const TINY_MODELS: &[&str] = &[
     "qwen3_moe_dense_mix",
 ];
 
+/// The tiny hybrid models (linear attention with recurrent state between full-attention
+/// layers), checked by tests/tests/hybrid.rs.
+pub const HYBRID_MODELS: &[&str] = &["qwen3_next", "qwen3_next_dense"];
+
+/// One stage, then every way to cut `layers` into 2 and into 3 stages (the cuts of each).
+pub fn every_split(layers: usize) -> Vec<Vec<usize>> {
+    let mut out = vec![vec![]];
+    out.extend((1..layers).map(|c| vec![c]));
+    for a in 1..layers {
+        out.extend((a + 1..layers).map(|b| vec![a, b]));
+    }
+    out
+}
+
 /// `tests/fixtures/` in the repository.
 pub fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")

@@ -38,6 +38,7 @@ fn load(files: &ModelFiles, layers: Range<usize>, device: Device) -> Box<dyn Bac
         kv_blocks: 64,
         kv_block_size: BLOCK,
         kv_dtype: KvDtype::F32,
+        state_slots: 0,
     };
     backend::load(files, &cfg, layers, &opts).unwrap()
 }
@@ -59,6 +60,7 @@ fn logits_in_chunks(stages: &mut [Box<dyn Backend>], tokens: &[u32], chunk: usiz
             len: ids.len(),
             stored: pos0,
             table: &table,
+            state_slot: 0,
         }];
         let mut hidden = vec![0f32; ids.len() * h];
         stages[0].embed(ids, &mut hidden).unwrap();
@@ -178,6 +180,7 @@ fn sampling_on_the_backend_equals_sampling_its_logits_on_the_host() {
             len: tokens.len(),
             stored: 0,
             table: &table,
+            state_slot: 0,
         }];
         b.forward(&mut rows, &chunk).unwrap();
         let mut logits = vec![0f32; tokens.len() * vocab];

@@ -180,6 +180,7 @@ fn backends_split_across_layers_give_each_sequence_its_solo_logits() {
                     kv_blocks: 12,
                     kv_block_size: 4,
                     kv_dtype: KvDtype::F32,
+                    state_slots: 0,
                 };
                 backend::load(&files, &cfg, layers, &o).unwrap()
             };
@@ -211,6 +212,7 @@ fn backends_split_across_layers_give_each_sequence_its_solo_logits() {
                 len: prompts[i].len(),
                 stored: 0,
                 table: tables[i],
+                state_slot: 0,
             });
             let got = run(&mut stages, &ids, &step1);
             for i in 0..2 {
@@ -228,18 +230,21 @@ fn backends_split_across_layers_give_each_sequence_its_solo_logits() {
                     len: 1,
                     stored: prompts[0].len(),
                     table: tables[0],
+                    state_slot: 0,
                 },
                 SeqChunk {
                     pos0: prompts[1].len(),
                     len: 1,
                     stored: prompts[1].len(),
                     table: tables[1],
+                    state_slot: 0,
                 },
                 SeqChunk {
                     pos0: 0,
                     len: prompts[2].len(),
                     stored: 0,
                     table: tables[2],
+                    state_slot: 0,
                 },
             ];
             let got = run(&mut stages, &ids, &step2);
@@ -256,6 +261,7 @@ fn backends_split_across_layers_give_each_sequence_its_solo_logits() {
                 len: 1,
                 stored: 0,
                 table: &[12],
+                state_slot: 0,
             }];
             let mut x = vec![0f32; h];
             stages[0].embed(&[1], &mut x).unwrap();

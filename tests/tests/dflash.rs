@@ -233,6 +233,7 @@ fn stages(f: &Fixture, splits: &[Range<usize>]) -> Vec<baton_worker::stage::Stag
                 kv_blocks: 16,
                 kv_block_size: 16,
                 kv_dtype: baton_worker::kv_cache::KvDtype::F32,
+                state_slots: 0,
             };
             let mut b = backend::load(&f.target, &f.cfg, range.clone(), &opts).unwrap();
             let runner = baton_worker::drafting::attach(&mut *b, &draft, &f.target, 1, None).unwrap();

@@ -8,7 +8,6 @@ use baton_shared::sampling::SamplingParams;
 use baton_shared::tokenizer::IncrementalDecoder;
 use baton_tests::{default_model, f32s, fixtures, ids, max_abs_diff, read_json};
 use baton_worker::engine::Engine;
-use baton_worker::kv_cache::SequenceKv;
 use baton_worker::model::{Scratch, StageWeights};
 
 const TOL: f32 = 1e-4;
@@ -102,7 +101,7 @@ fn pipeline_logits(files: &ModelFiles, cuts: &[usize], tokens: &[u32]) -> Vec<f3
     let mut scratch = Scratch::default();
     stages[0].embed(tokens, &mut hidden).unwrap();
     for s in &stages {
-        let mut kv = SequenceKv::new(s.layers.len(), cfg.kv_dim(), tokens.len());
+        let mut kv = s.new_kv(tokens.len());
         s.forward(&mut hidden, 0, &mut kv, &mut scratch).unwrap();
     }
     let mut out = vec![0f32; tokens.len() * cfg.vocab_size];

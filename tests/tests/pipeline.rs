@@ -13,7 +13,7 @@ use baton_shared::proto::worker_client::WorkerClient;
 use baton_shared::proto::{HealthRequest, RegisterRequest};
 use baton_shared::sampling::SamplingParams;
 use baton_tests::cluster::{TestCluster, spawn_worker, wait_for_a_worker, worker_command};
-use baton_tests::{PATIENCE, default_model, fixtures, wait_until_async};
+use baton_tests::{PATIENCE, default_model, every_split, fixtures, wait_until_async};
 use baton_worker::engine::Engine;
 use baton_worker::model::StageWeights;
 use baton_worker::service::connect_worker;
@@ -47,16 +47,6 @@ async fn tiny_models_every_split_matches_single_process() {
             assert_eq!(reason, FinishReason::Length);
         }
     }
-}
-
-/// One stage, then every way to cut `layers` into 2 and into 3 stages.
-fn every_split(layers: usize) -> Vec<Vec<usize>> {
-    let mut out = vec![vec![]];
-    out.extend((1..layers).map(|c| vec![c]));
-    for a in 1..layers {
-        out.extend((a + 1..layers).map(|b| vec![a, b]));
-    }
-    out
 }
 
 #[test]

@@ -24,6 +24,7 @@ fn opts(format: WeightFormat) -> BackendOptions {
         kv_blocks: 4,
         kv_block_size: 16,
         kv_dtype: KvDtype::F32,
+        state_slots: 0,
     }
 }
 

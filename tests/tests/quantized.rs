@@ -277,6 +277,7 @@ fn an_f16_kv_cache_stays_close_to_f32_and_keeps_clear_greedy_tokens() {
         kv_blocks: 8,
         kv_block_size: 16,
         kv_dtype: KvDtype::F16,
+        state_slots: 0,
     };
     let mut stage = backend::load(&model.files, cfg, 0..cfg.num_layers, &opts).unwrap();
     assert_eq!(stage.kv().dtype, KvDtype::F16);
@@ -295,6 +296,7 @@ fn an_f16_kv_cache_stays_close_to_f32_and_keeps_clear_greedy_tokens() {
                 len: n,
                 stored: pos,
                 table: &table,
+                state_slot: 0,
             }];
             stage.forward(&mut x, &chunk).unwrap();
             let mut logits = vec![0f32; vocab];

@@ -50,8 +50,7 @@ impl Engine {
     }
 
     fn new_kv(&self, capacity: usize) -> SequenceKv {
-        let c = &self.weights.config;
-        SequenceKv::new(c.num_layers, c.kv_dim(), capacity)
+        self.weights.new_kv(capacity)
     }
 
     /// Logits for a prompt: every position (`tokens.len() × vocab`) or only the last.

@@ -199,6 +199,8 @@ pub fn profile(
     let opts = BackendOptions {
         kv_blocks: max_t * per_seq,
         kv_block_size: BLOCK,
+        // A linear-attention layer's state for each timed sequence.
+        state_slots: max_t,
         ..opts.clone()
     };
     let need = opts.kv_bytes(config, 0..1);
@@ -250,11 +252,13 @@ pub fn profile(
         let tokens: Vec<u32> = (0..t).map(|i| ((i * 7919 + 1) % vocab) as u32).collect();
         let seqs: Vec<SeqChunk<'_>> = tables[..t]
             .iter()
-            .map(|table| SeqChunk {
+            .enumerate()
+            .map(|(slot, table)| SeqChunk {
                 pos0: spec.context,
                 len: 1,
                 stored: spec.context,
                 table,
+                state_slot: slot,
             })
             .collect();
         let (embedded, hidden, logits) = (&mut embedded[..t * h], &mut hidden[..t * h], &mut logits[..t * vocab]);

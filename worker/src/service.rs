@@ -151,6 +151,7 @@ impl WorkerState {
             kv_blocks: 0,
             kv_block_size: 0,
             kv_dtype: KvDtype::F32,
+            state_slots: 0,
         }
     }
 }
@@ -232,6 +233,7 @@ impl Worker for WorkerService {
                 kv_blocks: r.kv_blocks as usize,
                 kv_block_size: r.kv_block_size as usize,
                 kv_dtype: parse_kv_dtype(&r.kv_dtype)?,
+                state_slots: r.state_slots as usize,
                 ..state.backend_options(format)
             };
             let pool_bytes = opts.kv_bytes(&cfg, start..end);

@@ -31,6 +31,8 @@ struct SeqState {
     /// Of those, the last ones that were proposals (the sequence's latest chunk carried a
     /// draft): the next chunk may start among them, dropping the rejected ones.
     unverified: usize,
+    /// Its recurrent-state slot (0 on a stage without linear-attention layers).
+    state_slot: usize,
     /// Last stage only.
     sampler: Option<Sampler>,
     logprobs: bool,
@@ -92,6 +94,11 @@ pub struct Stage {
     draft: Option<DraftRunner>,
     /// The context sum of the current micro-batch (reused).
     taps: Vec<f32>,
+    /// Recurrent-state slots no sequence holds (empty, and never used, on a stage without
+    /// linear-attention layers).
+    free_state_slots: Vec<usize>,
+    /// Whether the layers here keep recurrent state (which cannot be rolled back).
+    recurrent: bool,
 }
 
 /// Bounds on what one micro-batch may ask for, so a bad message cannot exhaust memory.
@@ -103,7 +110,10 @@ pub const MAX_DRAFT_TOKENS: usize = 64;
 impl Stage {
     /// A stage over a loaded backend; hidden states leave it as `activation_dtype`.
     pub fn new(backend: Box<dyn Backend>, stage_index: u32, activation_dtype: Dtype) -> Self {
+        let slots = backend.kv().state_slots;
         Self {
+            free_state_slots: (0..slots).rev().collect(),
+            recurrent: slots > 0,
             backend,
             stage_index,
             totals: ForwardTotals::default(),
@@ -162,7 +172,13 @@ impl Stage {
     }
 
     /// Keep the first `len` positions of a sequence; returns its new length, None if unknown.
+    /// Recurrent state cannot be cut back, so on a stage that keeps it a shorter length drops
+    /// the sequence (it holds 0 positions; its next chunk must start it again).
     pub fn trim(&mut self, seq_id: u64, len: usize) -> Option<usize> {
+        if self.recurrent && self.seqs.get(&seq_id)?.len > len {
+            self.forget(seq_id);
+            return Some(0);
+        }
         let seq = self.seqs.get_mut(&seq_id)?;
         seq.len = seq.len.min(len);
         seq.unverified = seq.unverified.min(seq.len);
@@ -174,7 +190,20 @@ impl Stage {
         if let Some(d) = &mut self.draft {
             d.forget(ids);
         }
-        ids.iter().filter(|id| self.seqs.remove(id).is_some()).count()
+        ids.iter().filter(|&&id| self.forget(id)).count()
+    }
+
+    /// Drop one sequence and give back its state slot; whether it existed.
+    fn forget(&mut self, id: u64) -> bool {
+        match self.seqs.remove(&id) {
+            Some(s) => {
+                if self.recurrent {
+                    self.free_state_slots.push(s.state_slot);
+                }
+                true
+            }
+            None => false,
+        }
     }
 
     fn err(&self, msg: impl std::fmt::Display) -> String {
@@ -224,6 +253,15 @@ impl Stage {
         metrics::gauge!("baton_worker_kv_tokens").set(kv_tokens as f64);
         metrics::gauge!("baton_worker_kv_blocks_used").set(used as f64);
         metrics::gauge!("baton_worker_kv_blocks_total").set(total as f64);
+        let (used, total) = self.state_slots();
+        metrics::gauge!("baton_worker_state_slots_used").set(used as f64);
+        metrics::gauge!("baton_worker_state_slots_total").set(total as f64);
+    }
+
+    /// Recurrent-state slots held by live sequences, and the slots there are.
+    pub fn state_slots(&self) -> (usize, usize) {
+        let total = self.backend.kv().state_slots;
+        (total - self.free_state_slots.len().min(total), total)
     }
 
     /// The load numbers a Health answer reports (the worker id is the caller's to fill in).
@@ -243,6 +281,8 @@ impl Stage {
             kv_bytes: kv_bytes as u64,
             kv_blocks_used: blocks_used as u64,
             kv_blocks_total: blocks_total as u64,
+            state_slots_used: self.state_slots().0 as u32,
+            state_slots_total: self.state_slots().1 as u32,
             ..Default::default()
         }
     }
@@ -413,6 +453,13 @@ impl Stage {
                 return Err(self.err(format!("sequence {}: {e}", chunk.seq_id)));
             }
             let draft = chunk.draft as usize;
+            if draft > 0 && self.recurrent {
+                return Err(self.err(format!(
+                    "sequence {}: speculative decoding is not supported for models with linear-attention layers \
+                     yet (their recurrent state cannot drop rejected proposals)",
+                    chunk.seq_id
+                )));
+            }
             if draft > 0 && (draft >= n || draft > MAX_DRAFT_TOKENS || !chunk.sample) {
                 return Err(self.err(format!(
                     "sequence {}: a draft of {draft} proposals needs a sampling chunk of more tokens, and at most {MAX_DRAFT_TOKENS}",
@@ -438,9 +485,32 @@ impl Stage {
                     seed: sampling.seed,
                     ..SamplingParams::default()
                 };
+                if self.recurrent && cached != 0 {
+                    return Err(self.err(format!(
+                        "sequence {}: a cached prefix cannot start a sequence on a stage with linear-attention \
+                         layers (their recurrent state is not cached)",
+                        chunk.seq_id
+                    )));
+                }
+                // A restarted sequence keeps its slot; a new one takes a free one.
+                let state_slot = match self.seqs.get(&chunk.seq_id) {
+                    Some(old) => old.state_slot,
+                    None if !self.recurrent => 0,
+                    None => match self.free_state_slots.pop() {
+                        Some(slot) => slot,
+                        None => {
+                            return Err(self.err(format!(
+                                "sequence {}: all {} recurrent-state slots are in use",
+                                chunk.seq_id,
+                                self.backend.kv().state_slots
+                            )));
+                        }
+                    },
+                };
                 let state = SeqState {
                     len: cached,
                     unverified: 0,
+                    state_slot,
                     sampler: last.then(|| {
                         let mut sampler = Sampler::new(&params);
                         sampler.skip(sampling.drawn);
@@ -468,7 +538,7 @@ impl Stage {
             if seq.len != pos0 {
                 let e = ForwardError::KvPosition { have: seq.len, pos0 };
                 // Its KV no longer matches what the coordinator believes: drop the sequence.
-                self.seqs.remove(&chunk.seq_id);
+                self.forget(chunk.seq_id);
                 return Err(self.err(format!("sequence {}: {e}", chunk.seq_id)));
             }
         }
@@ -480,6 +550,7 @@ impl Stage {
                 // The real length, so the forward pass checks positions against the state.
                 stored: self.seqs.get(&chunk.seq_id).map_or(0, |s| s.len),
                 table: &chunk.blocks,
+                state_slot: self.seqs.get(&chunk.seq_id).map_or(0, |s| s.state_slot),
             })
             .collect();
         let ran = match taps {

@@ -126,6 +126,12 @@ pub fn run(ctx: &Ctx, a: GenerateArgs) -> Result<()> {
         draft_model: a.draft_model.clone(),
         ..PipelineSettings::default()
     })?;
+    anyhow::ensure!(
+        config.linear_attention.is_none() || speculative.method == baton_coordinator::speculative::DraftMethod::Off,
+        "speculative decoding is not supported for models with linear-attention layers yet ({}: their recurrent \
+         state cannot drop rejected proposals); use --speculative off",
+        config.architecture.model_type()
+    );
     let block = 16;
     let eos_ids = tokenizer.as_ref().map(|t| t.eos_ids.clone()).unwrap_or_default();
     let pipeline = PipelineConfig {
@@ -156,6 +162,7 @@ pub fn run(ctx: &Ctx, a: GenerateArgs) -> Result<()> {
         kv_block_size: block,
         kv_dtype: KvDtype::F32,
         draft_model: pipeline.speculative.worker_draft().map(std::path::PathBuf::from),
+        state_slots: 1,
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -6,7 +6,9 @@ use anyhow::{Result, anyhow};
 use baton_coordinator::api::auth::ApiKeys;
 use baton_coordinator::api::server::HttpLimits;
 use baton_coordinator::pipeline::PipelineConfig;
-use baton_coordinator::pipeline::sizing::{AutoLimits, UNMEASURED_MAX_BATCH_TOKENS, UNMEASURED_MAX_RUNNING};
+use baton_coordinator::pipeline::sizing::{
+    AutoLimits, HYBRID_MAX_RUNNING, UNMEASURED_MAX_BATCH_TOKENS, UNMEASURED_MAX_RUNNING,
+};
 use baton_coordinator::planner::SplitPolicy;
 use baton_coordinator::speculative::{DraftMethod, MAX_SPECULATIVE_TOKENS, SpeculativeConfig};
 use baton_shared::model_files::ModelFiles;
@@ -250,6 +252,29 @@ pub(super) fn pipeline_config(
     anyhow::ensure!(p.kv_max_blocks != Some(0), "kv_max_blocks must be at least 1");
     anyhow::ensure!(p.queue_timeout_secs > 0, "queue_timeout_secs must be at least 1");
     weight_format(p.weights.as_str(), &model.files)?;
+    // A hybrid model's linear-attention layers keep a recurrent state per sequence, which is
+    // neither cached with prefix blocks nor rolled back after rejected proposals yet.
+    let hybrid = model.config.linear_attention.is_some();
+    let speculative = speculative(p)?;
+    anyhow::ensure!(
+        !(hybrid && speculative.method != DraftMethod::Off),
+        "speculative decoding is not supported for models with linear-attention layers yet \
+         ({}: their recurrent state cannot drop rejected proposals); use speculative = off",
+        model.config.architecture.model_type()
+    );
+    if hybrid && p.prefix_caching {
+        tracing::warn!(
+            "prefix caching is off for this model: its linear-attention layers' recurrent state is not cached with \
+             prefix blocks yet"
+        );
+    }
+    // Each stage keeps one recurrent-state slot per running sequence, allocated at load: the
+    // running limit is fixed (not sized from measurement) so the slots cover it.
+    let max_running = match (hybrid, p.max_running) {
+        (_, Some(n)) => n,
+        (true, None) => HYBRID_MAX_RUNNING,
+        (false, None) => UNMEASURED_MAX_RUNNING,
+    };
     Ok(PipelineConfig {
         max_context,
         stages,
@@ -257,23 +282,23 @@ pub(super) fn pipeline_config(
         activation_dtype: activation_dtype(p.activation_dtype),
         weights: p.weights.as_str().to_string(),
         max_queue: p.max_queue,
-        max_running: p.max_running.unwrap_or(UNMEASURED_MAX_RUNNING),
+        max_running,
         max_batch_tokens: p
             .max_batch_tokens
             .unwrap_or(UNMEASURED_MAX_BATCH_TOKENS)
             .max(p.max_running.unwrap_or(1)),
         auto_limits: AutoLimits {
-            max_running: p.max_running.is_none(),
+            max_running: p.max_running.is_none() && !hybrid,
             max_batch_tokens: p.max_batch_tokens.is_none(),
         },
         kv_block_size: p.kv_block_size,
         kv_max_blocks: p.kv_max_blocks,
         kv_dtype: kv_dtype(p.kv_dtype),
-        prefix_caching: p.prefix_caching,
+        prefix_caching: p.prefix_caching && !hybrid,
         max_migrations: p.max_migrations,
         queue_timeout: std::time::Duration::from_secs(p.queue_timeout_secs),
         live_replan: p.live_replan.then(Default::default),
-        speculative: speculative(p)?,
+        speculative,
         ..PipelineConfig::new(worker_model, &model.config, model.tokenizer.eos_ids.clone())
     })
 }

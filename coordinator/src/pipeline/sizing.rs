@@ -38,6 +38,10 @@ pub const PLANNED_POSITIONS: usize = 1024;
 pub const MAX_RUNNING: usize = 256;
 /// Running sequences where nothing is measured (the in-process stage), within the KV bound.
 pub const UNMEASURED_MAX_RUNNING: usize = 8;
+/// The running limit of a model with linear-attention layers when none is set: fixed, since
+/// every stage allocates that many recurrent-state slots when it loads (as many as
+/// [`baton_worker::backend::DEFAULT_STATE_SLOTS`], what a stage keeps unless told).
+pub const HYBRID_MAX_RUNNING: usize = baton_worker::backend::DEFAULT_STATE_SLOTS;
 /// Tokens per step where nothing is measured.
 pub const UNMEASURED_MAX_BATCH_TOKENS: usize = 128;
 

@@ -48,6 +48,8 @@ impl StageLive {
             "kv_bytes": h.kv_bytes,
             "kv_blocks_used": h.kv_blocks_used,
             "kv_blocks_total": h.kv_blocks_total,
+            "state_slots_used": h.state_slots_used,
+            "state_slots_total": h.state_slots_total,
             "forward_batches": h.forward_batches,
             "forward_tokens": h.forward_tokens,
             "forward_seconds": h.forward_seconds,

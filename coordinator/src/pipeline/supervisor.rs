@@ -222,6 +222,9 @@ pub(super) async fn load_stages(
             stage_index: i as u32,
             staged,
             draft_model: config.speculative.worker_draft().unwrap_or_default().to_string(),
+            // One recurrent-state slot per sequence that may run (a stage without
+            // linear-attention layers keeps none).
+            state_slots: config.max_running.min(u32::MAX as usize) as u32,
         };
         let label = format!("stage {i} ({}, layers {:?})", a.address, a.layers);
         async move {

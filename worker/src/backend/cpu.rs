@@ -53,13 +53,14 @@ impl CpuBackend {
     /// The paged pool for `model`'s layers, sized from what each layer declares it caches.
     fn kv_pool(model: &StageModel<CpuOps>, opts: &BackendOptions) -> Result<PagedKv, BackendError> {
         let kv_dim = uniform_kv_dim(&model.specs).map_err(|(a, b)| BackendError::MixedKvWidths(a, b))?;
-        Ok(PagedKv::with_dtype(
-            model.specs.len(),
-            kv_dim,
-            opts.kv_block_size,
-            opts.kv_blocks,
-            opts.kv_dtype,
-        ))
+        let c = &model.cache;
+        Ok(
+            PagedKv::with_dtype(c.kv_layers, kv_dim, opts.kv_block_size, opts.kv_blocks, opts.kv_dtype).with_states(
+                c.state_layers,
+                c.state_values,
+                opts.effective_state_slots(),
+            ),
+        )
     }
 
     /// The layers over `hidden` with each chunk's K/V in the paged pool, adding the DFlash taps
@@ -120,6 +121,7 @@ impl Backend for CpuBackend {
             block_size: self.kv.block_size(),
             bytes: self.kv.bytes(),
             dtype: self.kv.dtype(),
+            state_slots: self.kv.state_slots(),
         }
     }
 

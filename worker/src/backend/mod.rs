@@ -122,9 +122,11 @@ pub struct KvGeometry {
     pub blocks: usize,
     /// Positions per block.
     pub block_size: usize,
-    /// Bytes the store reserves.
+    /// Bytes the store reserves (blocks and state slots).
     pub bytes: usize,
     pub dtype: KvDtype,
+    /// Recurrent-state slots, one per running sequence (0: no linear-attention layers here).
+    pub state_slots: usize,
 }
 
 /// What a backend reports about itself (logs, metrics, the coordinator's cluster view).
@@ -280,21 +282,37 @@ pub struct BackendOptions {
     pub kv_blocks: usize,
     pub kv_block_size: usize,
     pub kv_dtype: KvDtype,
+    /// Recurrent-state slots (sequences that may run at once) for a stage with
+    /// linear-attention layers; 0: as many as the pool has blocks, at most
+    /// [`DEFAULT_STATE_SLOTS`].
+    pub state_slots: usize,
 }
 
+/// Recurrent-state slots a stage keeps when nobody says how many.
+pub const DEFAULT_STATE_SLOTS: usize = 64;
+
 impl BackendOptions {
+    /// The state slots a stage with linear-attention layers keeps.
+    pub fn effective_state_slots(&self) -> usize {
+        match self.state_slots {
+            0 => self.kv_blocks.min(DEFAULT_STATE_SLOTS),
+            n => n,
+        }
+    }
+
     /// Bytes the KV store of `layers` of `config` takes under these options, from what each
     /// layer declares it caches (checked against a worker's KV budget before anything is
     /// allocated).
     pub fn kv_bytes(&self, config: &ModelConfig, layers: Range<usize>) -> u128 {
         let arch = registry::for_config(config);
-        let per_block: usize = layers
-            .map(|l| {
-                let kv_dim = arch.layer(config, l).spec().cache.kv_dim();
-                PagedKv::bytes_per_block(1, kv_dim, self.kv_block_size, self.kv_dtype)
-            })
-            .sum();
-        per_block as u128 * self.kv_blocks as u128
+        let (mut per_block, mut per_slot) = (0usize, 0usize);
+        for l in layers {
+            let cache = arch.layer(config, l).spec().cache;
+            per_block += PagedKv::bytes_per_block(1, cache.kv_dim(), self.kv_block_size, self.kv_dtype);
+            per_slot += cache.state_values() * size_of::<f32>();
+        }
+        let slots = if per_slot > 0 { self.effective_state_slots() } else { 0 };
+        per_block as u128 * self.kv_blocks as u128 + per_slot as u128 * slots as u128
     }
 }
 

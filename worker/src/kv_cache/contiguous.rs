@@ -13,13 +13,17 @@ pub struct LayerKv {
     pub v: Vec<f32>,
 }
 
-/// One sequence's KV for a stage's layers.
+/// One sequence's KV for a stage's layers, and the recurrent state of its linear-attention
+/// layers.
 #[derive(Debug)]
 pub struct SequenceKv {
     pub layers: Vec<LayerKv>,
     kv_dim: usize,
     len: usize,
     capacity: usize,
+    /// `state_layers × state_values` f32s.
+    state: Vec<f32>,
+    state_values: usize,
 }
 
 impl SequenceKv {
@@ -36,6 +40,23 @@ impl SequenceKv {
             kv_dim,
             len: 0,
             capacity,
+            state: Vec::new(),
+            state_values: 0,
+        }
+    }
+
+    /// [`new`](Self::new) with `state_layers` recurrent states of `state_values` f32s each.
+    pub fn with_state(
+        n_layers: usize,
+        kv_dim: usize,
+        capacity: usize,
+        state_layers: usize,
+        state_values: usize,
+    ) -> Self {
+        Self {
+            state: vec![0.0; state_layers * state_values],
+            state_values,
+            ..Self::new(n_layers, kv_dim, capacity)
         }
     }
 
@@ -54,12 +75,10 @@ impl SequenceKv {
         self.capacity
     }
 
-    /// Bytes held by the key and value buffers.
+    /// Bytes held by the key and value buffers and the recurrent state.
     pub fn bytes(&self) -> usize {
-        self.layers
-            .iter()
-            .map(|l| (l.k.len() + l.v.len()) * size_of::<f32>())
-            .sum()
+        let kv: usize = self.layers.iter().map(|l| l.k.len() + l.v.len()).sum();
+        (kv + self.state.len()) * size_of::<f32>()
     }
 
     /// Make room for `total` tokens (doubling, so appends are amortised allocation-free).
@@ -117,6 +136,9 @@ impl KvSpans for [BatchSeq<'_>] {
     fn prepare(&mut self) -> Result<(), ForwardError> {
         for q in self.iter_mut() {
             q.kv.reserve(q.pos0 + q.len);
+            if q.pos0 == 0 {
+                q.kv.state.fill(0.0);
+            }
         }
         Ok(())
     }
@@ -141,5 +163,11 @@ impl BatchKv for [BatchSeq<'_>] {
     fn layer(&self, i: usize, layer: usize) -> (KvData<'_>, KvData<'_>, Rows<'_>) {
         let l = &self[i].kv.layers[layer];
         (KvData::F32(&l.k), KvData::F32(&l.v), Rows::Contiguous)
+    }
+
+    fn state(&mut self, i: usize, layer: usize) -> &mut [f32] {
+        let kv = &mut *self[i].kv;
+        let n = kv.state_values;
+        &mut kv.state[layer * n..(layer + 1) * n]
     }
 }

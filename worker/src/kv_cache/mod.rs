@@ -84,6 +84,9 @@ pub trait BatchKv: KvSpans + Sync {
     fn write(&mut self, i: usize, layer: usize, k: &[f32], v: &[f32]);
     /// Sequence `i`'s keys and values of `layer` and how positions map to their rows.
     fn layer(&self, i: usize, layer: usize) -> (KvData<'_>, KvData<'_>, Rows<'_>);
+    /// Sequence `i`'s recurrent state in state slot `layer` (zeros when its first chunk
+    /// starts at position 0), updated in place by a linear-attention layer.
+    fn state(&mut self, i: usize, layer: usize) -> &mut [f32];
 }
 
 /// Any [`BatchKv`] (a slice of contiguous sequences included) as a sized value, so it can be
@@ -114,6 +117,9 @@ impl<K: BatchKv + ?Sized> BatchKv for AnyKv<'_, K> {
     }
     fn layer(&self, i: usize, layer: usize) -> (KvData<'_>, KvData<'_>, Rows<'_>) {
         self.0.layer(i, layer)
+    }
+    fn state(&mut self, i: usize, layer: usize) -> &mut [f32] {
+        self.0.state(i, layer)
     }
 }
 

@@ -4,6 +4,10 @@
 //! each stage stores its own layers' K/V there. The pool is allocated once when the stage
 //! loads (zeroed lazily by the OS), so serving allocates nothing per token. Values are stored
 //! as f32 or, at half the memory, f16 ([`KvDtype`]).
+//!
+//! Beside the blocks, a stage with linear-attention layers keeps a fixed number of recurrent
+//! state slots (f32), one per running sequence: a slot holds that sequence's state for every
+//! such layer of the stage, and is zeroed when the sequence starts at position 0.
 
 use super::{BatchKv, KvDtype, KvSpans};
 use crate::kernels::cpu::attention::{KvData, Rows};
@@ -59,6 +63,11 @@ pub struct PagedKv {
     block_size: usize,
     blocks: usize,
     dtype: KvDtype,
+    /// `state_slots × state_layers × state_values` f32s.
+    states: Vec<f32>,
+    state_layers: usize,
+    state_values: usize,
+    state_slots: usize,
 }
 
 impl PagedKv {
@@ -84,7 +93,33 @@ impl PagedKv {
             block_size,
             blocks,
             dtype,
+            states: Vec::new(),
+            state_layers: 0,
+            state_values: 0,
+            state_slots: 0,
         }
+    }
+
+    /// The pool with `slots` recurrent-state slots for `state_layers` layers of `state_values`
+    /// f32s each.
+    pub fn with_states(self, state_layers: usize, state_values: usize, slots: usize) -> Self {
+        Self {
+            states: vec![0.0; slots * state_layers * state_values],
+            state_layers,
+            state_values,
+            state_slots: if state_layers == 0 { 0 } else { slots },
+            ..self
+        }
+    }
+
+    /// Recurrent-state slots (0 for a stage without linear-attention layers).
+    pub fn state_slots(&self) -> usize {
+        self.state_slots
+    }
+
+    /// Bytes one state slot takes (every linear-attention layer of the stage).
+    pub fn state_slot_bytes(&self) -> usize {
+        self.state_layers * self.state_values * size_of::<f32>()
     }
 
     /// Bytes one block takes across `n_layers` layers (keys and values of `dtype`).
@@ -107,9 +142,10 @@ impl PagedKv {
         self.block_size
     }
 
-    /// Bytes the pool reserves.
+    /// Bytes the pool reserves (blocks and state slots).
     pub fn bytes(&self) -> usize {
         Self::bytes_per_block(self.layers.len(), self.kv_dim, self.block_size, self.dtype) * self.blocks
+            + self.states.len() * size_of::<f32>()
     }
 
     /// Storage row of position `pos` through `table`.
@@ -126,6 +162,8 @@ pub struct PagedSeq<'a> {
     pub len: usize,
     pub stored: usize,
     pub table: &'a [u32],
+    /// The sequence's recurrent-state slot (read only by a stage with linear-attention layers).
+    pub state_slot: usize,
 }
 
 /// A batch of sequences over one pool. The caller records the new lengths on success.
@@ -164,6 +202,16 @@ impl KvSpans for PagedBatch<'_> {
                     blocks: self.pool.blocks,
                 });
             }
+            if self.pool.state_layers > 0 && s.state_slot >= self.pool.state_slots {
+                return Err(ForwardError::StateSlot {
+                    slot: s.state_slot,
+                    slots: self.pool.state_slots,
+                });
+            }
+        }
+        let per_slot = self.pool.state_layers * self.pool.state_values;
+        for s in self.seqs.iter().filter(|s| s.pos0 == 0 && per_slot > 0) {
+            self.pool.states[s.state_slot * per_slot..(s.state_slot + 1) * per_slot].fill(0.0);
         }
         Ok(())
     }
@@ -190,6 +238,12 @@ impl BatchKv for PagedBatch<'_> {
             block_size: self.pool.block_size,
         };
         (l.k.data(), l.v.data(), layout)
+    }
+
+    fn state(&mut self, i: usize, layer: usize) -> &mut [f32] {
+        let n = self.pool.state_values;
+        let at = (self.seqs[i].state_slot * self.pool.state_layers + layer) * n;
+        &mut self.pool.states[at..at + n]
     }
 }
 
@@ -222,6 +276,7 @@ mod tests {
             len: n,
             stored: 0,
             table: &table,
+            state_slot: 0,
         }];
         let mut batch = PagedBatch {
             pool: &mut pool,
@@ -234,6 +289,7 @@ mod tests {
             len: 3,
             stored: n - 3,
             table: &table,
+            state_slot: 0,
         }];
         let batch = PagedBatch {
             pool: &mut pool,
@@ -262,6 +318,7 @@ mod tests {
             len: 3,
             stored: 0,
             table: &table,
+            state_slot: 0,
         }];
         let mut batch = PagedBatch {
             pool: &mut pool,
@@ -291,6 +348,7 @@ mod tests {
             len: 2,
             stored: 4,
             table: &[0],
+            state_slot: 0,
         }];
         let e = PagedBatch {
             pool: &mut pool,
@@ -311,6 +369,7 @@ mod tests {
             len: 2,
             stored: 0,
             table: &[3],
+            state_slot: 0,
         }];
         let e = PagedBatch {
             pool: &mut pool,

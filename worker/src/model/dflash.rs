@@ -207,6 +207,7 @@ fn plan_specs(plan: &mut LayerPlan) -> Vec<&mut TensorSpec> {
             out.extend(a.qkv_bias.iter_mut().flatten());
             out.extend(a.qk_norm.iter_mut().flatten());
         }
+        MixerTensors::LinearAttention(_) => unreachable!("a Qwen3 layer is full attention"),
     }
     match &mut plan.ffn {
         FfnTensors::Dense(m) => out.extend([&mut m.gate, &mut m.up, &mut m.down]),
@@ -388,7 +389,7 @@ impl<O: Ops> DraftModel<O> {
     /// RoPE tables for the rows of `kv` (sequence `i`'s rows sit at absolute positions
     /// `origin[i] + span`), and the longest cache a query reads.
     fn tables(&self, kv: &O::Kv<'_>, origin: &[usize], batch: &mut Batch) {
-        let half = self.config.layers.head_dim / 2;
+        let half = self.config.layers.rotary_dim / 2;
         batch.cos.clear();
         batch.sin.clear();
         batch.longest = 0;
@@ -432,7 +433,9 @@ impl<O: Ops> DraftModel<O> {
         self.tables(kv, origin, &mut batch);
         self.hidden_norm.apply(&self.ops, &s.hidden, &mut s.xn);
         for (index, layer) in self.layers.iter().enumerate() {
-            let super::blocks::Mixer::Attention(a) = &layer.mixer;
+            let super::blocks::Mixer::Attention(a) = &layer.mixer else {
+                unreachable!("a DFlash draft's layers are Qwen3 attention layers")
+            };
             a.store_context(&self.ops, index, kv, &batch, s);
         }
         s.batch = batch;

@@ -23,4 +23,6 @@ pub enum ForwardError {
     },
     #[error("KV block id {id} is outside the pool of {blocks} blocks")]
     KvBlockId { id: u32, blocks: usize },
+    #[error("recurrent-state slot {slot} is outside the stage's {slots} slots")]
+    StateSlot { slot: usize, slots: usize },
 }

@@ -22,7 +22,12 @@ pub struct WeightLoader<'a, O: Ops> {
 impl<O: Ops> WeightLoader<'_, O> {
     /// An f32 vector (norm scale, bias).
     pub fn vector(&self, spec: &TensorSpec) -> Result<O::Vector, LoadError> {
-        Ok(self.ops.vector(self.files.load_f32(spec, self.check_finite)?))
+        Ok(self.ops.vector(self.host_vector(spec)?))
+    }
+
+    /// An f32 tensor in host memory, to be transformed before it is uploaded.
+    pub fn host_vector(&self, spec: &TensorSpec) -> Result<Vec<f32>, LoadError> {
+        self.files.load_f32(spec, self.check_finite)
     }
 
     /// An f32 table kept exactly (the embedding).

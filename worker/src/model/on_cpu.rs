@@ -89,6 +89,19 @@ impl StageModel<CpuOps> {
         Self::load_with(files, config, 0..config.num_layers, true, true, check_finite, opts)
     }
 
+    /// An empty cache of one sequence for this stage's layers (K/V for its attention layers,
+    /// recurrent state for its linear-attention ones), with room for `capacity` positions.
+    pub fn new_kv(&self, capacity: usize) -> SequenceKv {
+        let c = &self.cache;
+        SequenceKv::with_state(
+            c.kv_layers,
+            self.config.kv_dim(),
+            capacity,
+            c.state_layers,
+            c.state_values,
+        )
+    }
+
     /// Embedding rows for `tokens` into `out` (`tokens.len() × hidden`).
     pub fn embed(&self, tokens: &[u32], out: &mut [f32]) -> Result<(), ForwardError> {
         embed_rows(self.embedding_for(tokens)?, tokens, out)

@@ -4,10 +4,10 @@
 
 use baton_shared::model_config::ModelConfig;
 
-use super::arch::{Architecture, Llama, Qwen2, Qwen3, Qwen3Moe};
+use super::arch::{Architecture, Llama, Qwen2, Qwen3, Qwen3Moe, Qwen3Next};
 
 /// Every architecture this build runs.
-pub static ARCHITECTURES: &[&dyn Architecture] = &[&Llama, &Qwen2, &Qwen3, &Qwen3Moe];
+pub static ARCHITECTURES: &[&dyn Architecture] = &[&Llama, &Qwen2, &Qwen3, &Qwen3Moe, &Qwen3Next];
 
 /// A model whose architecture no module serves.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -61,6 +61,7 @@ mod tests {
             ConfigArch::Qwen2,
             ConfigArch::Qwen3,
             ConfigArch::Qwen3Moe,
+            ConfigArch::Qwen3Next,
         ] {
             let m = find(arch.model_type()).unwrap();
             assert!(m.hf_names().contains(&arch.hf_class()), "{arch:?}");

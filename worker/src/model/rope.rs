@@ -3,7 +3,7 @@
 
 use baton_shared::model_config::{ModelConfig, RopeScaling};
 
-/// Inverse frequencies for one head (`head_dim / 2` of them).
+/// Inverse frequencies for one head (`rotary_dim / 2` of them: the rotated part of a head).
 #[derive(Debug, Clone)]
 pub struct Rope {
     pub inv_freq: Vec<f32>,
@@ -11,9 +11,9 @@ pub struct Rope {
 }
 
 impl Rope {
-    /// Frequencies for a model's head size, theta and scaling.
+    /// Frequencies for a model's rotated head width, theta and scaling.
     pub fn new(cfg: &ModelConfig) -> Self {
-        let d = cfg.head_dim;
+        let d = cfg.rotary_dim;
         let mut inv_freq: Vec<f32> = (0..d / 2)
             .map(|i| 1.0 / (cfg.rope_theta as f32).powf((2 * i) as f32 / d as f32))
             .collect();
@@ -48,7 +48,7 @@ impl Rope {
         Self { inv_freq, head_dim: d }
     }
 
-    /// Fill `cos`/`sin` (each `head_dim / 2` long) for one position.
+    /// Fill `cos`/`sin` (each `rotary_dim / 2` long) for one position.
     pub fn tables(&self, pos: usize, cos: &mut [f32], sin: &mut [f32]) {
         for ((c, s), &f) in cos.iter_mut().zip(sin.iter_mut()).zip(&self.inv_freq) {
             let angle = f * pos as f32;

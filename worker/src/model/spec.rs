@@ -6,6 +6,8 @@
 pub enum LayerKind {
     /// Full causal self-attention.
     Attention,
+    /// Gated DeltaNet linear attention: a recurrent state per sequence.
+    LinearAttention,
 }
 
 impl LayerKind {
@@ -13,6 +15,7 @@ impl LayerKind {
     pub fn name(self) -> &'static str {
         match self {
             LayerKind::Attention => "attention",
+            LayerKind::LinearAttention => "linear_attention",
         }
     }
 }
@@ -41,6 +44,8 @@ impl FfnKind {
 pub enum CacheSpec {
     /// Keys and values for every position: `kv_heads × head_dim` values each.
     Attention { kv_heads: usize, head_dim: usize },
+    /// A fixed-size state per sequence, whatever its length: `values` f32s.
+    Recurrent { values: usize },
 }
 
 impl CacheSpec {
@@ -48,7 +53,57 @@ impl CacheSpec {
     pub fn kv_dim(self) -> usize {
         match self {
             CacheSpec::Attention { kv_heads, head_dim } => kv_heads * head_dim,
+            CacheSpec::Recurrent { .. } => 0,
         }
+    }
+
+    /// f32 values of recurrent state per sequence (0 for a K/V layer).
+    pub fn state_values(self) -> usize {
+        match self {
+            CacheSpec::Attention { .. } => 0,
+            CacheSpec::Recurrent { values } => values,
+        }
+    }
+}
+
+/// Where each of a stage's layers keeps its cache: attention layers number their K/V slots
+/// from 0, recurrent layers their state slots from 0, so neither pool holds room for the
+/// other kind's layers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CacheLayout {
+    /// Layer `i`'s slot within its kind's pool.
+    pub slot: Vec<usize>,
+    /// Layers with K/V.
+    pub kv_layers: usize,
+    /// Layers with recurrent state.
+    pub state_layers: usize,
+    /// f32 values of one recurrent layer's state (every such layer of a model has the same).
+    pub state_values: usize,
+}
+
+impl CacheLayout {
+    /// The layout of `specs`, in order.
+    pub fn of(specs: &[LayerSpec]) -> Self {
+        let mut out = Self::default();
+        for s in specs {
+            match s.cache {
+                CacheSpec::Attention { .. } => {
+                    out.slot.push(out.kv_layers);
+                    out.kv_layers += 1;
+                }
+                CacheSpec::Recurrent { values } => {
+                    out.slot.push(out.state_layers);
+                    out.state_layers += 1;
+                    out.state_values = out.state_values.max(values);
+                }
+            }
+        }
+        out
+    }
+
+    /// f32 values of recurrent state one sequence needs on this stage.
+    pub fn state_per_sequence(&self) -> usize {
+        self.state_layers * self.state_values
     }
 }
 

@@ -15,7 +15,7 @@ use super::loader::WeightLoader;
 use super::registry;
 use super::rope::Rope;
 use super::scratch::{MoeStats, Scratch};
-use super::spec::LayerSpec;
+use super::spec::{CacheLayout, LayerSpec};
 use crate::kernels::cpu::matmul::WeightFormat;
 use crate::kv_cache::KvSpans;
 use crate::ops::Ops;
@@ -38,6 +38,8 @@ pub struct StageModel<O: Ops> {
     pub layers: Range<usize>,
     /// What each held layer is and caches, in order.
     pub specs: Vec<LayerSpec>,
+    /// Which slot of its kind's cache each held layer uses.
+    pub cache: CacheLayout,
     /// The f32 embedding table: on the first stage, or on a last stage whose head borrows it.
     embedding: Option<O::Mat>,
     blocks: Vec<DecoderLayer<O>>,
@@ -135,7 +137,7 @@ impl<O: Ops> StageModel<O> {
         // A last stage that is not first needed the embedding only to build its own head.
         let embedding = embedding.filter(|_| first || head.is_none());
         let final_norm = match last {
-            true => Some(RmsNorm::load(&w, &outer.final_norm)?),
+            true => Some(RmsNorm::load_scaled(&w, &outer.final_norm, outer.norm_scale)?),
             false => None,
         };
         let ops_info = ops.info();
@@ -152,6 +154,7 @@ impl<O: Ops> StageModel<O> {
             config: config.clone(),
             arch,
             layers,
+            cache: CacheLayout::of(&specs),
             specs,
             embedding,
             blocks,
@@ -250,7 +253,7 @@ impl<O: Ops> StageModel<O> {
         }
         kv.prepare()?;
         let mut batch = std::mem::take(&mut s.batch);
-        let half = c.head_dim / 2;
+        let half = c.rotary_dim / 2;
         batch.cos.resize(t * half, 0.0);
         batch.sin.resize(t * half, 0.0);
         batch.longest = longest;
@@ -266,7 +269,7 @@ impl<O: Ops> StageModel<O> {
         s.moe = MoeStats::default();
         let taps = self.taps.as_ref().filter(|_| s.tapping);
         for (index, layer) in self.blocks.iter().enumerate() {
-            layer.forward(&self.ops, index, kv, &batch, s);
+            layer.forward(&self.ops, self.cache.slot[index], kv, &batch, s);
             if let Some(fc) = taps.and_then(|t| t.at(index)) {
                 self.ops.matmul(&mut s.ws, &s.hidden, fc, None, &mut s.tap_product);
                 self.ops.add(&mut s.taps, &s.tap_product);

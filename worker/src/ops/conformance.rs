@@ -140,7 +140,7 @@ pub fn check<O: Ops>(ops: &O, rows: usize) -> Vec<Check> {
         );
     }
     let mut roped = upload(&x);
-    ops.rope(&mut roped, heads * head_dim, head_dim, &cos, &sin);
+    ops.rope(&mut roped, heads * head_dim, head_dim, head_dim, &cos, &sin);
     checks.push(Check {
         op: "rope",
         max_abs_diff: max_diff(&host(&roped), &want),

@@ -4,10 +4,11 @@
 
 use std::sync::Arc;
 
-use super::{AttnMask, AttnShape, HostMatrix, Ops, OpsInfo, Product};
+use super::{AttnMask, AttnShape, HostMatrix, LinearAttnShape, Ops, OpsInfo, Product};
 use crate::kernels::cpu::attention::{SeqAttn, attention_batch};
 use crate::kernels::cpu::dispatch::Kernels;
 use crate::kernels::cpu::elementwise as ew;
+use crate::kernels::cpu::linear_attention as la;
 use crate::kernels::cpu::matmul::{self, Matrix, WeightFormat};
 use crate::kernels::cpu::moe::{self, Routing};
 use crate::kernels::cpu::q8::QuantizedRows;
@@ -70,6 +71,13 @@ pub struct CpuWorkspace {
     scores: Vec<f32>,
     /// First row of each sequence of a batch.
     offsets: Vec<usize>,
+    /// Gated DeltaNet: the conv's input and output rows, each row's `beta` and decay per
+    /// value head, and one head's delta-rule scratch.
+    conv_in: Vec<f32>,
+    conv_out: Vec<f32>,
+    beta: Vec<f32>,
+    decay: Vec<f32>,
+    mem: Vec<f32>,
 }
 
 impl CpuOps {
@@ -190,11 +198,141 @@ impl Ops for CpuOps {
         ew::rmsnorm_inplace(self.kernels, x, w, eps);
     }
 
-    fn rope(&self, x: &mut CpuBuf, width: usize, head_dim: usize, cos: &[f32], sin: &[f32]) {
-        let half = head_dim / 2;
+    fn rope(&self, x: &mut CpuBuf, width: usize, head_dim: usize, rotary_dim: usize, cos: &[f32], sin: &[f32]) {
+        let half = rotary_dim / 2;
         for (i, row) in x.chunks_exact_mut(width).enumerate() {
             let at = i * half..(i + 1) * half;
-            ew::rope_rotate_half(self.kernels, row, head_dim, &cos[at.clone()], &sin[at]);
+            if rotary_dim == head_dim {
+                ew::rope_rotate_half(self.kernels, row, head_dim, &cos[at.clone()], &sin[at]);
+            } else {
+                for head in row.chunks_exact_mut(head_dim) {
+                    let (c, s) = (&cos[at.clone()], &sin[at.clone()]);
+                    ew::rope_rotate_half(self.kernels, &mut head[..rotary_dim], rotary_dim, c, s);
+                }
+            }
+        }
+    }
+
+    fn deinterleave(&self, x: &CpuBuf, piece: usize, a: &mut CpuBuf, b: &mut CpuBuf) {
+        let half = x.len() / 2;
+        self.resize(a, half);
+        self.resize(b, half);
+        for ((src, a), b) in x
+            .chunks_exact(2 * piece)
+            .zip(a.chunks_exact_mut(piece))
+            .zip(b.chunks_exact_mut(piece))
+        {
+            a.copy_from_slice(&src[..piece]);
+            b.copy_from_slice(&src[piece..]);
+        }
+    }
+
+    fn sigmoid_mul(&self, x: &mut CpuBuf, gate: &CpuBuf) {
+        la::sigmoid_mul(self.kernels, x, gate);
+    }
+
+    fn add_sigmoid_scaled(&self, out: &mut CpuBuf, y: &CpuBuf, gate: &CpuBuf) {
+        let width = out.len() / gate.len().max(1);
+        la::add_sigmoid_scaled(self.kernels, out, y, gate, width);
+    }
+
+    fn rmsnorm_gated(&self, x: &mut CpuBuf, w: &Vec<f32>, eps: f32, z: &CpuBuf) {
+        la::rmsnorm_gated(self.kernels, x, w, eps, z);
+    }
+
+    fn linear_attention(
+        &self,
+        ws: &mut CpuWorkspace,
+        layer: usize,
+        qkvz: &CpuBuf,
+        ba: &CpuBuf,
+        params: [&Vec<f32>; 3],
+        shape: LinearAttnShape,
+        kv: &mut (dyn BatchKv + '_),
+        out: &mut CpuBuf,
+        z: &mut CpuBuf,
+    ) {
+        let [conv_t, dt_bias, a_rate] = params;
+        let (nk, nv, dk, dv) = (
+            shape.key_heads,
+            shape.value_heads,
+            shape.key_head_dim,
+            shape.value_head_dim,
+        );
+        let per_k = nv / nk;
+        let (keys, values, channels) = (shape.keys(), shape.values(), shape.channels());
+        let rows = kv_rows(kv);
+        self.resize(out, rows * values);
+        self.resize(z, rows * values);
+        ws.conv_in.resize(rows * channels, 0.0);
+        ws.conv_out.resize(rows * channels, 0.0);
+        ws.beta.resize(rows * nv, 0.0);
+        ws.decay.resize(rows * nv, 0.0);
+        ws.mem.resize(dv, 0.0);
+        // Per key head the projections hold q, k, then its value heads' v and z; the conv
+        // takes every head's q, then every k, then every v.
+        let group = 2 * dk + 2 * per_k * dv;
+        for t in 0..rows {
+            let src = &qkvz[t * group * nk..(t + 1) * group * nk];
+            let dst = &mut ws.conv_in[t * channels..(t + 1) * channels];
+            let zt = &mut z[t * values..(t + 1) * values];
+            for g in 0..nk {
+                let s = &src[g * group..(g + 1) * group];
+                dst[g * dk..(g + 1) * dk].copy_from_slice(&s[..dk]);
+                dst[keys + g * dk..keys + (g + 1) * dk].copy_from_slice(&s[dk..2 * dk]);
+                let vw = per_k * dv;
+                dst[2 * keys + g * vw..2 * keys + (g + 1) * vw].copy_from_slice(&s[2 * dk..2 * dk + vw]);
+                zt[g * vw..(g + 1) * vw].copy_from_slice(&s[2 * dk + vw..]);
+            }
+            let bat = &ba[t * 2 * nv..(t + 1) * 2 * nv];
+            for g in 0..nk {
+                for j in 0..per_k {
+                    let h = g * per_k + j;
+                    let (b, a) = (bat[g * 2 * per_k + j], bat[g * 2 * per_k + per_k + j]);
+                    ws.beta[t * nv + h] = la::reference::sigmoid(b);
+                    ws.decay[t * nv + h] = (a_rate[h] * softplus(a + dt_bias[h])).exp();
+                }
+            }
+        }
+        let conv_state = shape.conv_state();
+        let q_scale = 1.0 / (dk as f32).sqrt();
+        let mut row = 0;
+        for i in 0..kv.seqs() {
+            let n = kv.span(i).1;
+            let state = kv.state(i, layer);
+            let (cs, rec) = state.split_at_mut(conv_state);
+            let span = row * channels..(row + n) * channels;
+            la::conv1d_silu(
+                self.kernels,
+                &ws.conv_in[span.clone()],
+                channels,
+                conv_t,
+                None,
+                cs,
+                &mut ws.conv_out[span],
+            );
+            for t in row..row + n {
+                let c = &mut ws.conv_out[t * channels..(t + 1) * channels];
+                let (qk, v) = c.split_at_mut(2 * keys);
+                let (q, k) = qk.split_at_mut(keys);
+                la::l2norm_scaled(self.kernels, q, dk, 1e-6, q_scale);
+                la::l2norm_scaled(self.kernels, k, dk, 1e-6, 1.0);
+                for h in 0..nv {
+                    let g = h / per_k;
+                    la::delta_step(
+                        self.kernels,
+                        &q[g * dk..(g + 1) * dk],
+                        &k[g * dk..(g + 1) * dk],
+                        &v[h * dv..(h + 1) * dv],
+                        ws.decay[t * nv + h],
+                        ws.beta[t * nv + h],
+                        &mut rec[h * dk * dv..(h + 1) * dk * dv],
+                        &mut out[t * values + h * dv..t * values + (h + 1) * dv],
+                        &mut ws.mem,
+                    );
+                }
+            }
+            row += n;
         }
     }
 
@@ -298,6 +436,11 @@ impl Ops for CpuOps {
             out,
         );
     }
+}
+
+/// `ln(1 + e^x)`, as torch computes it in f32 (`x` itself above 20).
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 { x } else { x.exp().ln_1p() }
 }
 
 /// Rows the sequences of `kv` contribute to a batch.

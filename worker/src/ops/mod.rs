@@ -9,8 +9,9 @@
 //! explicitly uploads or downloads them (at a stage's edges).
 //!
 //! Operations an architecture needs are added here as new methods with their own buffer types
-//! (mixture-of-experts routing has [`Ops::Routing`]; causal conv1d and the gated delta-rule
-//! recurrence come next); model code that does not call them is untouched.
+//! (mixture-of-experts routing has [`Ops::Routing`]; Gated DeltaNet is one coarse
+//! [`Ops::linear_attention`] over the sequences' recurrent state); model code that does not
+//! call them is untouched.
 
 pub mod conformance;
 pub mod cpu;
@@ -45,6 +46,46 @@ pub enum HostMatrix {
         rows: usize,
         cols: usize,
     },
+}
+
+/// The shape of one Gated DeltaNet call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinearAttnShape {
+    /// Query/key heads; each serves `value_heads / key_heads` value heads.
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_head_dim: usize,
+    pub value_head_dim: usize,
+    /// Taps of the causal conv1d.
+    pub conv_kernel: usize,
+}
+
+impl LinearAttnShape {
+    /// Width of the concatenated query (or key) heads.
+    pub fn keys(&self) -> usize {
+        self.key_heads * self.key_head_dim
+    }
+
+    /// Width of the concatenated value heads.
+    pub fn values(&self) -> usize {
+        self.value_heads * self.value_head_dim
+    }
+
+    /// Channels of the conv1d: queries, keys and values.
+    pub fn channels(&self) -> usize {
+        2 * self.keys() + self.values()
+    }
+
+    /// f32 values of the conv part of a sequence's state (its last `kernel - 1` input rows);
+    /// the delta rule's matrices follow it.
+    pub fn conv_state(&self) -> usize {
+        (self.conv_kernel - 1) * self.channels()
+    }
+
+    /// f32 values of a sequence's whole state.
+    pub fn state_values(&self) -> usize {
+        self.conv_state() + self.value_heads * self.key_head_dim * self.value_head_dim
+    }
 }
 
 /// What a device reports about how it computes.
@@ -118,9 +159,19 @@ pub trait Ops: Send + Sync + Sized + 'static {
     fn rmsnorm(&self, x: &Self::Buf, w: &Self::Vector, eps: f32, out: &mut Self::Buf);
     /// RMSNorm of each `w.len()`-wide piece of `x` in place (per-head q/k norms).
     fn rmsnorm_inplace(&self, x: &mut Self::Buf, w: &Self::Vector, eps: f32);
-    /// Rotate-half RoPE of every `head_dim`-wide head of each `width`-wide row of `x`; row `i`
-    /// uses `cos[i * head_dim / 2..]` and `sin[i * head_dim / 2..]` (host tables).
-    fn rope(&self, x: &mut Self::Buf, width: usize, head_dim: usize, cos: &[f32], sin: &[f32]);
+    /// Rotate-half RoPE of the first `rotary_dim` values of every `head_dim`-wide head of each
+    /// `width`-wide row of `x` (the rest pass through); row `i` uses `cos[i * rotary_dim / 2..]`
+    /// and `sin[i * rotary_dim / 2..]` (host tables).
+    fn rope(&self, x: &mut Self::Buf, width: usize, head_dim: usize, rotary_dim: usize, cos: &[f32], sin: &[f32]);
+    /// Split each `2 · piece`-wide run of `x` into its first half (to `a`) and second (to `b`):
+    /// a gated attention's queries and gates, which its `q` projection interleaves per head.
+    fn deinterleave(&self, x: &Self::Buf, piece: usize, a: &mut Self::Buf, b: &mut Self::Buf);
+    /// `x *= sigmoid(gate)`, element by element.
+    fn sigmoid_mul(&self, x: &mut Self::Buf, gate: &Self::Buf);
+    /// `out[row] += sigmoid(gate[row]) · y[row]`: one gate value per row (a shared expert).
+    fn add_sigmoid_scaled(&self, out: &mut Self::Buf, y: &Self::Buf, gate: &Self::Buf);
+    /// RMSNorm of each `w.len()`-wide piece of `x` in place, times `silu(z)` element by element.
+    fn rmsnorm_gated(&self, x: &mut Self::Buf, w: &Self::Vector, eps: f32, z: &Self::Buf);
     /// `gate = silu(gate) · up` over `width`-wide rows.
     fn silu_mul(&self, gate: &mut Self::Buf, up: &Self::Buf, width: usize);
     /// `x += y` (the residual stream).
@@ -135,6 +186,26 @@ pub trait Ops: Send + Sync + Sized + 'static {
     fn gather_routed(&self, x: &Self::Buf, routing: &Self::Routing, expert: usize, out: &mut Self::Buf) -> usize;
     /// `out[row] += weight · y[i]` for the `i`-th row routed to `expert`.
     fn scatter_routed(&self, y: &Self::Buf, routing: &Self::Routing, expert: usize, out: &mut Self::Buf);
+    /// Gated DeltaNet over every sequence of `kv`, its state in slot `layer`: from the fused
+    /// projections `qkvz` (per key head: q, k, then its value heads' v and z) and `ba` (per key
+    /// head: its value heads' b, then their a), the conv1d (taps `[kernel, channels]`) with
+    /// SiLU over q, k, v; `beta = sigmoid(b)`, decay `exp(a_rate · softplus(a + dt_bias))`;
+    /// L2-normed q (scaled by `1/sqrt(key_head_dim)`) and k; the delta rule, each value head
+    /// reading its key head's q and k; into `out` (`values` wide) and the gate `z` (`values`
+    /// wide, value-head order). `params` is `[conv taps, dt_bias, a_rate]`.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_attention(
+        &self,
+        ws: &mut Self::Workspace,
+        layer: usize,
+        qkvz: &Self::Buf,
+        ba: &Self::Buf,
+        params: [&Self::Vector; 3],
+        shape: LinearAttnShape,
+        kv: &mut Self::Kv<'_>,
+        out: &mut Self::Buf,
+        z: &mut Self::Buf,
+    );
     /// Store each sequence's new K/V rows of `layer` in `kv` (rows with no query: a DFlash
     /// draft's context).
     fn store_kv(&self, layer: usize, k: &Self::Buf, v: &Self::Buf, kv: &mut Self::Kv<'_>);

@@ -1,6 +1,7 @@
 //! Kernels of linear-attention layers (Qwen3-Next's and Qwen3.5's Gated DeltaNet): the causal
-//! depthwise conv1d with its rolling state, the per-head L2 norm of queries and keys, and the
-//! gated delta rule's recurrence.
+//! depthwise conv1d with its rolling state, the per-head L2 norm of queries and keys, the
+//! gated delta rule's recurrence, and the sigmoid/SiLU gates around them (the gated RMSNorm
+//! of each head's output, the gated attention's output gate, the shared expert's gate).
 //!
 //! Both the conv1d and the delta rule run token by token over a chunk, carrying per-sequence
 //! state, so a prompt gives the same bits however it is cut into chunks or batched with
@@ -82,6 +83,45 @@ pub mod reference {
         }
     }
 
+    /// `1 / (1 + e^-x)`.
+    #[inline(always)]
+    pub fn sigmoid(x: f32) -> f32 {
+        1.0 / (1.0 + r::exp(-x))
+    }
+
+    /// `x *= sigmoid(gate)`, element by element.
+    #[inline(always)]
+    pub fn sigmoid_mul(x: &mut [f32], gate: &[f32]) {
+        for (v, &g) in x.iter_mut().zip(gate) {
+            *v *= sigmoid(g);
+        }
+    }
+
+    /// `out[row] += sigmoid(gate[row]) · y[row]` for `width`-wide rows (one gate per row).
+    #[inline(always)]
+    pub fn add_sigmoid_scaled(out: &mut [f32], y: &[f32], gate: &[f32], width: usize) {
+        for ((o, yr), &g) in out.chunks_exact_mut(width).zip(y.chunks_exact(width)).zip(gate) {
+            let s = sigmoid(g);
+            for (o, &v) in o.iter_mut().zip(yr) {
+                *o += s * v;
+            }
+        }
+    }
+
+    /// RMSNorm of each `weight.len()`-wide piece of `x` in place, times `silu(z)` of the same
+    /// values (Gated DeltaNet's output norm: normalize first, then gate).
+    #[inline(always)]
+    pub fn rmsnorm_gated(x: &mut [f32], weight: &[f32], eps: f32, z: &[f32]) {
+        let n = weight.len();
+        for (xr, zr) in x.chunks_exact_mut(n).zip(z.chunks_exact(n)) {
+            let ss = r::dot(xr, xr) / n as f32;
+            let inv = 1.0 / (ss + eps).sqrt();
+            for ((v, &g), &z) in xr.iter_mut().zip(weight).zip(zr) {
+                *v = g * (*v * inv) * (z * sigmoid(z));
+            }
+        }
+    }
+
     /// One token of one head of the gated delta rule. `state` is `[dk, dv]` (row `i` for key
     /// dimension `i`): it decays by `decay` (`exp(g)`), then learns `v` at `k` at rate `beta`
     /// (the delta rule: only what the decayed state does not already predict is written), and
@@ -129,6 +169,18 @@ dispatched!(
         state: &mut [f32],
         out: &mut [f32]
     )
+);
+dispatched!(
+    /// [`reference::sigmoid_mul`] on path `k`.
+    sigmoid_mul(x: &mut [f32], gate: &[f32])
+);
+dispatched!(
+    /// [`reference::add_sigmoid_scaled`] on path `k`.
+    add_sigmoid_scaled(out: &mut [f32], y: &[f32], gate: &[f32], width: usize)
+);
+dispatched!(
+    /// [`reference::rmsnorm_gated`] on path `k`.
+    rmsnorm_gated(x: &mut [f32], weight: &[f32], eps: f32, z: &[f32])
 );
 dispatched!(
     /// [`reference::l2norm_scaled`] on path `k`.
@@ -209,6 +261,46 @@ mod tests {
                     // The state holds the last kernel - 1 inputs.
                     assert_eq!(state[..], x[x.len() - hist..], "{channels}x{kernel}");
                 }
+            }
+        }
+        paths.check(&KernelPath::ALL);
+    }
+
+    #[test]
+    fn the_gates_match_their_definitions_and_give_the_same_bits_on_every_path() {
+        let mut paths = PathsRun::new(
+            "kernels::cpu::linear_attention::tests::the_gates_match_their_definitions_and_give_the_same_bits_on_every_path",
+        );
+        let sig = |x: f32| 1.0 / (1.0 + (-(x as f64)).exp());
+        for (rows, width) in [(1, 8), (3, 17), (5, 64)] {
+            let n = rows * width;
+            let x = noise(n, 11, 3.0);
+            let g = noise(n, 12, 6.0);
+            let w = noise(width, 13, 1.0);
+            let y = noise(n, 14, 1.0);
+            let row_gate = noise(rows, 15, 4.0);
+            let (mut a, mut b, mut c) = (x.clone(), x.clone(), x.clone());
+            reference::sigmoid_mul(&mut a, &g);
+            reference::add_sigmoid_scaled(&mut b, &y, &row_gate, width);
+            reference::rmsnorm_gated(&mut c, &w, 1e-6, &g);
+            for i in 0..n {
+                let (r, col) = (i / width, i % width);
+                let want = x[i] as f64 * sig(g[i]);
+                assert!((a[i] as f64 - want).abs() < 1e-5, "sigmoid_mul");
+                let want = x[i] as f64 + sig(row_gate[r]) * y[i] as f64;
+                assert!((b[i] as f64 - want).abs() < 1e-5, "add_sigmoid_scaled");
+                let row = &x[r * width..(r + 1) * width];
+                let rms = (row.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / width as f64 + 1e-6).sqrt();
+                let want = w[col] as f64 * x[i] as f64 / rms * g[i] as f64 * sig(g[i]);
+                assert!((c[i] as f64 - want).abs() < 1e-4, "rmsnorm_gated {} vs {want}", c[i]);
+            }
+            for k in Kernels::all_supported() {
+                paths.record(k.path());
+                let (mut a2, mut b2, mut c2) = (x.clone(), x.clone(), x.clone());
+                sigmoid_mul(k, &mut a2, &g);
+                add_sigmoid_scaled(k, &mut b2, &y, &row_gate, width);
+                rmsnorm_gated(k, &mut c2, &w, 1e-6, &g);
+                assert_eq!((&a2, &b2, &c2), (&a, &b, &c), "{} {rows}x{width}", k.path());
             }
         }
         paths.check(&KernelPath::ALL);

@@ -4,7 +4,7 @@
 use baton_shared::model_config::ModelConfig;
 use baton_shared::model_files::TensorSpec;
 
-use super::{AttentionTensors, FfnTensors, LayerPlan, MixerTensors, MlpTensors, OuterPlan};
+use super::{AttentionTensors, FfnTensors, LayerPlan, MixerTensors, MlpTensors, NormScale, OuterPlan};
 
 /// How a family member's layer differs from plain Llama.
 #[derive(Debug, Clone, Copy, Default)]
@@ -18,7 +18,7 @@ pub struct Variant {
 }
 
 /// A tensor of layer `l`: `model.layers.{l}.{hf}` / `blk.{l}.{gguf}`.
-fn t(l: usize, hf: &str, gguf: &str, shape: Vec<usize>) -> TensorSpec {
+pub fn t(l: usize, hf: &str, gguf: &str, shape: Vec<usize>) -> TensorSpec {
     TensorSpec::new(format!("model.layers.{l}.{hf}"), format!("blk.{l}.{gguf}"), shape)
 }
 
@@ -59,6 +59,8 @@ pub fn layer(c: &ModelConfig, l: usize, v: Variant) -> LayerPlan {
                 t(l, "self_attn.k_norm.weight", "attn_k_norm.weight", vec![d]),
             ]
         }),
+        rotary_dim: c.rotary_dim,
+        output_gate: false,
     };
     LayerPlan {
         mixer_norm: t(l, "input_layernorm.weight", "attn_norm.weight", vec![h]),
@@ -69,6 +71,7 @@ pub fn layer(c: &ModelConfig, l: usize, v: Variant) -> LayerPlan {
             up: t(l, "mlp.up_proj.weight", "ffn_up.weight", vec![f, h]),
             down: t(l, "mlp.down_proj.weight", "ffn_down.weight", vec![h, f]),
         }),
+        norm_scale: NormScale::Weight,
     }
 }
 
@@ -81,5 +84,6 @@ pub fn outer(c: &ModelConfig) -> OuterPlan {
         final_norm: TensorSpec::new("model.norm.weight", "output_norm.weight", vec![h]),
         head: (!c.tie_word_embeddings).then(|| head.clone()),
         tolerated_head: head,
+        norm_scale: NormScale::Weight,
     }
 }

@@ -12,11 +12,13 @@ mod llama_family;
 mod qwen2;
 mod qwen3;
 mod qwen3_moe;
+mod qwen3_next;
 
 pub use llama::Llama;
 pub use qwen2::Qwen2;
 pub use qwen3::Qwen3;
 pub use qwen3_moe::Qwen3Moe;
+pub use qwen3_next::Qwen3Next;
 
 use baton_shared::model_config::ModelConfig;
 use baton_shared::model_files::TensorSpec;
@@ -37,6 +39,17 @@ pub trait Architecture: Sync + std::fmt::Debug {
     fn outer(&self, c: &ModelConfig) -> OuterPlan;
 }
 
+/// How an RMSNorm applies its learned vector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum NormScale {
+    /// `x / rms(x) · w` (Llama).
+    #[default]
+    Weight,
+    /// `x / rms(x) · (1 + w)`: the vector is stored as an offset from one (Qwen3-Next,
+    /// Gemma); applied once at load.
+    OnePlusWeight,
+}
+
 /// The tensors of a (grouped-query, rotary) self-attention block.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AttentionTensors {
@@ -53,6 +66,35 @@ pub struct AttentionTensors {
     pub qkv_bias: Option<[TensorSpec; 3]>,
     /// Per-head RMSNorm of q and k before RoPE (Qwen3).
     pub qk_norm: Option<[TensorSpec; 2]>,
+    /// Values of each head RoPE rotates (the first ones): `head_dim` unless partial.
+    pub rotary_dim: usize,
+    /// `q` also yields a gate per query value (each head's `head_dim` queries, then its
+    /// `head_dim` gates): the attention output is scaled by `sigmoid(gate)` (Qwen3-Next).
+    pub output_gate: bool,
+}
+
+/// The tensors of a Gated DeltaNet block (Qwen3-Next's linear attention).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinearAttentionTensors {
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_head_dim: usize,
+    pub value_head_dim: usize,
+    pub conv_kernel: usize,
+    /// `[2·keys + 2·values, hidden]`: per key head its q, k, then its value heads' v and z.
+    pub in_qkvz: TensorSpec,
+    /// `[2·value_heads, hidden]`: per key head its value heads' b, then their a.
+    pub in_ba: TensorSpec,
+    /// `[conv channels, 1, kernel]`: the depthwise causal conv over q, k and v.
+    pub conv: TensorSpec,
+    /// `[value_heads]`: added to `a` before the softplus of the decay gate.
+    pub dt_bias: TensorSpec,
+    /// `[value_heads]`: the decay rate is `-exp(A_log)`.
+    pub a_log: TensorSpec,
+    /// `[value_head_dim]`: the gated RMSNorm of each head's output.
+    pub norm: TensorSpec,
+    /// `[hidden, values]`.
+    pub out: TensorSpec,
 }
 
 /// The tensors of a gated (SwiGLU) MLP.
@@ -74,17 +116,32 @@ pub struct MoeTensors {
     pub top_k: usize,
     /// Renormalize the chosen experts' probabilities to sum to one.
     pub normalize: bool,
+    /// An expert every position runs, scaled by `sigmoid(gate · x)` (Qwen3-Next).
+    pub shared: Option<SharedExpertTensors>,
+}
+
+/// The shared expert of a mixture and its gate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedExpertTensors {
+    pub mlp: MlpTensors,
+    /// `[1, hidden]`.
+    pub gate: TensorSpec,
 }
 
 /// What mixes information across positions in a layer.
 #[derive(Debug, Clone, PartialEq, Eq)]
+// Plans are built a few times per layer at load, never per token: boxing saves nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum MixerTensors {
     /// Full causal self-attention over a K/V cache.
     Attention(AttentionTensors),
+    /// Gated DeltaNet over a per-sequence recurrent state.
+    LinearAttention(LinearAttentionTensors),
 }
 
 /// The per-position feed-forward part of a layer.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[allow(clippy::large_enum_variant)]
 pub enum FfnTensors {
     /// One dense gated MLP.
     Dense(MlpTensors),
@@ -99,6 +156,8 @@ pub struct LayerPlan {
     pub mixer: MixerTensors,
     pub ffn_norm: TensorSpec,
     pub ffn: FfnTensors,
+    /// How the layer's RMSNorms (and q/k norms) apply their vectors.
+    pub norm_scale: NormScale,
 }
 
 /// The parts outside the layers.
@@ -110,6 +169,8 @@ pub struct OuterPlan {
     pub head: Option<TensorSpec>,
     /// A head tensor a tied checkpoint may still carry (identical, ignored).
     pub tolerated_head: TensorSpec,
+    /// How the final norm applies its vector.
+    pub norm_scale: NormScale,
 }
 
 impl LayerPlan {
@@ -119,12 +180,14 @@ impl LayerPlan {
         out.extend([&self.mixer_norm, &self.ffn_norm]);
         if let FfnTensors::Moe(m) = &self.ffn {
             out.push(&m.router);
+            out.extend(m.shared.iter().map(|s| &s.gate));
         }
         match &self.mixer {
             MixerTensors::Attention(a) => {
                 out.extend(a.qkv_bias.iter().flatten());
                 out.extend(a.qk_norm.iter().flatten());
             }
+            MixerTensors::LinearAttention(a) => out.extend([&a.conv, &a.dt_bias, &a.a_log, &a.norm]),
         }
         out
     }
@@ -134,10 +197,14 @@ impl LayerPlan {
         let mut out = Vec::new();
         match &self.mixer {
             MixerTensors::Attention(a) => out.extend([&a.q, &a.k, &a.v, &a.o]),
+            MixerTensors::LinearAttention(a) => out.extend([&a.in_qkvz, &a.in_ba, &a.out]),
         }
         match &self.ffn {
             FfnTensors::Dense(m) => out.extend([&m.gate, &m.up, &m.down]),
-            FfnTensors::Moe(moe) => out.extend(moe.experts.iter().flat_map(|m| [&m.gate, &m.up, &m.down])),
+            FfnTensors::Moe(moe) => {
+                out.extend(moe.experts.iter().flat_map(|m| [&m.gate, &m.up, &m.down]));
+                out.extend(moe.shared.iter().flat_map(|s| [&s.mlp.gate, &s.mlp.up, &s.mlp.down]));
+            }
         }
         out
     }
@@ -150,6 +217,12 @@ impl LayerPlan {
                 CacheSpec::Attention {
                     kv_heads: a.kv_heads,
                     head_dim: a.head_dim,
+                },
+            ),
+            MixerTensors::LinearAttention(a) => (
+                LayerKind::LinearAttention,
+                CacheSpec::Recurrent {
+                    values: a.state_values(),
                 },
             ),
         };
@@ -177,6 +250,29 @@ impl LayerPlan {
             weight_params,
             active_params: weight_params - idle_experts,
         }
+    }
+}
+
+impl LinearAttentionTensors {
+    /// Width of the concatenated query (or key) heads.
+    pub fn keys(&self) -> usize {
+        self.key_heads * self.key_head_dim
+    }
+
+    /// Width of the concatenated value heads.
+    pub fn values(&self) -> usize {
+        self.value_heads * self.value_head_dim
+    }
+
+    /// Channels of the conv1d: queries, keys and values.
+    pub fn conv_channels(&self) -> usize {
+        2 * self.keys() + self.values()
+    }
+
+    /// f32 values of one sequence's state: the conv's last `kernel - 1` input rows, then one
+    /// `[key_head_dim, value_head_dim]` matrix per value head.
+    pub fn state_values(&self) -> usize {
+        (self.conv_kernel - 1) * self.conv_channels() + self.value_heads * self.key_head_dim * self.value_head_dim
     }
 }
 
@@ -228,7 +324,9 @@ mod tests {
         let llama = registry::for_config(&c);
         let l1 = llama.layer(&c, 1);
         assert_eq!(l1.tensors().len(), 9);
-        let MixerTensors::Attention(a) = &l1.mixer;
+        let MixerTensors::Attention(a) = &l1.mixer else {
+            panic!("attention")
+        };
         assert_eq!(a.q.hf, "model.layers.1.self_attn.q_proj.weight");
         assert_eq!(a.q.gguf, "blk.1.attn_q.weight");
         assert_eq!((a.q.gguf_heads_permuted, a.k.gguf_heads_permuted), (Some(4), Some(2)));
@@ -236,14 +334,18 @@ mod tests {
         assert_eq!(a.o.shape, vec![64, 64]);
 
         let c2 = config("qwen2", true);
-        let MixerTensors::Attention(a) = registry::for_config(&c2).layer(&c2, 0).mixer;
+        let MixerTensors::Attention(a) = registry::for_config(&c2).layer(&c2, 0).mixer else {
+            panic!("attention")
+        };
         let bias = a.qkv_bias.expect("qwen2 has q/k/v biases");
         assert_eq!(bias[1].gguf, "blk.0.attn_k.bias");
         assert_eq!(bias[1].shape, vec![32]);
         assert_eq!(a.q.gguf_heads_permuted, None, "only llama's GGUF converter permutes");
 
         let c3 = config("qwen3", true);
-        let MixerTensors::Attention(a) = registry::for_config(&c3).layer(&c3, 2).mixer;
+        let MixerTensors::Attention(a) = registry::for_config(&c3).layer(&c3, 2).mixer else {
+            panic!("attention")
+        };
         let norms = a.qk_norm.expect("qwen3 has q/k norms");
         assert_eq!(norms[0].hf, "model.layers.2.self_attn.q_norm.weight");
         assert_eq!(norms[0].shape, vec![16]);

@@ -45,7 +45,7 @@ impl Architecture for Qwen3Moe {
 }
 
 /// The router and experts of sparse layer `l`.
-fn experts(h: usize, l: usize, moe: &MoeConfig) -> MoeTensors {
+pub fn experts(h: usize, l: usize, moe: &MoeConfig) -> MoeTensors {
     let (n, f) = (moe.num_experts, moe.expert_intermediate_size);
     let expert = |e: usize, hf: &str, gguf: &str, shape: Vec<usize>| {
         TensorSpec::new(
@@ -70,5 +70,6 @@ fn experts(h: usize, l: usize, moe: &MoeConfig) -> MoeTensors {
             .collect(),
         top_k: moe.experts_per_token,
         normalize: moe.norm_topk_prob,
+        shared: None,
     }
 }

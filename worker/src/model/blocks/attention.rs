@@ -1,9 +1,9 @@
-//! Grouped-query causal self-attention with rotary positions, optional q/k/v biases (Qwen2)
-//! and optional per-head q/k RMSNorm (Qwen3).
+//! Grouped-query causal self-attention with rotary positions, optional q/k/v biases (Qwen2),
+//! optional per-head q/k RMSNorm (Qwen3), and Qwen3-Next's output gate and partial rotation.
 
 use baton_shared::model_files::LoadError;
 
-use super::super::arch::AttentionTensors;
+use super::super::arch::{AttentionTensors, NormScale};
 use super::super::loader::WeightLoader;
 use super::super::scratch::{Batch, Scratch};
 use super::RmsNorm;
@@ -18,17 +18,19 @@ pub struct Attention<O: Ops> {
     o: O::Mat,
     bias: Option<[O::Vector; 3]>,
     qk_norm: Option<[RmsNorm<O>; 2]>,
+    rotary_dim: usize,
+    output_gate: bool,
 }
 
 impl<O: Ops> Attention<O> {
-    /// Load the tensors `t` names.
-    pub fn load(w: &WeightLoader<'_, O>, t: &AttentionTensors) -> Result<Self, LoadError> {
+    /// Load the tensors `t` names, the q/k norms' vectors stored as `norm` says.
+    pub fn load(w: &WeightLoader<'_, O>, t: &AttentionTensors, norm: NormScale) -> Result<Self, LoadError> {
         let bias = match &t.qkv_bias {
             Some([q, k, v]) => Some([w.vector(q)?, w.vector(k)?, w.vector(v)?]),
             None => None,
         };
         let qk_norm = match &t.qk_norm {
-            Some([q, k]) => Some([RmsNorm::load(w, q)?, RmsNorm::load(w, k)?]),
+            Some([q, k]) => Some([RmsNorm::load_scaled(w, q, norm)?, RmsNorm::load_scaled(w, k, norm)?]),
             None => None,
         };
         Ok(Self {
@@ -43,6 +45,8 @@ impl<O: Ops> Attention<O> {
             o: w.matrix(&t.o)?,
             bias,
             qk_norm,
+            rotary_dim: t.rotary_dim,
+            output_gate: t.output_gate,
         })
     }
 
@@ -58,22 +62,26 @@ impl<O: Ops> Attention<O> {
         s: &mut Scratch<O>,
     ) {
         let [bq, bk, bv] = self.biases();
+        // With an output gate, q's product holds each head's queries and then its gates.
+        let q_out = match self.output_gate {
+            true => &mut s.gate,
+            false => &mut s.q,
+        };
         ops.matmul_many(
             &mut s.ws,
             &s.xn,
-            [
-                (&self.q, bq, &mut s.q),
-                (&self.k, bk, &mut s.k),
-                (&self.v, bv, &mut s.v),
-            ],
+            [(&self.q, bq, q_out), (&self.k, bk, &mut s.k), (&self.v, bv, &mut s.v)],
         );
+        let (hd, sh, rd) = (self.shape.head_dim, self.shape, self.rotary_dim);
+        if self.output_gate {
+            ops.deinterleave(&s.gate, hd, &mut s.q, &mut s.up);
+        }
         if let Some([qn, kn]) = &self.qk_norm {
             qn.apply_inplace(ops, &mut s.q);
             kn.apply_inplace(ops, &mut s.k);
         }
-        let (hd, sh) = (self.shape.head_dim, self.shape);
-        ops.rope(&mut s.q, sh.num_heads * hd, hd, &batch.cos, &batch.sin);
-        ops.rope(&mut s.k, sh.num_kv_heads * hd, hd, &batch.cos, &batch.sin);
+        ops.rope(&mut s.q, sh.num_heads * hd, hd, rd, &batch.cos, &batch.sin);
+        ops.rope(&mut s.k, sh.num_kv_heads * hd, hd, rd, &batch.cos, &batch.sin);
         ops.attention(
             &mut s.ws,
             index,
@@ -86,6 +94,9 @@ impl<O: Ops> Attention<O> {
             batch.longest,
             &mut s.attn,
         );
+        if self.output_gate {
+            ops.sigmoid_mul(&mut s.attn, &s.up);
+        }
         ops.matmul(&mut s.ws, &s.attn, &self.o, None, &mut s.proj);
     }
 
@@ -99,7 +110,14 @@ impl<O: Ops> Attention<O> {
             kn.apply_inplace(ops, &mut s.k);
         }
         let hd = self.shape.head_dim;
-        ops.rope(&mut s.k, self.shape.num_kv_heads * hd, hd, &batch.cos, &batch.sin);
+        ops.rope(
+            &mut s.k,
+            self.shape.num_kv_heads * hd,
+            hd,
+            self.rotary_dim,
+            &batch.cos,
+            &batch.sin,
+        );
         ops.store_kv(index, &s.k, &s.v, kv);
     }
 

@@ -1,15 +1,16 @@
 //! The building blocks architectures are made of, each written once against [`Ops`]: RMSNorm,
-//! grouped-query self-attention, the gated MLP, a routed mixture of such MLPs, and the pre-norm
-//! decoder layer that strings
-//! them together. A block loads its weights from the tensor specs an architecture module
+//! grouped-query self-attention, Gated DeltaNet linear attention, the gated MLP, a routed
+//! mixture of such MLPs, and the pre-norm decoder layer that strings them together. A block loads its weights from the tensor specs an architecture module
 //! gives it, through [`WeightLoader`], so a device can upload or repack them.
 
 mod attention;
+mod linear_attention;
 mod mlp;
 mod moe;
 mod norm;
 
 pub use attention::Attention;
+pub use linear_attention::GatedDeltaNet;
 pub use mlp::GatedMlp;
 pub use moe::SparseMoe;
 pub use norm::RmsNorm;
@@ -24,6 +25,7 @@ use crate::ops::{AttnMask, Ops};
 /// What mixes positions in a layer.
 pub enum Mixer<O: Ops> {
     Attention(Attention<O>),
+    LinearAttention(GatedDeltaNet<O>),
 }
 
 /// The feed-forward part of a layer.
@@ -43,12 +45,14 @@ pub struct DecoderLayer<O: Ops> {
 impl<O: Ops> DecoderLayer<O> {
     /// Load the layer `plan` describes.
     pub fn load(w: &WeightLoader<'_, O>, plan: &LayerPlan) -> Result<Self, LoadError> {
+        let scale = plan.norm_scale;
         Ok(Self {
-            mixer_norm: RmsNorm::load(w, &plan.mixer_norm)?,
+            mixer_norm: RmsNorm::load_scaled(w, &plan.mixer_norm, scale)?,
             mixer: match &plan.mixer {
-                MixerTensors::Attention(a) => Mixer::Attention(Attention::load(w, a)?),
+                MixerTensors::Attention(a) => Mixer::Attention(Attention::load(w, a, scale)?),
+                MixerTensors::LinearAttention(a) => Mixer::LinearAttention(GatedDeltaNet::load(w, a)?),
             },
-            ffn_norm: RmsNorm::load(w, &plan.ffn_norm)?,
+            ffn_norm: RmsNorm::load_scaled(w, &plan.ffn_norm, scale)?,
             ffn: match &plan.ffn {
                 FfnTensors::Dense(m) => Ffn::Dense(GatedMlp::load(w, m)?),
                 FfnTensors::Moe(m) => Ffn::Moe(SparseMoe::load(w, m)?),
@@ -56,8 +60,8 @@ impl<O: Ops> DecoderLayer<O> {
         })
     }
 
-    /// Run the layer on `s.hidden`; `index` is the layer's position within the stage (its
-    /// slot in the stage's K/V store).
+    /// Run the layer on `s.hidden`; `index` is the layer's slot in the stage's cache of its
+    /// kind (K/V for attention, recurrent state for linear attention).
     pub fn forward(&self, ops: &O, index: usize, kv: &mut O::Kv<'_>, batch: &Batch, s: &mut Scratch<O>) {
         self.forward_masked(ops, index, kv, batch, AttnMask::Causal, s);
     }
@@ -75,6 +79,7 @@ impl<O: Ops> DecoderLayer<O> {
         self.mixer_norm.apply(ops, &s.hidden, &mut s.xn);
         match &self.mixer {
             Mixer::Attention(a) => a.forward(ops, index, kv, batch, mask, s),
+            Mixer::LinearAttention(d) => d.forward(ops, index, kv, s),
         }
         ops.add(&mut s.hidden, &s.proj);
         self.ffn_norm.apply(ops, &s.hidden, &mut s.xn);
@@ -90,10 +95,14 @@ impl<O: Ops> DecoderLayer<O> {
         let mut out = Vec::new();
         match &self.mixer {
             Mixer::Attention(a) => out.extend(a.matrices()),
+            Mixer::LinearAttention(d) => out.extend(d.matrices()),
         }
         match &self.ffn {
             Ffn::Dense(m) => out.extend(m.matrices()),
-            Ffn::Moe(m) => out.extend(m.matrices()),
+            Ffn::Moe(m) => {
+                out.extend(m.matrices());
+                out.extend(m.shared_matrices());
+            }
         }
         out
     }
@@ -120,7 +129,7 @@ impl<O: Ops> DecoderLayer<O> {
     fn router_bytes(&self, ops: &O) -> usize {
         match &self.ffn {
             Ffn::Dense(_) => 0,
-            Ffn::Moe(m) => ops.matrix_bytes(m.router()),
+            Ffn::Moe(m) => ops.matrix_bytes(m.router()) + m.shared_gate().map_or(0, |g| ops.matrix_bytes(g)),
         }
     }
 
@@ -129,6 +138,7 @@ impl<O: Ops> DecoderLayer<O> {
         let mut n = self.mixer_norm.len(ops) + self.ffn_norm.len(ops);
         match &self.mixer {
             Mixer::Attention(a) => n += a.vector_values(ops),
+            Mixer::LinearAttention(d) => n += d.vector_values(ops),
         }
         n
     }

@@ -1,6 +1,7 @@
 //! A mixture of gated-MLP experts (Qwen3-MoE): a router picks each row's top-k experts, every
 //! active expert runs once over all the rows sent to it, and each row gets its experts'
-//! outputs weighted by their router probabilities.
+//! outputs weighted by their router probabilities; plus, in Qwen3-Next, a shared expert every
+//! row runs, weighted by its own sigmoid gate.
 
 use baton_shared::model_files::LoadError;
 
@@ -18,6 +19,8 @@ pub struct SparseMoe<O: Ops> {
     experts: Vec<GatedMlp<O>>,
     top_k: usize,
     normalize: bool,
+    /// The shared expert and its `[1, hidden]` gate (f32, like the router).
+    shared: Option<(GatedMlp<O>, O::Mat)>,
 }
 
 impl<O: Ops> SparseMoe<O> {
@@ -32,6 +35,10 @@ impl<O: Ops> SparseMoe<O> {
                 .collect::<Result<_, _>>()?,
             top_k: t.top_k,
             normalize: t.normalize,
+            shared: match &t.shared {
+                Some(s) => Some((GatedMlp::load(w, &s.mlp)?, w.table(&s.gate)?)),
+                None => None,
+            },
         })
     }
 
@@ -56,11 +63,26 @@ impl<O: Ops> SparseMoe<O> {
             expert.apply(ops, &mut s.ws, &s.expert_in, &mut s.gate, &mut s.up, &mut s.expert_out);
             ops.scatter_routed(&s.expert_out, &s.routing, e, &mut s.proj);
         }
+        if let Some((expert, gate)) = &self.shared {
+            expert.apply(ops, &mut s.ws, &s.xn, &mut s.gate, &mut s.up, &mut s.expert_out);
+            ops.matmul(&mut s.ws, &s.xn, gate, None, &mut s.router);
+            ops.add_sigmoid_scaled(&mut s.proj, &s.expert_out, &s.router);
+        }
     }
 
-    /// Every expert's gate, up and down, in expert order.
+    /// Every routed expert's gate, up and down, in expert order.
     pub fn matrices(&self) -> impl Iterator<Item = &O::Mat> {
         self.experts.iter().flat_map(|e| e.matrices())
+    }
+
+    /// The shared expert's gate, up and down (every row reads them).
+    pub fn shared_matrices(&self) -> impl Iterator<Item = &O::Mat> {
+        self.shared.iter().flat_map(|(e, _)| e.matrices())
+    }
+
+    /// The shared expert's gate vector, if there is one.
+    pub fn shared_gate(&self) -> Option<&O::Mat> {
+        self.shared.as_ref().map(|(_, g)| g)
     }
 
     /// The router.

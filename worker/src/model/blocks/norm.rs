@@ -2,6 +2,7 @@
 
 use baton_shared::model_files::{LoadError, TensorSpec};
 
+use super::super::arch::NormScale;
 use super::super::loader::WeightLoader;
 use crate::ops::Ops;
 
@@ -14,10 +15,29 @@ pub struct RmsNorm<O: Ops> {
 impl<O: Ops> RmsNorm<O> {
     /// Load the scale `spec` names; epsilon from the config.
     pub fn load(w: &WeightLoader<'_, O>, spec: &TensorSpec) -> Result<Self, LoadError> {
+        Self::load_scaled(w, spec, NormScale::Weight)
+    }
+
+    /// [`load`](Self::load) a vector stored as `scale` says (`1 + w` is formed here, in f32,
+    /// as transformers forms it in every forward pass).
+    pub fn load_scaled(w: &WeightLoader<'_, O>, spec: &TensorSpec, scale: NormScale) -> Result<Self, LoadError> {
+        let weight = match scale {
+            NormScale::Weight => w.vector(spec)?,
+            NormScale::OnePlusWeight => {
+                let mut v = w.host_vector(spec)?;
+                v.iter_mut().for_each(|x| *x += 1.0);
+                w.ops.vector(v)
+            }
+        };
         Ok(Self {
-            weight: w.vector(spec)?,
+            weight,
             eps: w.config.rms_norm_eps,
         })
+    }
+
+    /// The scale and epsilon (for operations that fuse the norm with something else).
+    pub fn parts(&self) -> (&O::Vector, f32) {
+        (&self.weight, self.eps)
     }
 
     /// Normalize every row of `x` into `out`.

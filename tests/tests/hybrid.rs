@@ -1,0 +1,365 @@
+//! Hybrid models (Qwen3-Next: Gated DeltaNet layers with a recurrent state per sequence,
+//! between gated full-attention layers) against transformers' own modeling code
+//! (tests/fixtures/generate.py): logits at every position within 5e-4 (transformers runs the
+//! chunked form of the delta rule for a prompt, Baton the recurrence token by token: the same
+//! function summed in another order), greedy tokens equal; and whatever the split, chunking or
+//! batching, bit-identical output, also through real worker processes.
+
+use baton_coordinator::generation::FinishReason;
+use baton_shared::model_files::ModelFiles;
+use baton_shared::proto::HealthRequest;
+use baton_shared::sampling::SamplingParams;
+use baton_tests::cluster::{Limits, TestCluster};
+use baton_tests::{HYBRID_MODELS, every_split, f32s, fixtures, ids, max_abs_diff, read_json};
+use baton_worker::backend::{self, BackendOptions, CpuOptions, Device, SeqChunk};
+use baton_worker::engine::Engine;
+use baton_worker::kernels::cpu::matmul::WeightFormat;
+use baton_worker::kv_cache::{BatchSeq, KvDtype};
+use baton_worker::model::spec::LayerKind;
+use baton_worker::model::{Scratch, StageWeights};
+use baton_worker::service::connect_worker;
+
+/// Hybrids' tolerance against transformers.
+const TOL: f32 = 5e-4;
+
+fn files(name: &str) -> ModelFiles {
+    ModelFiles::open(&fixtures().join("tiny").join(name)).unwrap()
+}
+
+fn engine(name: &str) -> Engine {
+    let f = files(name);
+    let cfg = f.config().unwrap();
+    Engine::new(StageWeights::load_full(&f, &cfg, true).unwrap())
+}
+
+fn reference(name: &str) -> serde_json::Value {
+    read_json(&fixtures().join("tiny").join(name).join("reference.json"))
+}
+
+#[test]
+fn the_fixtures_mix_linear_and_full_attention_as_their_configs_say() {
+    let e = engine("qwen3_next");
+    let kinds: Vec<LayerKind> = e.weights.specs.iter().map(|s| s.kind).collect();
+    use LayerKind::{Attention as F, LinearAttention as L};
+    assert_eq!(kinds, [L, L, F, L, L], "the linear-attention layer last");
+    assert_eq!((e.weights.cache.kv_layers, e.weights.cache.state_layers), (1, 4));
+    let dense = engine("qwen3_next_dense");
+    let kinds: Vec<LayerKind> = dense.weights.specs.iter().map(|s| s.kind).collect();
+    assert_eq!(kinds, [F, L, L]);
+}
+
+#[test]
+fn hybrid_models_match_transformers_logits_at_every_position() {
+    for name in HYBRID_MODELS {
+        let mut e = engine(name);
+        let vocab = e.weights.config.vocab_size;
+        let lengths: Vec<usize> = reference(name)["sequences"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["tokens"].as_array().unwrap().len())
+            .collect();
+        assert_eq!(lengths, [1, 7, 33, 80], "{name}");
+        for (i, seq) in reference(name)["sequences"].as_array().unwrap().iter().enumerate() {
+            let tokens = ids(&seq["tokens"]);
+            let got = e.prompt_logits(&tokens, true).unwrap();
+            let want: Vec<f32> = seq["logits"].as_array().unwrap().iter().flat_map(f32s).collect();
+            assert_eq!(got.len(), tokens.len() * vocab);
+            let err = max_abs_diff(&got, &want);
+            eprintln!(
+                "{name} sequence {i} ({} tokens): max |logit error| {err:e}",
+                tokens.len()
+            );
+            assert!(err < TOL, "{name} sequence {i}: max |logit error| {err}");
+        }
+    }
+}
+
+#[test]
+fn hybrid_models_match_transformers_greedy_tokens() {
+    for name in HYBRID_MODELS {
+        let mut e = engine(name);
+        for case in reference(name)["greedy"].as_array().unwrap() {
+            let prompt = ids(&case["prompt"]);
+            let n = case["max_new_tokens"].as_u64().unwrap() as usize;
+            let params = SamplingParams {
+                ignore_eos: true,
+                ..SamplingParams::greedy(n)
+            };
+            let out = e.generate(&prompt, &params, None, |_| {}).unwrap();
+            assert_eq!(out.tokens, ids(&case["tokens"]), "{name} prompt {prompt:?}");
+        }
+    }
+}
+
+/// The longest reference prompt (80 tokens).
+fn long_prompt(name: &str) -> Vec<u32> {
+    ids(&reference(name)["sequences"][3]["tokens"])
+}
+
+/// The embedding rows of `ids`.
+fn embedded(w: &StageWeights, ids: &[u32]) -> Vec<f32> {
+    let mut x = vec![0f32; ids.len() * w.config.hidden_size];
+    w.embed(ids, &mut x).unwrap();
+    x
+}
+
+/// Hidden rows after every layer of `w` for `tokens` fed in chunks of `chunk`, the state
+/// carried from chunk to chunk.
+fn chunked_hidden(w: &StageWeights, tokens: &[u32], chunk: usize) -> Vec<f32> {
+    let mut kv = w.new_kv(tokens.len());
+    let mut scratch = Scratch::default();
+    let mut out = Vec::new();
+    for (c, piece) in tokens.chunks(chunk).enumerate() {
+        let mut x = embedded(w, piece);
+        w.forward(&mut x, c * chunk, &mut kv, &mut scratch).unwrap();
+        out.extend(x);
+    }
+    out
+}
+
+#[test]
+fn a_prompt_gives_the_same_bits_however_it_is_cut_into_chunks() {
+    for name in HYBRID_MODELS {
+        let f = files(name);
+        let w = StageWeights::load_full(&f, &f.config().unwrap(), true).unwrap();
+        let tokens = long_prompt(name);
+        let whole = chunked_hidden(&w, &tokens, tokens.len());
+        for chunk in [1, 5, 16, 33] {
+            assert_eq!(chunked_hidden(&w, &tokens, chunk), whole, "{name}, chunks of {chunk}");
+        }
+    }
+}
+
+#[test]
+fn every_split_into_two_and_three_stages_gives_the_same_bits_as_one() {
+    for name in HYBRID_MODELS {
+        let f = files(name);
+        let cfg = f.config().unwrap();
+        let tokens = long_prompt(name);
+        let whole = engine(name).prompt_logits(&tokens, true).unwrap();
+        let n = cfg.num_layers;
+        let mut splits: Vec<Vec<usize>> = (1..n).map(|c| vec![c]).collect();
+        splits.extend((1..n).flat_map(|a| (a + 1..n).map(move |b| vec![a, b])));
+        for cuts in splits {
+            let mut bounds = vec![0];
+            bounds.extend(&cuts);
+            bounds.push(n);
+            let stages: Vec<StageWeights> = bounds
+                .windows(2)
+                .enumerate()
+                .map(|(i, b)| StageWeights::load(&f, &cfg, b[0]..b[1], i == 0, i == bounds.len() - 2, true).unwrap())
+                .collect();
+            let mut hidden = vec![0f32; tokens.len() * cfg.hidden_size];
+            let mut scratch = Scratch::default();
+            stages[0].embed(&tokens, &mut hidden).unwrap();
+            for s in &stages {
+                s.forward(&mut hidden, 0, &mut s.new_kv(tokens.len()), &mut scratch)
+                    .unwrap();
+            }
+            let mut got = vec![0f32; tokens.len() * cfg.vocab_size];
+            stages.last().unwrap().logits(&hidden, &mut scratch, &mut got).unwrap();
+            assert_eq!(got, whole, "{name} split at {cuts:?}");
+        }
+    }
+}
+
+#[test]
+fn batched_sequences_with_prompts_and_decodes_equal_each_alone() {
+    for name in HYBRID_MODELS {
+        let f = files(name);
+        let cfg = f.config().unwrap();
+        let w = StageWeights::load_full(&f, &cfg, true).unwrap();
+        let prompt = long_prompt(name);
+        let embed = |ids: &[u32]| embedded(&w, ids);
+        // Alone: A's first 20 tokens then its 21st; B's 9 tokens; C's 1.
+        let (a, b, c) = (&prompt[..21], &prompt[30..39], &prompt[50..51]);
+        let mut scratch = Scratch::default();
+        let mut kv_a = w.new_kv(32);
+        let mut x = embed(&a[..20]);
+        w.forward(&mut x, 0, &mut kv_a, &mut scratch).unwrap();
+        let mut want_step2 = embed(&a[20..]);
+        w.forward(&mut want_step2, 20, &mut kv_a, &mut scratch).unwrap();
+        let want_b = chunked_hidden(&w, b, b.len());
+        let want_c = chunked_hidden(&w, c, 1);
+
+        // Together: A's prefill alone, then A's decode with B's and C's prompts in one batch.
+        let mut kv_a = w.new_kv(32);
+        let mut x = embed(&a[..20]);
+        w.forward(&mut x, 0, &mut kv_a, &mut scratch).unwrap();
+        let (mut kv_b, mut kv_c) = (w.new_kv(16), w.new_kv(16));
+        let mut x: Vec<f32> = [embed(&a[20..]), embed(b), embed(c)].concat();
+        let mut batch = [
+            BatchSeq {
+                pos0: 20,
+                len: 1,
+                kv: &mut kv_a,
+            },
+            BatchSeq {
+                pos0: 0,
+                len: b.len(),
+                kv: &mut kv_b,
+            },
+            BatchSeq {
+                pos0: 0,
+                len: 1,
+                kv: &mut kv_c,
+            },
+        ];
+        w.forward_batch(&mut x, &mut batch[..], &mut scratch).unwrap();
+        assert_eq!(x, [want_step2, want_b, want_c].concat(), "{name}");
+    }
+}
+
+/// A stage's paged backend: `blocks` KV blocks of 16 positions, `slots` state slots.
+fn paged_backend(name: &str, blocks: usize, slots: usize) -> Box<dyn backend::Backend> {
+    let f = files(name);
+    let cfg = f.config().unwrap();
+    let opts = BackendOptions {
+        device: Device::Cpu { threads: Some(1) },
+        format: WeightFormat::F32,
+        cpu: CpuOptions::threads(1),
+        check_finite: true,
+        kv_blocks: blocks,
+        kv_block_size: 16,
+        kv_dtype: KvDtype::F32,
+        state_slots: slots,
+    };
+    backend::load(&f, &cfg, 0..cfg.num_layers, &opts).unwrap()
+}
+
+#[test]
+fn the_paged_backend_keeps_each_sequences_state_in_its_own_slot() {
+    for name in HYBRID_MODELS {
+        let f = files(name);
+        let cfg = f.config().unwrap();
+        let w = StageWeights::load_full(&f, &cfg, true).unwrap();
+        let h = cfg.hidden_size;
+        let prompt = long_prompt(name);
+        let (a, b) = (&prompt[..40], &prompt[40..]);
+        let want_a = chunked_hidden(&w, a, a.len());
+        let want_b = chunked_hidden(&w, b, b.len());
+        let mut be = paged_backend(name, 8, 2);
+        assert_eq!(be.kv().state_slots, 2);
+        let embed = |ids: &[u32]| embedded(&w, ids);
+        // Two sequences in slots 1 and 0, their prompts cut into interleaved chunks of 16.
+        let (ta, tb) = ([0u32, 1, 2], [3u32, 4, 5]);
+        let (mut got_a, mut got_b) = (Vec::new(), Vec::new());
+        for c in 0..3 {
+            let (ra, rb) = (c * 16..(c * 16 + 16).min(40), c * 16..(c * 16 + 16).min(b.len()));
+            let mut x = [embed(&a[ra.clone()]), embed(&b[rb.clone()])].concat();
+            let seqs = [
+                SeqChunk {
+                    pos0: ra.start,
+                    len: ra.len(),
+                    stored: ra.start,
+                    table: &ta,
+                    state_slot: 1,
+                },
+                SeqChunk {
+                    pos0: rb.start,
+                    len: rb.len(),
+                    stored: rb.start,
+                    table: &tb,
+                    state_slot: 0,
+                },
+            ];
+            be.forward(&mut x, &seqs).unwrap();
+            got_a.extend_from_slice(&x[..ra.len() * h]);
+            got_b.extend_from_slice(&x[ra.len() * h..]);
+        }
+        assert_eq!(got_a, want_a, "{name}: sequence in slot 1");
+        assert_eq!(got_b, want_b, "{name}: sequence in slot 0");
+        // A slot outside the pool is refused by name.
+        let mut x = embed(&a[..1]);
+        let bad = [SeqChunk {
+            pos0: 0,
+            len: 1,
+            stored: 0,
+            table: &ta,
+            state_slot: 2,
+        }];
+        let e = be.forward(&mut x, &bad).unwrap_err().to_string();
+        assert!(e.contains("state slot 2") && e.contains("2 slots"), "{e}");
+    }
+}
+
+/// Limits of a hybrid pipeline: no prefix caching (the recurrent state is not cached with
+/// prefix blocks), small prefill chunks so prompts cross the stages in several pieces.
+fn hybrid_limits() -> Limits {
+    Limits {
+        prefix_caching: false,
+        max_batch_tokens: 24,
+        ..Limits::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_output_through_every_split_of_worker_processes_equals_one_stage() {
+    for name in HYBRID_MODELS {
+        let dir = fixtures().join("tiny").join(name);
+        let cfg = files(name).config().unwrap();
+        let prompt = long_prompt(name)[..40].to_vec();
+        let params = SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(10)
+        };
+        let want = engine(name).generate(&prompt, &params, None, |_| {}).unwrap().tokens;
+        for cuts in every_split(cfg.num_layers) {
+            let tc = TestCluster::start_full(&dir, &cfg, vec![], &cuts, &[], hybrid_limits()).await;
+            let (got, reason) = tc.generate(&prompt, params.clone()).await.unwrap();
+            assert_eq!(got, want, "{name} with cuts {cuts:?}");
+            assert_eq!(reason, FinishReason::Length);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_sequences_with_preemption_equal_each_alone_through_three_stages() {
+    // Sixteen prompts of different lengths at once through 3 worker processes, in a KV pool
+    // of 12 blocks: prefill chunks and decodes share micro-batches, and sequences are
+    // preempted and recomputed from position 0 (their state slot reset), yet each gets exactly
+    // its own single-stage tokens.
+    let name = "qwen3_next";
+    let dir = fixtures().join("tiny").join(name);
+    let cfg = files(name).config().unwrap();
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(12)
+    };
+    let prompts: Vec<Vec<u32>> = (0..16u32)
+        .map(|s| (0..2 + 3 * s).map(|i| (s * 41 + i * 13 + 7) % 300).collect())
+        .collect();
+    let mut e = engine(name);
+    let want: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| e.generate(p, &params, None, |_| {}).unwrap().tokens)
+        .collect();
+    let limits = Limits {
+        kv_max_blocks: Some(12),
+        max_running: 16,
+        ..hybrid_limits()
+    };
+    let tc = TestCluster::start_full(&dir, &cfg, vec![], &[2, 3], &[], limits).await;
+    let got = futures::future::join_all(prompts.iter().map(|p| tc.generate(p, params.clone()))).await;
+    for ((p, w), g) in prompts.iter().zip(&want).zip(got) {
+        assert_eq!(&g.unwrap().0, w, "prompt of {} tokens", p.len());
+    }
+    let preempted = tc
+        .generator
+        .status
+        .preemptions
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(preempted > 0, "the tiny pool preempted sequences");
+    // Layers L L | F | L L: the stages with linear-attention layers keep a state slot per
+    // sequence that may run (16), the attention-only one none; finished sequences hold none.
+    let mut slots = Vec::new();
+    for w in tc.cluster.alive() {
+        let mut client = connect_worker(&w.address, &tc.peer).await.unwrap();
+        let h = client.health(HealthRequest {}).await.unwrap().into_inner();
+        let stage = h.stage.unwrap();
+        slots.push((stage.layer_start, h.state_slots_used, h.state_slots_total));
+    }
+    slots.sort();
+    assert_eq!(slots, [(0, 0, 16), (2, 0, 0), (3, 0, 16)]);
+}
