@@ -22,6 +22,9 @@ pub enum Architecture {
     /// Qwen3-Next: Gated DeltaNet (linear attention) layers between gated full-attention
     /// ones, a sparse MoE with a gated shared expert, `(1 + weight)` RMSNorms.
     Qwen3Next,
+    /// Qwen3.5 (text): Qwen3-Next's layers with separate q/k/v, z, b and a projections and a
+    /// dense MLP.
+    Qwen35,
 }
 
 impl Architecture {
@@ -33,6 +36,7 @@ impl Architecture {
             "qwen3" | "Qwen3ForCausalLM" => Some(Self::Qwen3),
             "qwen3_moe" | "qwen3moe" | "Qwen3MoeForCausalLM" => Some(Self::Qwen3Moe),
             "qwen3_next" | "qwen3next" | "Qwen3NextForCausalLM" => Some(Self::Qwen3Next),
+            "qwen3_5_text" | "qwen35" | "Qwen3_5ForCausalLM" => Some(Self::Qwen35),
             _ => None,
         }
     }
@@ -45,12 +49,13 @@ impl Architecture {
             Self::Qwen3 => "qwen3",
             Self::Qwen3Moe => "qwen3_moe",
             Self::Qwen3Next => "qwen3_next",
+            Self::Qwen35 => "qwen3_5_text",
         }
     }
 
     /// Whether q and k get a per-head RMSNorm (and head_dim may differ from hidden/heads).
     pub fn has_qk_norm(self) -> bool {
-        matches!(self, Self::Qwen3 | Self::Qwen3Moe | Self::Qwen3Next)
+        matches!(self, Self::Qwen3 | Self::Qwen3Moe | Self::Qwen3Next | Self::Qwen35)
     }
 
     /// The Hugging Face class name in `architectures`.
@@ -61,6 +66,7 @@ impl Architecture {
             Self::Qwen3 => "Qwen3ForCausalLM",
             Self::Qwen3Moe => "Qwen3MoeForCausalLM",
             Self::Qwen3Next => "Qwen3NextForCausalLM",
+            Self::Qwen35 => "Qwen3_5ForCausalLM",
         }
     }
 }
@@ -192,7 +198,9 @@ pub enum ConfigError {
         value: String,
         expected: String,
     },
-    #[error("{source_name}: unsupported architecture '{name}' (supported: llama, qwen2, qwen3, qwen3_moe, qwen3_next)")]
+    #[error(
+        "{source_name}: unsupported architecture '{name}' (supported: llama, qwen2, qwen3, qwen3_moe, qwen3_next, qwen3_5_text)"
+    )]
     UnsupportedArchitecture { source_name: String, name: String },
     #[error("{source_name}: unsupported rope scaling type '{kind}' (supported: default, linear, llama3)")]
     UnsupportedRope { source_name: String, kind: String },
@@ -457,7 +465,7 @@ impl ModelConfig {
             },
             rotary_dim: (head_dim as f64 * partial_rotary) as usize,
             linear_attention: match architecture {
-                Architecture::Qwen3Next => Some(linear_attention_from_hf(&f, num_layers)?),
+                Architecture::Qwen3Next | Architecture::Qwen35 => Some(linear_attention_from_hf(&f, num_layers)?),
                 _ => None,
             },
         };
@@ -569,12 +577,12 @@ impl ModelConfig {
             rotary_dim: dim("rope.dimension_count")?.unwrap_or(cfg.head_dim),
             ..cfg
         };
-        if architecture == Architecture::Qwen3Next {
+        if matches!(architecture, Architecture::Qwen3Next | Architecture::Qwen35) {
             // llama.cpp's converter rewrites Qwen3-Next's tensors (norms, A, the fused
             // projections); reading them back is not done yet.
             return Err(ConfigError::UnsupportedArchitecture {
                 source_name,
-                name: "qwen3next from GGUF (load the Hugging Face safetensors directory instead)".into(),
+                name: format!("{arch_name} from GGUF (load the Hugging Face safetensors directory instead)"),
             });
         }
         cfg.validate(&source_name)?;

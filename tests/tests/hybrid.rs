@@ -1,4 +1,4 @@
-//! Hybrid models (Qwen3-Next: Gated DeltaNet layers with a recurrent state per sequence,
+//! Hybrid models (Qwen3-Next and Qwen3.5: Gated DeltaNet layers with a recurrent state per sequence,
 //! between gated full-attention layers) against transformers' own modeling code
 //! (tests/fixtures/generate.py): logits at every position within 5e-4 (transformers runs the
 //! chunked form of the delta rule for a prompt, Baton the recurrence token by token: the same

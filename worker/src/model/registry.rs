@@ -4,10 +4,10 @@
 
 use baton_shared::model_config::ModelConfig;
 
-use super::arch::{Architecture, Llama, Qwen2, Qwen3, Qwen3Moe, Qwen3Next};
+use super::arch::{Architecture, Llama, Qwen2, Qwen3, Qwen3Moe, Qwen3Next, Qwen35};
 
 /// Every architecture this build runs.
-pub static ARCHITECTURES: &[&dyn Architecture] = &[&Llama, &Qwen2, &Qwen3, &Qwen3Moe, &Qwen3Next];
+pub static ARCHITECTURES: &[&dyn Architecture] = &[&Llama, &Qwen2, &Qwen3, &Qwen3Moe, &Qwen3Next, &Qwen35];
 
 /// A model whose architecture no module serves.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -62,6 +62,7 @@ mod tests {
             ConfigArch::Qwen3,
             ConfigArch::Qwen3Moe,
             ConfigArch::Qwen3Next,
+            ConfigArch::Qwen35,
         ] {
             let m = find(arch.model_type()).unwrap();
             assert!(m.hf_names().contains(&arch.hf_class()), "{arch:?}");

@@ -71,9 +71,8 @@ pub struct CpuWorkspace {
     scores: Vec<f32>,
     /// First row of each sequence of a batch.
     offsets: Vec<usize>,
-    /// Gated DeltaNet: the conv's input and output rows, each row's `beta` and decay per
-    /// value head, and one head's delta-rule scratch.
-    conv_in: Vec<f32>,
+    /// Gated DeltaNet: the conv's output rows, each row's `beta` and decay per value head,
+    /// and one head's delta-rule scratch.
     conv_out: Vec<f32>,
     beta: Vec<f32>,
     decay: Vec<f32>,
@@ -240,17 +239,61 @@ impl Ops for CpuOps {
         la::rmsnorm_gated(self.kernels, x, w, eps, z);
     }
 
+    fn split_qkvz(
+        &self,
+        qkvz: &CpuBuf,
+        ba: &CpuBuf,
+        shape: LinearAttnShape,
+        qkv: &mut CpuBuf,
+        z: &mut CpuBuf,
+        b: &mut CpuBuf,
+        a: &mut CpuBuf,
+    ) {
+        let (nk, nv, dk, dv) = (
+            shape.key_heads,
+            shape.value_heads,
+            shape.key_head_dim,
+            shape.value_head_dim,
+        );
+        let per_k = nv / nk;
+        let (keys, values, channels) = (shape.keys(), shape.values(), shape.channels());
+        let group = 2 * dk + 2 * per_k * dv;
+        let rows = qkvz.len() / (group * nk).max(1);
+        self.resize(qkv, rows * channels);
+        self.resize(z, rows * values);
+        self.resize(b, rows * nv);
+        self.resize(a, rows * nv);
+        let vw = per_k * dv;
+        for t in 0..rows {
+            let src = &qkvz[t * group * nk..(t + 1) * group * nk];
+            let dst = &mut qkv[t * channels..(t + 1) * channels];
+            let zt = &mut z[t * values..(t + 1) * values];
+            let bat = &ba[t * 2 * nv..(t + 1) * 2 * nv];
+            for g in 0..nk {
+                let s = &src[g * group..(g + 1) * group];
+                dst[g * dk..(g + 1) * dk].copy_from_slice(&s[..dk]);
+                dst[keys + g * dk..keys + (g + 1) * dk].copy_from_slice(&s[dk..2 * dk]);
+                dst[2 * keys + g * vw..2 * keys + (g + 1) * vw].copy_from_slice(&s[2 * dk..2 * dk + vw]);
+                zt[g * vw..(g + 1) * vw].copy_from_slice(&s[2 * dk + vw..]);
+                let heads = g * per_k..(g + 1) * per_k;
+                b[t * nv + heads.start..t * nv + heads.end].copy_from_slice(&bat[g * 2 * per_k..g * 2 * per_k + per_k]);
+                a[t * nv + heads.start..t * nv + heads.end]
+                    .copy_from_slice(&bat[g * 2 * per_k + per_k..(g + 1) * 2 * per_k]);
+            }
+        }
+    }
+
     fn linear_attention(
         &self,
         ws: &mut CpuWorkspace,
         layer: usize,
-        qkvz: &CpuBuf,
-        ba: &CpuBuf,
+        qkv: &CpuBuf,
+        b: &CpuBuf,
+        a: &CpuBuf,
         params: [&Vec<f32>; 3],
         shape: LinearAttnShape,
         kv: &mut (dyn BatchKv + '_),
         out: &mut CpuBuf,
-        z: &mut CpuBuf,
     ) {
         let [conv_t, dt_bias, a_rate] = params;
         let (nk, nv, dk, dv) = (
@@ -263,35 +306,15 @@ impl Ops for CpuOps {
         let (keys, values, channels) = (shape.keys(), shape.values(), shape.channels());
         let rows = kv_rows(kv);
         self.resize(out, rows * values);
-        self.resize(z, rows * values);
-        ws.conv_in.resize(rows * channels, 0.0);
         ws.conv_out.resize(rows * channels, 0.0);
         ws.beta.resize(rows * nv, 0.0);
         ws.decay.resize(rows * nv, 0.0);
         ws.mem.resize(dv, 0.0);
-        // Per key head the projections hold q, k, then its value heads' v and z; the conv
-        // takes every head's q, then every k, then every v.
-        let group = 2 * dk + 2 * per_k * dv;
         for t in 0..rows {
-            let src = &qkvz[t * group * nk..(t + 1) * group * nk];
-            let dst = &mut ws.conv_in[t * channels..(t + 1) * channels];
-            let zt = &mut z[t * values..(t + 1) * values];
-            for g in 0..nk {
-                let s = &src[g * group..(g + 1) * group];
-                dst[g * dk..(g + 1) * dk].copy_from_slice(&s[..dk]);
-                dst[keys + g * dk..keys + (g + 1) * dk].copy_from_slice(&s[dk..2 * dk]);
-                let vw = per_k * dv;
-                dst[2 * keys + g * vw..2 * keys + (g + 1) * vw].copy_from_slice(&s[2 * dk..2 * dk + vw]);
-                zt[g * vw..(g + 1) * vw].copy_from_slice(&s[2 * dk + vw..]);
-            }
-            let bat = &ba[t * 2 * nv..(t + 1) * 2 * nv];
-            for g in 0..nk {
-                for j in 0..per_k {
-                    let h = g * per_k + j;
-                    let (b, a) = (bat[g * 2 * per_k + j], bat[g * 2 * per_k + per_k + j]);
-                    ws.beta[t * nv + h] = la::reference::sigmoid(b);
-                    ws.decay[t * nv + h] = (a_rate[h] * softplus(a + dt_bias[h])).exp();
-                }
+            for h in 0..nv {
+                let i = t * nv + h;
+                ws.beta[i] = la::reference::sigmoid(b[i]);
+                ws.decay[i] = (a_rate[h] * softplus(a[i] + dt_bias[h])).exp();
             }
         }
         let conv_state = shape.conv_state();
@@ -304,7 +327,7 @@ impl Ops for CpuOps {
             let span = row * channels..(row + n) * channels;
             la::conv1d_silu(
                 self.kernels,
-                &ws.conv_in[span.clone()],
+                &qkv[span.clone()],
                 channels,
                 conv_t,
                 None,

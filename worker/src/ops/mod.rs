@@ -186,25 +186,39 @@ pub trait Ops: Send + Sync + Sized + 'static {
     fn gather_routed(&self, x: &Self::Buf, routing: &Self::Routing, expert: usize, out: &mut Self::Buf) -> usize;
     /// `out[row] += weight · y[i]` for the `i`-th row routed to `expert`.
     fn scatter_routed(&self, y: &Self::Buf, routing: &Self::Routing, expert: usize, out: &mut Self::Buf);
-    /// Gated DeltaNet over every sequence of `kv`, its state in slot `layer`: from the fused
-    /// projections `qkvz` (per key head: q, k, then its value heads' v and z) and `ba` (per key
-    /// head: its value heads' b, then their a), the conv1d (taps `[kernel, channels]`) with
-    /// SiLU over q, k, v; `beta = sigmoid(b)`, decay `exp(a_rate · softplus(a + dt_bias))`;
-    /// L2-normed q (scaled by `1/sqrt(key_head_dim)`) and k; the delta rule, each value head
-    /// reading its key head's q and k; into `out` (`values` wide) and the gate `z` (`values`
-    /// wide, value-head order). `params` is `[conv taps, dt_bias, a_rate]`.
+    /// Qwen3-Next's fused projections in the order [`linear_attention`](Self::linear_attention)
+    /// takes: `qkvz` (per key head: q, k, then its value heads' v and z) into `qkv` (every q,
+    /// every k, every v) and `z`; `ba` (per key head: its value heads' b, then their a) into
+    /// `b` and `a`.
+    #[allow(clippy::too_many_arguments)]
+    fn split_qkvz(
+        &self,
+        qkvz: &Self::Buf,
+        ba: &Self::Buf,
+        shape: LinearAttnShape,
+        qkv: &mut Self::Buf,
+        z: &mut Self::Buf,
+        b: &mut Self::Buf,
+        a: &mut Self::Buf,
+    );
+    /// Gated DeltaNet over every sequence of `kv`, its state in slot `layer`: the conv1d (taps
+    /// `[kernel, channels]`) with SiLU over `qkv` (every q, every k, every v); `beta =
+    /// sigmoid(b)`, decay `exp(a_rate · softplus(a + dt_bias))` per value head; L2-normed q
+    /// (scaled by `1/sqrt(key_head_dim)`) and k; the delta rule, each value head reading its
+    /// key head's q and k; into `out` (`values` wide). `params` is `[conv taps, dt_bias,
+    /// a_rate]`.
     #[allow(clippy::too_many_arguments)]
     fn linear_attention(
         &self,
         ws: &mut Self::Workspace,
         layer: usize,
-        qkvz: &Self::Buf,
-        ba: &Self::Buf,
+        qkv: &Self::Buf,
+        b: &Self::Buf,
+        a: &Self::Buf,
         params: [&Self::Vector; 3],
         shape: LinearAttnShape,
         kv: &mut Self::Kv<'_>,
         out: &mut Self::Buf,
-        z: &mut Self::Buf,
     );
     /// Store each sequence's new K/V rows of `layer` in `kv` (rows with no query: a DFlash
     /// draft's context).

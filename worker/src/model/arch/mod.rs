@@ -11,12 +11,14 @@ mod llama;
 mod llama_family;
 mod qwen2;
 mod qwen3;
+mod qwen3_5;
 mod qwen3_moe;
 mod qwen3_next;
 
 pub use llama::Llama;
 pub use qwen2::Qwen2;
 pub use qwen3::Qwen3;
+pub use qwen3_5::Qwen35;
 pub use qwen3_moe::Qwen3Moe;
 pub use qwen3_next::Qwen3Next;
 
@@ -73,7 +75,36 @@ pub struct AttentionTensors {
     pub output_gate: bool,
 }
 
-/// The tensors of a Gated DeltaNet block (Qwen3-Next's linear attention).
+/// How a Gated DeltaNet block projects its input.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[allow(clippy::large_enum_variant)]
+pub enum LinearProjections {
+    /// Qwen3-Next: `in_qkvz` `[2·keys + 2·values, hidden]` (per key head its q, k, then its
+    /// value heads' v and z) and `in_ba` `[2·value_heads, hidden]` (per key head its value
+    /// heads' b, then their a).
+    Fused { qkvz: TensorSpec, ba: TensorSpec },
+    /// Qwen3.5: `in_proj_qkv` `[2·keys + values, hidden]` (every q, every k, every v: the
+    /// conv's channel order), `in_proj_z` `[values, hidden]`, `in_proj_b` and `in_proj_a`
+    /// `[value_heads, hidden]`.
+    Split {
+        qkv: TensorSpec,
+        z: TensorSpec,
+        b: TensorSpec,
+        a: TensorSpec,
+    },
+}
+
+impl LinearProjections {
+    /// The projection matrices, in order.
+    pub fn matrices(&self) -> Vec<&TensorSpec> {
+        match self {
+            LinearProjections::Fused { qkvz, ba } => vec![qkvz, ba],
+            LinearProjections::Split { qkv, z, b, a } => vec![qkv, z, b, a],
+        }
+    }
+}
+
+/// The tensors of a Gated DeltaNet block (Qwen3-Next's and Qwen3.5's linear attention).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LinearAttentionTensors {
     pub key_heads: usize,
@@ -81,10 +112,8 @@ pub struct LinearAttentionTensors {
     pub key_head_dim: usize,
     pub value_head_dim: usize,
     pub conv_kernel: usize,
-    /// `[2·keys + 2·values, hidden]`: per key head its q, k, then its value heads' v and z.
-    pub in_qkvz: TensorSpec,
-    /// `[2·value_heads, hidden]`: per key head its value heads' b, then their a.
-    pub in_ba: TensorSpec,
+    /// The input projections.
+    pub projections: LinearProjections,
     /// `[conv channels, 1, kernel]`: the depthwise causal conv over q, k and v.
     pub conv: TensorSpec,
     /// `[value_heads]`: added to `a` before the softplus of the decay gate.
@@ -197,7 +226,10 @@ impl LayerPlan {
         let mut out = Vec::new();
         match &self.mixer {
             MixerTensors::Attention(a) => out.extend([&a.q, &a.k, &a.v, &a.o]),
-            MixerTensors::LinearAttention(a) => out.extend([&a.in_qkvz, &a.in_ba, &a.out]),
+            MixerTensors::LinearAttention(a) => {
+                out.extend(a.projections.matrices());
+                out.push(&a.out);
+            }
         }
         match &self.ffn {
             FfnTensors::Dense(m) => out.extend([&m.gate, &m.up, &m.down]),

@@ -14,8 +14,8 @@ use baton_shared::model_files::TensorSpec;
 use super::llama_family::{self, Variant, t};
 use super::qwen3_moe;
 use super::{
-    Architecture, FfnTensors, LayerPlan, LinearAttentionTensors, MixerTensors, MlpTensors, NormScale, OuterPlan,
-    SharedExpertTensors,
+    Architecture, FfnTensors, LayerPlan, LinearAttentionTensors, LinearProjections, MixerTensors, MlpTensors,
+    NormScale, OuterPlan, SharedExpertTensors,
 };
 
 /// `Qwen3NextForCausalLM`.
@@ -36,33 +36,7 @@ impl Architecture for Qwen3Next {
     }
 
     fn layer(&self, c: &ModelConfig, l: usize) -> LayerPlan {
-        let variant = Variant {
-            qkv_bias: c.qkv_bias,
-            qk_norm: true,
-            gguf_permutes_qk: false,
-        };
-        let mut plan = llama_family::layer(c, l, variant);
-        plan.norm_scale = NormScale::OnePlusWeight;
-        match c.linear_attention.as_ref() {
-            Some(la) if la.layer_types.get(l) == Some(&LayerType::LinearAttention) => {
-                plan.mixer = MixerTensors::LinearAttention(linear_attention(c.hidden_size, l, la));
-            }
-            _ => {
-                if let MixerTensors::Attention(a) = &mut plan.mixer {
-                    // Each head's queries, then its gates.
-                    a.q.shape[0] *= 2;
-                    a.output_gate = true;
-                }
-            }
-        }
-        if let Some(moe) = c.moe.as_ref().filter(|m| m.is_sparse(l)) {
-            let mut experts = qwen3_moe::experts(c.hidden_size, l, moe);
-            experts.shared = moe
-                .shared_expert_intermediate_size
-                .map(|f| shared_expert(c.hidden_size, f, l));
-            plan.ffn = FfnTensors::Moe(experts);
-        }
-        plan
+        hybrid_layer(c, l)
     }
 
     fn outer(&self, c: &ModelConfig) -> OuterPlan {
@@ -73,7 +47,39 @@ impl Architecture for Qwen3Next {
     }
 }
 
-/// The Gated DeltaNet tensors of layer `l`.
+/// Layer `l` of a Qwen3-Next-style hybrid: linear or gated full attention as `layer_types`
+/// says, `(1 + w)` norms, the sparse layers' experts with their shared expert.
+pub fn hybrid_layer(c: &ModelConfig, l: usize) -> LayerPlan {
+    let variant = Variant {
+        qkv_bias: c.qkv_bias,
+        qk_norm: true,
+        gguf_permutes_qk: false,
+    };
+    let mut plan = llama_family::layer(c, l, variant);
+    plan.norm_scale = NormScale::OnePlusWeight;
+    match c.linear_attention.as_ref() {
+        Some(la) if la.layer_types.get(l) == Some(&LayerType::LinearAttention) => {
+            plan.mixer = MixerTensors::LinearAttention(linear_attention(c.hidden_size, l, la));
+        }
+        _ => {
+            if let MixerTensors::Attention(a) = &mut plan.mixer {
+                // Each head's queries, then its gates.
+                a.q.shape[0] *= 2;
+                a.output_gate = true;
+            }
+        }
+    }
+    if let Some(moe) = c.moe.as_ref().filter(|m| m.is_sparse(l)) {
+        let mut experts = qwen3_moe::experts(c.hidden_size, l, moe);
+        experts.shared = moe
+            .shared_expert_intermediate_size
+            .map(|f| shared_expert(c.hidden_size, f, l));
+        plan.ffn = FfnTensors::Moe(experts);
+    }
+    plan
+}
+
+/// The Gated DeltaNet tensors of layer `l`, with Qwen3-Next's fused projections.
 fn linear_attention(h: usize, l: usize, la: &LinearAttentionConfig) -> LinearAttentionTensors {
     let (nk, nv, dk, dv) = (la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim);
     let (keys, values) = (nk * dk, nv * dv);
@@ -84,13 +90,15 @@ fn linear_attention(h: usize, l: usize, la: &LinearAttentionConfig) -> LinearAtt
         key_head_dim: dk,
         value_head_dim: dv,
         conv_kernel: la.conv_kernel,
-        in_qkvz: t(
-            l,
-            "linear_attn.in_proj_qkvz.weight",
-            "ssm_in.weight",
-            vec![2 * keys + 2 * values, h],
-        ),
-        in_ba: t(l, "linear_attn.in_proj_ba.weight", "ssm_ba.weight", vec![2 * nv, h]),
+        projections: LinearProjections::Fused {
+            qkvz: t(
+                l,
+                "linear_attn.in_proj_qkvz.weight",
+                "ssm_in.weight",
+                vec![2 * keys + 2 * values, h],
+            ),
+            ba: t(l, "linear_attn.in_proj_ba.weight", "ssm_ba.weight", vec![2 * nv, h]),
+        },
         conv: t(
             l,
             "linear_attn.conv1d.weight",
@@ -160,8 +168,11 @@ mod tests {
             panic!("layer 0 is linear attention")
         };
         // q and k: 2 heads of 8; v and z: 4 heads of 12.
-        assert_eq!(la.in_qkvz.shape, vec![2 * 16 + 2 * 48, 64]);
-        assert_eq!(la.in_ba.shape, vec![8, 64]);
+        let LinearProjections::Fused { qkvz, ba } = &la.projections else {
+            panic!("Qwen3-Next fuses its projections")
+        };
+        assert_eq!(qkvz.shape, vec![2 * 16 + 2 * 48, 64]);
+        assert_eq!(ba.shape, vec![8, 64]);
         assert_eq!(la.conv.shape, vec![16 + 16 + 48, 1, 4]);
         assert_eq!(la.out.hf, "model.layers.0.linear_attn.out_proj.weight");
         assert_eq!(linear.norm_scale, NormScale::OnePlusWeight);

@@ -1,5 +1,6 @@
-//! Gated DeltaNet (Qwen3-Next's linear attention): fused projections of the input into
-//! queries, keys, values, an output gate `z` and the per-head `b`/`a` gates; a causal
+//! Gated DeltaNet (Qwen3-Next's and Qwen3.5's linear attention): projections of the input
+//! into queries, keys, values, an output gate `z` and the per-head `b`/`a` gates (two fused
+//! matrices in Qwen3-Next, four in Qwen3.5); a causal
 //! depthwise conv1d with SiLU over q, k and v; L2-normed q and k; the gated delta rule, whose
 //! state (one `[key_head_dim, value_head_dim]` matrix per value head) replaces a K/V cache;
 //! then a per-head RMSNorm gated by `silu(z)` and the output projection.
@@ -9,17 +10,30 @@
 
 use baton_shared::model_files::LoadError;
 
-use super::super::arch::LinearAttentionTensors;
+use super::super::arch::{LinearAttentionTensors, LinearProjections};
 use super::super::loader::WeightLoader;
 use super::super::scratch::Scratch;
 use super::RmsNorm;
 use crate::ops::{LinearAttnShape, Ops};
 
+/// The input projections on the device.
+enum Projections<O: Ops> {
+    Fused {
+        qkvz: O::Mat,
+        ba: O::Mat,
+    },
+    Split {
+        qkv: O::Mat,
+        z: O::Mat,
+        b: O::Mat,
+        a: O::Mat,
+    },
+}
+
 /// A Gated DeltaNet block.
 pub struct GatedDeltaNet<O: Ops> {
     shape: LinearAttnShape,
-    in_qkvz: O::Mat,
-    in_ba: O::Mat,
+    projections: Projections<O>,
     /// The conv1d's taps as `[kernel, channels]` (each tap one contiguous row).
     conv_t: O::Vector,
     dt_bias: O::Vector,
@@ -50,8 +64,18 @@ impl<O: Ops> GatedDeltaNet<O> {
                 value_head_dim: t.value_head_dim,
                 conv_kernel: kernel,
             },
-            in_qkvz: w.matrix(&t.in_qkvz)?,
-            in_ba: w.matrix(&t.in_ba)?,
+            projections: match &t.projections {
+                LinearProjections::Fused { qkvz, ba } => Projections::Fused {
+                    qkvz: w.matrix(qkvz)?,
+                    ba: w.matrix(ba)?,
+                },
+                LinearProjections::Split { qkv, z, b, a } => Projections::Split {
+                    qkv: w.matrix(qkv)?,
+                    z: w.matrix(z)?,
+                    b: w.matrix(b)?,
+                    a: w.matrix(a)?,
+                },
+            },
             conv_t: w.ops.vector(conv_t),
             dt_bias: w.vector(&t.dt_bias)?,
             a: w.ops.vector(a),
@@ -61,22 +85,43 @@ impl<O: Ops> GatedDeltaNet<O> {
     }
 
     /// `s.proj = deltanet(s.xn)`, carrying each sequence's state in slot `index` of `kv`.
+    /// The conv input (every q, k, v) goes to `s.v`, `z` to `s.gate`, `b` and `a` to `s.up`
+    /// and `s.expert_in`.
     pub fn forward(&self, ops: &O, index: usize, kv: &mut O::Kv<'_>, s: &mut Scratch<O>) {
-        ops.matmul_many(
-            &mut s.ws,
-            &s.xn,
-            [(&self.in_qkvz, None, &mut s.q), (&self.in_ba, None, &mut s.k)],
-        );
+        match &self.projections {
+            Projections::Fused { qkvz, ba } => {
+                ops.matmul_many(&mut s.ws, &s.xn, [(qkvz, None, &mut s.q), (ba, None, &mut s.k)]);
+                ops.split_qkvz(
+                    &s.q,
+                    &s.k,
+                    self.shape,
+                    &mut s.v,
+                    &mut s.gate,
+                    &mut s.up,
+                    &mut s.expert_in,
+                );
+            }
+            Projections::Split { qkv, z, b, a } => ops.matmul_many(
+                &mut s.ws,
+                &s.xn,
+                [
+                    (qkv, None, &mut s.v),
+                    (z, None, &mut s.gate),
+                    (b, None, &mut s.up),
+                    (a, None, &mut s.expert_in),
+                ],
+            ),
+        }
         ops.linear_attention(
             &mut s.ws,
             index,
-            &s.q,
-            &s.k,
+            &s.v,
+            &s.up,
+            &s.expert_in,
             [&self.conv_t, &self.dt_bias, &self.a],
             self.shape,
             kv,
             &mut s.attn,
-            &mut s.gate,
         );
         let (w, eps) = self.norm.parts();
         ops.rmsnorm_gated(&mut s.attn, w, eps, &s.gate);
@@ -84,8 +129,13 @@ impl<O: Ops> GatedDeltaNet<O> {
     }
 
     /// The input projections and the output projection.
-    pub fn matrices(&self) -> [&O::Mat; 3] {
-        [&self.in_qkvz, &self.in_ba, &self.out]
+    pub fn matrices(&self) -> Vec<&O::Mat> {
+        let mut out = match &self.projections {
+            Projections::Fused { qkvz, ba } => vec![qkvz, ba],
+            Projections::Split { qkv, z, b, a } => vec![qkv, z, b, a],
+        };
+        out.push(&self.out);
+        out
     }
 
     /// Values in the conv taps, gates' biases and rates, and the norm.
