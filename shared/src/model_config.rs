@@ -143,19 +143,6 @@ pub struct LinearAttentionConfig {
     pub conv_kernel: usize,
 }
 
-impl LinearAttentionConfig {
-    /// Channels of the conv1d: queries, keys and values side by side.
-    pub fn conv_dim(&self) -> usize {
-        2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
-    }
-
-    /// f32 values of one sequence's state in one linear layer: the conv1d's last
-    /// `conv_kernel - 1` input rows and one `[key_head_dim, value_head_dim]` matrix per value head.
-    pub fn state_values(&self) -> usize {
-        (self.conv_kernel - 1) * self.conv_dim() + self.num_value_heads * self.key_head_dim * self.value_head_dim
-    }
-}
-
 /// How a mixture-of-experts model routes each position's feed-forward pass.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct MoeConfig {

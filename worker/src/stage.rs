@@ -269,6 +269,7 @@ impl Stage {
         let (active, kv) = self.usage();
         let (kv_capacity, kv_bytes) = self.kv_reserved();
         let (blocks_used, blocks_total) = self.kv_blocks();
+        let (slots_used, slots_total) = self.state_slots();
         HealthResponse {
             loaded: true,
             stage: Some(self.info()),
@@ -281,8 +282,8 @@ impl Stage {
             kv_bytes: kv_bytes as u64,
             kv_blocks_used: blocks_used as u64,
             kv_blocks_total: blocks_total as u64,
-            state_slots_used: self.state_slots().0 as u32,
-            state_slots_total: self.state_slots().1 as u32,
+            state_slots_used: slots_used as u32,
+            state_slots_total: slots_total as u32,
             ..Default::default()
         }
     }

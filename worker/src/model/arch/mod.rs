@@ -26,6 +26,7 @@ use baton_shared::model_config::ModelConfig;
 use baton_shared::model_files::TensorSpec;
 
 use super::spec::{CacheSpec, FfnKind, LayerKind, LayerSpec};
+use crate::ops::LinearAttnShape;
 
 /// A model family.
 pub trait Architecture: Sync + std::fmt::Debug {
@@ -107,11 +108,8 @@ impl LinearProjections {
 /// The tensors of a Gated DeltaNet block (Qwen3-Next's and Qwen3.5's linear attention).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LinearAttentionTensors {
-    pub key_heads: usize,
-    pub value_heads: usize,
-    pub key_head_dim: usize,
-    pub value_head_dim: usize,
-    pub conv_kernel: usize,
+    /// Heads, their widths and the conv's taps (what the state's size follows from).
+    pub shape: LinearAttnShape,
     /// The input projections.
     pub projections: LinearProjections,
     /// `[conv channels, 1, kernel]`: the depthwise causal conv over q, k and v.
@@ -254,7 +252,7 @@ impl LayerPlan {
             MixerTensors::LinearAttention(a) => (
                 LayerKind::LinearAttention,
                 CacheSpec::Recurrent {
-                    values: a.state_values(),
+                    values: a.shape.state_values(),
                 },
             ),
         };
@@ -282,29 +280,6 @@ impl LayerPlan {
             weight_params,
             active_params: weight_params - idle_experts,
         }
-    }
-}
-
-impl LinearAttentionTensors {
-    /// Width of the concatenated query (or key) heads.
-    pub fn keys(&self) -> usize {
-        self.key_heads * self.key_head_dim
-    }
-
-    /// Width of the concatenated value heads.
-    pub fn values(&self) -> usize {
-        self.value_heads * self.value_head_dim
-    }
-
-    /// Channels of the conv1d: queries, keys and values.
-    pub fn conv_channels(&self) -> usize {
-        2 * self.keys() + self.values()
-    }
-
-    /// f32 values of one sequence's state: the conv's last `kernel - 1` input rows, then one
-    /// `[key_head_dim, value_head_dim]` matrix per value head.
-    pub fn state_values(&self) -> usize {
-        (self.conv_kernel - 1) * self.conv_channels() + self.value_heads * self.key_head_dim * self.value_head_dim
     }
 }
 

@@ -31,8 +31,8 @@ impl Architecture for Qwen35 {
     fn layer(&self, c: &ModelConfig, l: usize) -> LayerPlan {
         let mut plan = hybrid_layer(c, l);
         if let MixerTensors::LinearAttention(la) = &mut plan.mixer {
-            let (h, nv) = (c.hidden_size, la.value_heads);
-            let (keys, values) = (la.keys(), la.values());
+            let (h, nv) = (c.hidden_size, la.shape.value_heads);
+            let (keys, values) = (la.shape.keys(), la.shape.values());
             la.projections = LinearProjections::Split {
                 qkv: t(
                     l,

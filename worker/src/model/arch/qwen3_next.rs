@@ -17,6 +17,7 @@ use super::{
     Architecture, FfnTensors, LayerPlan, LinearAttentionTensors, LinearProjections, MixerTensors, MlpTensors,
     NormScale, OuterPlan, SharedExpertTensors,
 };
+use crate::ops::LinearAttnShape;
 
 /// `Qwen3NextForCausalLM`.
 #[derive(Debug)]
@@ -81,15 +82,16 @@ pub fn hybrid_layer(c: &ModelConfig, l: usize) -> LayerPlan {
 
 /// The Gated DeltaNet tensors of layer `l`, with Qwen3-Next's fused projections.
 fn linear_attention(h: usize, l: usize, la: &LinearAttentionConfig) -> LinearAttentionTensors {
-    let (nk, nv, dk, dv) = (la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim);
-    let (keys, values) = (nk * dk, nv * dv);
-    let channels = 2 * keys + values;
-    LinearAttentionTensors {
-        key_heads: nk,
-        value_heads: nv,
-        key_head_dim: dk,
-        value_head_dim: dv,
+    let shape = LinearAttnShape {
+        key_heads: la.num_key_heads,
+        value_heads: la.num_value_heads,
+        key_head_dim: la.key_head_dim,
+        value_head_dim: la.value_head_dim,
         conv_kernel: la.conv_kernel,
+    };
+    let (nv, dv, keys, values) = (shape.value_heads, shape.value_head_dim, shape.keys(), shape.values());
+    LinearAttentionTensors {
+        shape,
         projections: LinearProjections::Fused {
             qkvz: t(
                 l,
@@ -103,7 +105,7 @@ fn linear_attention(h: usize, l: usize, la: &LinearAttentionConfig) -> LinearAtt
             l,
             "linear_attn.conv1d.weight",
             "ssm_conv1d.weight",
-            vec![channels, 1, la.conv_kernel],
+            vec![shape.channels(), 1, shape.conv_kernel],
         ),
         dt_bias: t(l, "linear_attn.dt_bias", "ssm_dt.bias", vec![nv]),
         a_log: t(l, "linear_attn.A_log", "ssm_a", vec![nv]),

@@ -46,8 +46,7 @@ pub struct GatedDeltaNet<O: Ops> {
 impl<O: Ops> GatedDeltaNet<O> {
     /// Load the tensors `t` names.
     pub fn load(w: &WeightLoader<'_, O>, t: &LinearAttentionTensors) -> Result<Self, LoadError> {
-        let channels = t.conv_channels();
-        let kernel = t.conv_kernel;
+        let (channels, kernel) = (t.shape.channels(), t.shape.conv_kernel);
         let conv = w.host_vector(&t.conv)?;
         let mut conv_t = vec![0f32; conv.len()];
         for c in 0..channels {
@@ -57,13 +56,7 @@ impl<O: Ops> GatedDeltaNet<O> {
         }
         let a: Vec<f32> = w.host_vector(&t.a_log)?.iter().map(|x| -x.exp()).collect();
         Ok(Self {
-            shape: LinearAttnShape {
-                key_heads: t.key_heads,
-                value_heads: t.value_heads,
-                key_head_dim: t.key_head_dim,
-                value_head_dim: t.value_head_dim,
-                conv_kernel: kernel,
-            },
+            shape: t.shape,
             projections: match &t.projections {
                 LinearProjections::Fused { qkvz, ba } => Projections::Fused {
                     qkvz: w.matrix(qkvz)?,
