@@ -96,6 +96,31 @@ impl TlsArgs {
     }
 }
 
+/// A GPU worker's memory (the GPU's) and what it registers about its GPU: name, compute
+/// capability, multiprocessors.
+#[cfg(feature = "cuda")]
+fn gpu_description(gpu: u32) -> anyhow::Result<(u64, Vec<String>)> {
+    let g = crate::ops::cuda::Gpu::open(gpu)?;
+    let i = &g.info;
+    tracing::info!(gpu, name = %i.name, sm = i.sm, multiprocessors = i.multiprocessors, memory = i.total_bytes, "GPU");
+    Ok((
+        i.total_bytes as u64,
+        vec![
+            format!("kernels:cuda_sm{}", i.sm),
+            format!("gpu:{}", i.name),
+            format!("compute_capability:{}.{}", i.sm / 10, i.sm % 10),
+            format!("multiprocessors:{}", i.multiprocessors),
+            "weights:f32,bf16,f16,q8_0".into(),
+            "kv_dtype:f32,f16".into(),
+        ],
+    ))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_description(gpu: u32) -> anyhow::Result<(u64, Vec<String>)> {
+    Err(crate::backend::BackendError::Unavailable(Device::Cuda { gpu }).into())
+}
+
 fn total_memory() -> u64 {
     meminfo("MemTotal:").unwrap_or(0)
 }
@@ -182,19 +207,26 @@ pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
         }
         None => String::new(),
     };
+    let (memory_bytes, features) = match device {
+        Device::Cuda { gpu } => gpu_description(gpu)?,
+        Device::Cpu { .. } => (
+            total_memory(),
+            vec![
+                format!("kernels:{}", kernels.path().name()),
+                "weights:f32,bf16,f16,q8_0,q4_0,q4_1,native".into(),
+                "kv_dtype:f32,f16".into(),
+            ],
+        ),
+    };
     let desc = WorkerDescription {
         worker_id: w.worker_id.clone(),
         address: address.clone(),
         device_kind: device.kind().into(),
         cores,
-        memory_bytes: total_memory(),
+        memory_bytes,
         kv_cache_bytes: w.kv_cache_mib << 20,
         metrics_address,
-        features: vec![
-            format!("kernels:{}", kernels.path().name()),
-            "weights:f32,bf16,f16,q8_0,q4_0,q4_1,native".into(),
-            "kv_dtype:f32,f16".into(),
-        ],
+        features,
     };
     if args.exit_with_stdin {
         std::thread::spawn(|| {

@@ -73,6 +73,11 @@ impl Sampler {
         }
     }
 
+    /// Whether this sampler always takes the most likely token.
+    pub fn is_greedy(&self) -> bool {
+        self.params.is_greedy()
+    }
+
     /// Choose the next token from `logits`.
     ///
     /// Only what a setting needs is sorted: with no top-p every restriction is a linear pass

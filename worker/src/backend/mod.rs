@@ -13,6 +13,8 @@
 //! and a device backend keeps everything else (weights, KV, intermediate activations) resident.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use std::fmt;
 use std::ops::Range;
@@ -86,6 +88,11 @@ impl Device {
     pub fn check_available(&self) -> Result<(), BackendError> {
         match self {
             Device::Cpu { .. } => Ok(()),
+            #[cfg(feature = "cuda")]
+            Device::Cuda { .. } if crate::ops::cuda::device::driver_present() => Ok(()),
+            #[cfg(feature = "cuda")]
+            Device::Cuda { .. } => Err(BackendError::Cuda(crate::ops::cuda::CudaError::NoDriver.to_string())),
+            #[cfg(not(feature = "cuda"))]
             Device::Cuda { .. } => Err(BackendError::Unavailable(*self)),
         }
     }
@@ -270,6 +277,27 @@ pub fn sample_rows(logits: &[f32], vocab: usize, slots: &mut [SampleSlot]) {
     }
 }
 
+/// [`sample_rows`] for slots whose samplers are all greedy, from each row's most likely token
+/// (computed where the logits are): the same choices, with only ids crossing to the host.
+pub fn sample_ids(ids: &[u32], slots: &mut [SampleSlot]) {
+    let mut at = 0;
+    for slot in slots.iter_mut() {
+        let rows = &ids[at..at + slot.rows()];
+        at += slot.rows();
+        slot.token = rows[0];
+        slot.more.clear();
+        slot.more_logprobs.clear();
+        let mut chosen = slot.token;
+        for (&proposal, &id) in slot.draft.iter().zip(&rows[1..]) {
+            if chosen != proposal {
+                break;
+            }
+            chosen = id;
+            slot.more.push(chosen);
+        }
+    }
+}
+
 /// How to build a backend.
 #[derive(Debug, Clone)]
 pub struct BackendOptions {
@@ -321,8 +349,14 @@ impl BackendOptions {
 pub enum BackendError {
     #[error(transparent)]
     Load(#[from] LoadError),
-    #[error("device '{0}' is not available in this build: it has no CUDA backend yet (use cpu or cpu:THREADS)")]
+    #[error(
+        "device '{0}' is not available in this build: it has no CUDA backend (build with `--features cuda`, or use cpu or cpu:THREADS)"
+    )]
     Unavailable(Device),
+    #[error("GPU: {0}")]
+    Cuda(String),
+    #[error("not supported on this device: {0}")]
+    Unsupported(String),
     #[error("kv_blocks ({blocks}) and kv_block_size ({block_size}) must both be positive")]
     KvGeometry { blocks: usize, block_size: usize },
     #[error(
@@ -352,6 +386,9 @@ pub fn load_shape(
 ) -> Result<Box<dyn Backend>, BackendError> {
     match opts.device {
         Device::Cpu { .. } => Ok(Box::new(cpu::CpuBackend::load(files, shape, opts)?)),
+        #[cfg(feature = "cuda")]
+        Device::Cuda { .. } => Ok(Box::new(cuda::CudaBackend::load(files, shape, opts)?)),
+        #[cfg(not(feature = "cuda"))]
         Device::Cuda { .. } => Err(BackendError::Unavailable(opts.device)),
     }
 }
@@ -482,6 +519,30 @@ mod tests {
         }
     }
 
+    #[test]
+    fn greedy_ids_choose_what_greedy_sampling_of_the_rows_chooses() {
+        let rows: Vec<f32> = (0..6 * 5).map(|i| ((i * 31 % 17) as f32) * 0.5).collect();
+        let ids: Vec<u32> = rows.chunks_exact(5).map(crate::sampler::argmax).collect();
+        let greedy = SamplingParams::greedy(8);
+        for draft in [
+            vec![],
+            vec![ids[0]],
+            vec![ids[0], ids[1], ids[2]],
+            vec![ids[0], 9, ids[2]],
+            vec![7],
+        ] {
+            let mut a = [slot(&greedy, &draft), slot(&greedy, &[])];
+            let mut b = a.clone();
+            let n = a[0].rows() + 1;
+            sample_rows(&rows[..n * 5], 5, &mut a);
+            sample_ids(&ids[..n], &mut b);
+            for (a, b) in a.iter().zip(&b) {
+                assert_eq!((a.token, &a.more), (b.token, &b.more), "draft {draft:?}");
+            }
+        }
+    }
+
+    #[cfg(not(feature = "cuda"))]
     #[test]
     fn cuda_is_refused_with_a_clear_error() {
         let e = Device::Cuda { gpu: 1 }.check_available().unwrap_err();

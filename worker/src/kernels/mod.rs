@@ -1,3 +1,4 @@
 //! Compute kernels, one module per backend.
 
 pub mod cpu;
+pub mod cuda;

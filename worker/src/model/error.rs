@@ -5,6 +5,8 @@
 pub enum ForwardError {
     #[error("token id {id} is out of range (vocabulary has {vocab} entries)")]
     TokenOutOfRange { id: u32, vocab: usize },
+    #[error("GPU: {0}")]
+    Device(String),
     #[error("empty input: at least one token is needed")]
     Empty,
     #[error("sequence of {needed} tokens exceeds the model context of {max}")]

@@ -15,6 +15,8 @@
 
 pub mod conformance;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use baton_shared::dtype::DType;
 

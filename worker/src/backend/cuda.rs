@@ -1,0 +1,243 @@
+//! The CUDA backend: the model on [`CudaOps`] (Baton's kernels on one GPU), a paged f32 or f16
+//! K/V pool in GPU memory allocated once at load, and sampling on the GPU: greedy rows are
+//! reduced to their token ids there (only the ids cross to the host); other sampling settings
+//! and log-probabilities read the logits on the host.
+
+use baton_shared::model_files::ModelFiles;
+
+use super::{
+    Backend, BackendError, BackendInfo, BackendOptions, Device, KvGeometry, SampleSlot, SeqChunk, StageShape,
+    sample_ids, sample_rows,
+};
+use crate::model::dflash::{DflashFiles, TapProjection};
+use crate::model::spec::{FfnKind, LayerKind, LayerSpec, uniform_kv_dim};
+use crate::model::{ForwardError, Scratch, StageModel, registry};
+use crate::ops::Ops;
+use crate::ops::cuda::{CudaBatch, CudaKvPool, CudaOps};
+
+/// A stage on a GPU.
+pub struct CudaBackend {
+    shape: StageShape,
+    device: Device,
+    model: StageModel<CudaOps>,
+    kv: CudaKvPool,
+    scratch: Scratch<CudaOps>,
+    ids: Vec<u32>,
+    logits: Vec<f32>,
+}
+
+impl CudaBackend {
+    /// Load the layers, embedding and head `shape` names onto GPU `opts.device`.
+    pub fn load(files: &ModelFiles, shape: &StageShape, opts: &BackendOptions) -> Result<Self, BackendError> {
+        let Device::Cuda { gpu } = opts.device else {
+            return Err(BackendError::Unavailable(opts.device));
+        };
+        if opts.kv_blocks == 0 || opts.kv_block_size == 0 {
+            return Err(BackendError::KvGeometry {
+                blocks: opts.kv_blocks,
+                block_size: opts.kv_block_size,
+            });
+        }
+        supported(&shape.config, shape.layers.clone())?;
+        let ops = CudaOps::open(gpu).map_err(|e| BackendError::Cuda(e.to_string()))?;
+        let gpu_handle = ops.gpu().clone();
+        let model = StageModel::load_on(
+            ops,
+            files,
+            &shape.config,
+            shape.layers.clone(),
+            shape.first,
+            shape.last,
+            opts.check_finite,
+            opts.format,
+        )?;
+        if let Some(e) = gpu_handle.take_error() {
+            return Err(BackendError::Cuda(format!("loading weights: {e}")));
+        }
+        let kv_dim = uniform_kv_dim(&model.specs).map_err(|(a, b)| BackendError::MixedKvWidths(a, b))?;
+        let kv = CudaKvPool::new(
+            gpu_handle,
+            model.cache.kv_layers,
+            kv_dim,
+            opts.kv_block_size,
+            opts.kv_blocks,
+            opts.kv_dtype,
+        )
+        .map_err(BackendError::Cuda)?;
+        tracing::info!(
+            gpu = %model.ops.info().kernels,
+            weight_bytes = model.weight_bytes(),
+            kv_bytes = kv.bytes(),
+            "stage loaded on the GPU"
+        );
+        Ok(Self {
+            shape: shape.clone(),
+            device: opts.device,
+            model,
+            kv,
+            scratch: Scratch::default(),
+            ids: Vec::new(),
+            logits: Vec::new(),
+        })
+    }
+
+    /// `r`, or the GPU error that the work behind it met.
+    fn finish<T>(&self, r: Result<T, ForwardError>) -> Result<T, ForwardError> {
+        let device = self.model.ops.gpu().take_error();
+        let v = r?;
+        match device {
+            Some(e) => Err(ForwardError::Device(e)),
+            None => Ok(v),
+        }
+    }
+
+    fn forward_paged(
+        &mut self,
+        hidden: &mut [f32],
+        seqs: &[SeqChunk<'_>],
+        taps: Option<&mut [f32]>,
+    ) -> Result<(), ForwardError> {
+        let mut kv = CudaBatch {
+            pool: &mut self.kv,
+            seqs,
+        };
+        let r = self.model.forward_host_tapped(hidden, taps, &mut kv, &mut self.scratch);
+        self.finish(r)
+    }
+}
+
+/// Refuse, by name, what has no GPU kernels yet: mixture-of-experts and linear-attention
+/// layers, and heads wider than the attention kernel holds.
+pub fn supported(
+    config: &baton_shared::model_config::ModelConfig,
+    layers: std::ops::Range<usize>,
+) -> Result<(), BackendError> {
+    let arch = registry::for_config(config);
+    for l in layers {
+        let spec = arch.layer(config, l).spec();
+        let what = match (spec.kind, spec.ffn) {
+            (LayerKind::LinearAttention, _) => Some("linear-attention (Gated DeltaNet) layers"),
+            (_, FfnKind::Moe { .. }) => Some("mixture-of-experts layers"),
+            _ => None,
+        };
+        if let Some(what) = what {
+            return Err(BackendError::Unsupported(format!(
+                "layer {l} of this {} model: {what} have no CUDA kernels yet; run this stage with --device cpu",
+                arch.name()
+            )));
+        }
+    }
+    if config.head_dim > crate::kernels::cuda::MAX_HEAD_DIM {
+        return Err(BackendError::Unsupported(format!(
+            "attention heads of {} values (the CUDA attention kernel holds up to {})",
+            config.head_dim,
+            crate::kernels::cuda::MAX_HEAD_DIM
+        )));
+    }
+    Ok(())
+}
+
+impl Backend for CudaBackend {
+    fn shape(&self) -> &StageShape {
+        &self.shape
+    }
+
+    fn info(&self) -> BackendInfo {
+        let m = &self.model;
+        let ops = m.ops.info();
+        BackendInfo {
+            device: self.device,
+            kernels: ops.kernels,
+            threads: ops.threads,
+            weights: m.format,
+            weight_bytes: m.weight_bytes(),
+            part_bytes: m.part_bytes(),
+            matrix_bytes: m.matrix_bytes(),
+        }
+    }
+
+    fn kv(&self) -> KvGeometry {
+        KvGeometry {
+            blocks: self.kv.blocks(),
+            block_size: self.kv.block_size(),
+            bytes: self.kv.bytes(),
+            dtype: self.kv.dtype(),
+            state_slots: 0,
+        }
+    }
+
+    fn embed(&mut self, tokens: &[u32], hidden: &mut [f32]) -> Result<(), ForwardError> {
+        let h = self.shape.config.hidden_size;
+        if hidden.len() != tokens.len() * h {
+            return Err(ForwardError::HiddenShape {
+                got: hidden.len(),
+                hidden: h,
+            });
+        }
+        let r = self.model.embed_into(tokens, &mut self.scratch);
+        self.finish(r)?;
+        self.model.ops.download(&self.scratch.hidden, hidden);
+        self.finish(Ok(()))
+    }
+
+    fn forward(&mut self, hidden: &mut [f32], seqs: &[SeqChunk<'_>]) -> Result<(), ForwardError> {
+        self.forward_paged(hidden, seqs, None)
+    }
+
+    fn forward_tapped(
+        &mut self,
+        hidden: &mut [f32],
+        seqs: &[SeqChunk<'_>],
+        taps: &mut [f32],
+    ) -> Result<(), ForwardError> {
+        self.forward_paged(hidden, seqs, Some(taps))
+    }
+
+    fn load_taps(&mut self, draft: &DflashFiles) -> Result<Vec<usize>, BackendError> {
+        let taps = TapProjection::load(&self.model.ops, draft, self.model.layers.clone())?;
+        self.model.set_taps(taps);
+        Ok(self.model.tap_layers())
+    }
+
+    fn draft_argmax(&mut self, rows: &[f32], out: &mut Vec<u32>) -> Result<(), ForwardError> {
+        let vocab = self.shape.config.vocab_size;
+        let r = self.model.head_only_into(rows, &mut self.scratch);
+        self.finish(r)?;
+        self.model.ops.argmax_rows(&self.scratch.logits, vocab, out);
+        self.finish(Ok(()))
+    }
+
+    fn logits(&mut self, rows: &[f32], out: &mut [f32]) -> Result<(), ForwardError> {
+        let r = self.model.logits(rows, &mut self.scratch, out);
+        self.finish(r)
+    }
+
+    fn sample(&mut self, rows: &[f32], slots: &mut [SampleSlot]) -> Result<(), ForwardError> {
+        let (h, vocab) = (self.shape.config.hidden_size, self.shape.config.vocab_size);
+        let wanted: usize = slots.iter().map(SampleSlot::rows).sum();
+        if rows.len() != wanted * h {
+            return Err(ForwardError::HiddenShape {
+                got: rows.len(),
+                hidden: h,
+            });
+        }
+        let r = self.model.head_into(rows, &mut self.scratch);
+        self.finish(r)?;
+        if slots.iter().all(|s| s.sampler.is_greedy() && s.top_logprobs.is_none()) {
+            // Greedy rows: only their token ids leave the GPU.
+            self.model.ops.argmax_rows(&self.scratch.logits, vocab, &mut self.ids);
+            self.finish(Ok(()))?;
+            sample_ids(&self.ids, slots);
+        } else {
+            self.logits.resize(wanted * vocab, 0.0);
+            self.model.ops.download(&self.scratch.logits, &mut self.logits);
+            self.finish(Ok(()))?;
+            sample_rows(&self.logits, vocab, slots);
+        }
+        Ok(())
+    }
+
+    fn layer_specs(&self) -> &[LayerSpec] {
+        &self.model.specs
+    }
+}

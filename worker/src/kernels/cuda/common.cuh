@@ -1,0 +1,55 @@
+// Shared by every Baton CUDA kernel file. NVRTC compiles these without the CUDA headers, so
+// the few types and intrinsics needed are spelled out here (half conversion and dp4a as PTX).
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef signed char i8;
+typedef unsigned long long u64;
+
+// Values per Q8_0 block.
+#define QK 32
+
+// The sum of a warp's values, as lane 0 computes it, given to every lane: one fixed order, so
+// a result never depends on which lane reads it.
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return __shfl_sync(0xffffffffu, v, 0);
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// The sum over a block of up to 32 warps, in one fixed order; every thread gets it.
+// `shared` holds at least 32 floats; the block size is a multiple of 32.
+__device__ __forceinline__ float block_sum(float v, float* shared) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < warps; ++w) total += shared[w];
+    return total;
+}
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Four signed byte products added to `c`.
+__device__ __forceinline__ int dp4a(int a, int b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}

@@ -1,0 +1,97 @@
+// Row-wise and element-wise kernels of a decoder layer. Every value is computed from its own
+// row only, in a fixed order, so a row's result never depends on its batch.
+#include "common.cuh"
+
+// out[t, :] = table[tokens[t], :]
+extern "C" __global__ void embed_f32(const float* table, const u32* tokens, float* out, int cols) {
+    const int t = blockIdx.x;
+    const float* src = table + (u64)tokens[t] * cols;
+    float* dst = out + (u64)t * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = src[c];
+}
+
+// RMSNorm of each `width`-wide row of x (one block per row) into out, which may be x.
+extern "C" __global__ void rmsnorm(const float* x, const float* w, float* out, int width, float eps) {
+    __shared__ float partial[32];
+    const u64 row = blockIdx.x;
+    const float* xr = x + row * width;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) ss += xr[c] * xr[c];
+    const float total = block_sum(ss, partial);
+    const float scale = 1.0f / sqrtf(total / (float)width + eps);
+    float* o = out + row * width;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) o[c] = xr[c] * scale * w[c];
+}
+
+// Rotate-half RoPE of the first `rotary` values of each `head_dim`-wide head of every
+// `width`-wide row; row t uses cos/sin[t * rotary/2 ..]. One thread per (row, head, pair).
+extern "C" __global__ void rope(float* x, const float* cos_t, const float* sin_t, int rows, int width,
+                                int head_dim, int rotary) {
+    const int half = rotary / 2, heads = width / head_dim;
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (u64)rows * heads * half) return;
+    const int p = (int)(i % half);
+    const u64 rh = i / half;
+    const u64 t = rh / heads;
+    float* h = x + t * width + (rh % heads) * head_dim;
+    const float c = cos_t[t * half + p], s = sin_t[t * half + p];
+    const float a = h[p], b = h[p + half];
+    h[p] = a * c - b * s;
+    h[p + half] = b * c + a * s;
+}
+
+// gate = silu(gate) * up
+extern "C" __global__ void silu_mul(float* gate, const float* up, u64 n) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float g = gate[i];
+    gate[i] = g / (1.0f + expf(-g)) * up[i];
+}
+
+// x += y
+extern "C" __global__ void add(float* x, const float* y, u64 n) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}
+
+// The index of the largest value of each `cols`-wide row (the first on ties), one block per row.
+extern "C" __global__ void argmax_rows(const float* x, u32* out, int cols) {
+    __shared__ float best_v[1024];
+    __shared__ int best_i[1024];
+    const float* r = x + (u64)blockIdx.x * cols;
+    float v = -__int_as_float(0x7f800000);
+    int at = 0x7fffffff;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        if (r[c] > v || at == 0x7fffffff) { v = r[c]; at = c; }
+    }
+    best_v[threadIdx.x] = v;
+    best_i[threadIdx.x] = at;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            const float ov = best_v[threadIdx.x + s];
+            const int oi = best_i[threadIdx.x + s];
+            if (ov > best_v[threadIdx.x] || (ov == best_v[threadIdx.x] && oi < best_i[threadIdx.x])) {
+                best_v[threadIdx.x] = ov;
+                best_i[threadIdx.x] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = (u32)best_i[0];
+}
+
+// x *= sigmoid(gate)
+extern "C" __global__ void sigmoid_mul(float* x, const float* gate, u64 n) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= 1.0f / (1.0f + expf(-gate[i]));
+}
+
+// Each 2·piece-wide run of x: its first half to a, its second to b.
+extern "C" __global__ void deinterleave(const float* x, float* a, float* b, int piece, u64 n_half) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_half) return;
+    const u64 run = i / piece, at = i % piece;
+    a[i] = x[run * 2 * piece + at];
+    b[i] = x[run * 2 * piece + piece + at];
+}

@@ -1,0 +1,169 @@
+// Matrix products out[t, r] = x[t, :] · w[r, :] (+ bias[r]) for a micro-batch of rows.
+//
+// One warp owns one weight row and a tile of up to TILE activation rows: it streams the weight
+// row once per tile and keeps one accumulator per activation row. Each output's reduction
+// order (lane-strided partial sums, then the warp's fixed butterfly) depends only on the
+// matrix width, never on how many rows share the batch, so continuous batching stays
+// deterministic.
+#include "common.cuh"
+
+#define TILE 8
+#define WARPS 4
+
+// Up to three products of the same activations (q/k/v, gate/up) in one launch: their weight
+// rows are numbered one after another, and each warp finds the product its row belongs to.
+struct Group {
+    u64 w[3];     // weights: f32 rows, or Q8_0 quants
+    u64 d[3];     // Q8_0 block scales (f16 bits); unused for f32
+    u64 bias[3];  // 0: no bias
+    u64 out[3];
+    int rows[4];  // weight rows of each product (the fourth is padding)
+};
+
+// Product and row within it of the group's row `r`; false past the last. Fields are picked
+// by comparisons, not by indexing, so the group stays in registers.
+__device__ __forceinline__ bool locate(const Group& g, int r, int& p, int& row) {
+    const int a = g.rows[0], b = g.rows[1], c = g.rows[2];
+    p = r < a ? 0 : (r < a + b ? 1 : 2);
+    row = r - (p == 0 ? 0 : (p == 1 ? a : a + b));
+    return r < a + b + c;
+}
+
+__device__ __forceinline__ u64 pick(int p, u64 a, u64 b, u64 c) { return p == 0 ? a : (p == 1 ? b : c); }
+__device__ __forceinline__ int pick_rows(const Group& g, int p) {
+    return p == 0 ? g.rows[0] : (p == 1 ? g.rows[1] : g.rows[2]);
+}
+
+// f32 weights. `vec4` (chosen from `cols` alone) reads 16 bytes per lane per step.
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+matmul_f32(const float* x, Group g, int rows_x, int cols) {
+    const int lane = threadIdx.x & 31;
+    int p, r;
+    if (!locate(g, blockIdx.x * WARPS + (threadIdx.x >> 5), p, r)) return;
+    const int rows_w = pick_rows(g, p);
+    const float* w = (const float*)pick(p, g.w[0], g.w[1], g.w[2]);
+    const float* bias = (const float*)pick(p, g.bias[0], g.bias[1], g.bias[2]);
+    float* out = (float*)pick(p, g.out[0], g.out[1], g.out[2]);
+    const int t0 = blockIdx.y * TILE;
+    const int nt = min(TILE, rows_x - t0);
+    float acc[TILE];
+#pragma unroll
+    for (int j = 0; j < TILE; ++j) acc[j] = 0.0f;
+    const float* wr = w + (u64)r * cols;
+    if ((cols & 3) == 0) {
+        const float4* w4 = (const float4*)wr;
+        for (int c = lane; c < cols / 4; c += 32) {
+            const float4 a = w4[c];
+#pragma unroll
+            for (int j = 0; j < TILE; ++j) {
+                if (j < nt) {
+                    const float4 b = ((const float4*)(x + (u64)(t0 + j) * cols))[c];
+                    acc[j] += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+                }
+            }
+        }
+    } else {
+        for (int c = lane; c < cols; c += 32) {
+            const float a = wr[c];
+#pragma unroll
+            for (int j = 0; j < TILE; ++j)
+                if (j < nt) acc[j] += a * x[(u64)(t0 + j) * cols + c];
+        }
+    }
+    const float b = bias ? bias[r] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < TILE; ++j) {
+        const float s = warp_sum(acc[j]);
+        if (lane == 0 && j < nt) out[(u64)(t0 + j) * rows_w + r] = s + b;
+    }
+}
+
+// Quantize each 32-value block of x to i8 with scale max|x|/127, rounding half away from zero
+// (as the CPU path and ggml do). One warp per block.
+extern "C" __global__ void quantize_q8(const float* x, i8* q, float* d, u64 blocks) {
+    const u64 b = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (b >= blocks) return;
+    const int lane = threadIdx.x & 31;
+    const float v = x[b * QK + lane];
+    const float amax = __shfl_sync(0xffffffffu, warp_max(fabsf(v)), 0);
+    const float scale = amax / 127.0f;
+    const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+    q[b * QK + lane] = (i8)fminf(fmaxf(roundf(v * inv), -127.0f), 127.0f);
+    if (lane == 0) d[b] = scale;
+}
+
+// Q8_0 weights (row-major i8 quants, f16 block scales) against activations quantized by
+// quantize_q8: per block an integer dot product (dp4a), scaled by both blocks' scales. A lane
+// takes whole 32-byte blocks, so a warp reads 1 KiB of consecutive weights per step; each lane
+// issues the loads of UNROLL blocks before using any, so enough bytes are in flight to stream
+// the matrix at close to the memory's bandwidth. A lane's blocks and their order depend only
+// on the matrix width.
+#define UNROLL 4
+
+__device__ __forceinline__ int dot_block(int4 w0, int4 w1, int4 a0, int4 a1) {
+    int dot = dp4a(w0.x, a0.x, 0);
+    dot = dp4a(w0.y, a0.y, dot);
+    dot = dp4a(w0.z, a0.z, dot);
+    dot = dp4a(w0.w, a0.w, dot);
+    dot = dp4a(w1.x, a1.x, dot);
+    dot = dp4a(w1.y, a1.y, dot);
+    dot = dp4a(w1.z, a1.z, dot);
+    return dp4a(w1.w, a1.w, dot);
+}
+
+// At least MIN_BLOCKS blocks per multiprocessor: enough warps in flight to cover memory latency.
+#define MIN_BLOCKS 5
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
+matmul_q8(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, int rows_x, int cols) {
+    const int lane = threadIdx.x & 31;
+    int p, r;
+    if (!locate(g, blockIdx.x * WARPS + (threadIdx.x >> 5), p, r)) return;
+    const int rows_w = pick_rows(g, p);
+    const i8* __restrict__ wq = (const i8*)pick(p, g.w[0], g.w[1], g.w[2]);
+    const u16* __restrict__ wd = (const u16*)pick(p, g.d[0], g.d[1], g.d[2]);
+    const float* bias = (const float*)pick(p, g.bias[0], g.bias[1], g.bias[2]);
+    float* out = (float*)pick(p, g.out[0], g.out[1], g.out[2]);
+    const int t0 = blockIdx.y * TILE;
+    const int nt = min(TILE, rows_x - t0);
+    const int nb = cols / QK;
+    float acc[TILE];
+#pragma unroll
+    for (int j = 0; j < TILE; ++j) acc[j] = 0.0f;
+    const int4* wr = (const int4*)(wq + (u64)r * cols);
+    const u16* sr = wd + (u64)r * nb;
+    for (int b0 = lane; b0 < nb; b0 += 32 * UNROLL) {
+        int4 w0[UNROLL], w1[UNROLL];
+        float ws[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int b = b0 + 32 * u;
+            if (b < nb) {
+                w0[u] = __ldg(wr + 2 * b);
+                w1[u] = __ldg(wr + 2 * b + 1);
+                ws[u] = h2f(__ldg(sr + b));
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int b = b0 + 32 * u;
+            if (b < nb) {
+#pragma unroll
+                for (int j = 0; j < TILE; ++j) {
+                    if (j < nt) {
+                        const u64 row = (u64)(t0 + j);
+                        const int4* xr = (const int4*)(xq + row * cols);
+                        const int dot = dot_block(w0[u], w1[u], __ldg(xr + 2 * b), __ldg(xr + 2 * b + 1));
+                        acc[j] += (ws[u] * __ldg(xd + row * nb + b)) * (float)dot;
+                    }
+                }
+            }
+        }
+    }
+    const float bv = bias ? bias[r] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < TILE; ++j) {
+        const float s = warp_sum(acc[j]);
+        if (lane == 0 && j < nt) out[(u64)(t0 + j) * rows_w + r] = s + bv;
+    }
+}

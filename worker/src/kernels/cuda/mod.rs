@@ -1,0 +1,334 @@
+//! Baton's CUDA kernels (the `.cu` files beside this one, compiled ahead of time by
+//! `worker/build.rs`) and the host-side code that feeds them: weight layouts, launch geometry
+//! and a batch's attention metadata. This host side builds and is tested without the `cuda`
+//! feature and without a GPU; [`crate::ops::cuda`] launches the kernels.
+
+use baton_shared::dtype::QK;
+
+use crate::kv_cache::PagedSeq;
+
+/// Activation rows one warp of `matmul_f32` / `matmul_q8` serves with each weight row it reads
+/// (`TILE` in matmul.cu).
+pub const MATMUL_TILE: u32 = 8;
+/// Weight rows (one per warp) of one `matmul_*` thread block (`WARPS` in matmul.cu).
+pub const MATMUL_WARPS: u32 = 4;
+/// Warps of one attention thread block (`ATT_WARPS` in attention.cu).
+pub const ATTENTION_WARPS: u32 = 4;
+/// The widest attention head the kernel holds in registers (`MAX_DIMS` × 32 in attention.cu).
+pub const MAX_HEAD_DIM: usize = 256;
+/// Threads of an element-wise thread block.
+pub const ELEMENTWISE_THREADS: u32 = 256;
+/// Threads of a row-wise (norm, embedding) thread block.
+pub const ROW_THREADS: u32 = 128;
+/// Threads of the argmax block (a power of two; `argmax_rows` reduces pairwise).
+pub const ARGMAX_THREADS: u32 = 1024;
+
+/// `(grid, block)` of a CUDA launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+}
+
+/// A matrix product of `rows_x` activation rows by `rows_w` weight rows: a block per
+/// `MATMUL_WARPS` weight rows and `MATMUL_TILE` activation rows.
+pub fn matmul_geometry(rows_x: usize, rows_w: usize) -> Geometry {
+    Geometry {
+        grid: (
+            (rows_w as u32).div_ceil(MATMUL_WARPS),
+            (rows_x as u32).div_ceil(MATMUL_TILE),
+            1,
+        ),
+        block: (MATMUL_WARPS * 32, 1, 1),
+    }
+}
+
+/// Products one `matmul_*` launch computes at most (`Group` in matmul.cu).
+pub const GROUP: usize = 3;
+
+/// Up to [`GROUP`] products of the same activations for one launch, as matmul.cu's `Group`:
+/// device addresses of each product's weights, scales, bias and output (0: none), and its
+/// weight rows.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MatmulGroup {
+    pub w: [u64; GROUP],
+    pub d: [u64; GROUP],
+    pub bias: [u64; GROUP],
+    pub out: [u64; GROUP],
+    pub rows: [i32; GROUP + 1],
+}
+
+impl MatmulGroup {
+    /// Weight rows of all its products.
+    pub fn total_rows(&self) -> usize {
+        self.rows.iter().map(|&r| r as usize).sum()
+    }
+}
+
+/// One thread per value of `n`.
+pub fn elementwise_geometry(n: usize) -> Geometry {
+    Geometry {
+        grid: ((n as u64).div_ceil(ELEMENTWISE_THREADS as u64) as u32, 1, 1),
+        block: (ELEMENTWISE_THREADS, 1, 1),
+    }
+}
+
+/// One block per row.
+pub fn row_geometry(rows: usize) -> Geometry {
+    Geometry {
+        grid: (rows as u32, 1, 1),
+        block: (ROW_THREADS, 1, 1),
+    }
+}
+
+/// `quantize_q8`: a warp per 32-value block, eight warps a block.
+pub fn quantize_geometry(blocks: usize) -> Geometry {
+    Geometry {
+        grid: ((blocks as u64).div_ceil(8) as u32, 1, 1),
+        block: (256, 1, 1),
+    }
+}
+
+/// Attention: a block per (query row, head).
+pub fn attention_geometry(rows: usize, heads: usize) -> Geometry {
+    Geometry {
+        grid: (rows as u32, heads as u32, 1),
+        block: (ATTENTION_WARPS * 32, 1, 1),
+    }
+}
+
+/// A Q8_0 matrix as the GPU kernels read it: row-major i8 quants (so a lane loads a whole
+/// 32-byte block with two 16-byte loads) and each block's f16 scale bits, row by row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Q8Device {
+    pub rows: usize,
+    pub cols: usize,
+    pub quants: Vec<i8>,
+    pub scales: Vec<u16>,
+}
+
+/// Why ggml bytes are not a Q8_0 matrix of the stated shape.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LayoutError {
+    #[error("Q8_0 needs a row length that is a multiple of {QK}, got {0}")]
+    RowLength(usize),
+    #[error("Q8_0 data of {got} bytes, expected {want} for {rows}x{cols}")]
+    Bytes {
+        got: usize,
+        want: usize,
+        rows: usize,
+        cols: usize,
+    },
+}
+
+impl Q8Device {
+    /// Split ggml Q8_0 blocks (per block: f16 scale, 32 i8) into quants and scales. A quant of
+    /// -128 (ggml never writes one) becomes -127, as on the CPU, so both paths compute with the
+    /// same weights.
+    pub fn from_ggml(bytes: &[u8], rows: usize, cols: usize) -> Result<Self, LayoutError> {
+        if !cols.is_multiple_of(QK) {
+            return Err(LayoutError::RowLength(cols));
+        }
+        let nb = cols / QK;
+        let want = rows * nb * (2 + QK);
+        if bytes.len() != want {
+            return Err(LayoutError::Bytes {
+                got: bytes.len(),
+                want,
+                rows,
+                cols,
+            });
+        }
+        let mut quants = Vec::with_capacity(rows * cols);
+        let mut scales = Vec::with_capacity(rows * nb);
+        for block in bytes.chunks_exact(2 + QK) {
+            scales.push(u16::from_le_bytes([block[0], block[1]]));
+            quants.extend(block[2..].iter().map(|&v| (v as i8).max(-127)));
+        }
+        Ok(Self {
+            rows,
+            cols,
+            quants,
+            scales,
+        })
+    }
+
+    /// Bytes on the device.
+    pub fn bytes(&self) -> usize {
+        self.quants.len() + 2 * self.scales.len()
+    }
+
+    /// Row `r` as f32 (quant × scale).
+    pub fn dequantize_row(&self, r: usize) -> Vec<f32> {
+        let nb = self.cols / QK;
+        (0..self.cols)
+            .map(|c| {
+                let d = half::f16::from_bits(self.scales[r * nb + c / QK]).to_f32();
+                self.quants[r * self.cols + c] as f32 * d
+            })
+            .collect()
+    }
+}
+
+/// What the attention kernels need to know about a batch, uploaded once per forward and read
+/// by every layer: per query row `{position, causal end, block end, table offset}`, the storage
+/// row each new K/V row goes to, and the sequences' block tables back to back.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BatchMeta {
+    pub rows: Vec<i32>,
+    pub slots: Vec<i32>,
+    pub tables: Vec<u32>,
+}
+
+/// Values per row of [`BatchMeta::rows`].
+pub const META_WIDTH: usize = 4;
+
+impl BatchMeta {
+    /// The metadata of `seqs` over blocks of `block_size` positions (rebuilt in place, so
+    /// steady serving allocates nothing). The tables must already have been checked to cover
+    /// every position.
+    pub fn build(&mut self, seqs: &[PagedSeq<'_>], block_size: usize) {
+        self.rows.clear();
+        self.slots.clear();
+        self.tables.clear();
+        for s in seqs {
+            let end = s.pos0 + s.len;
+            let offset = self.tables.len() as i32;
+            self.tables.extend_from_slice(&s.table[..end.div_ceil(block_size)]);
+            for p in s.pos0..end {
+                self.rows
+                    .extend_from_slice(&[p as i32, p as i32 + 1, end as i32, offset]);
+                let row = s.table[p / block_size] as usize * block_size + p % block_size;
+                self.slots.push(row as i32);
+            }
+        }
+    }
+}
+
+/// The kernels compiled into this build: one module per `.cu` file, a cubin per GPU
+/// generation and the PTX for newer ones.
+#[cfg(feature = "cuda")]
+pub mod embedded {
+    /// One `.cu` file, compiled.
+    #[derive(Debug)]
+    pub struct KernelModule {
+        pub name: &'static str,
+        pub ptx: &'static str,
+        /// `(sm, cubin)`: `sm` is the compute capability as `10 × major + minor`.
+        pub cubins: &'static [(u32, &'static [u8])],
+    }
+
+    include!(concat!(env!("OUT_DIR"), "/cuda_kernels.rs"));
+
+    impl KernelModule {
+        /// The cubin a GPU of compute capability `sm` runs: its own, else the newest of its
+        /// major version below it (cubins run on later minors of the same major); `None`: use
+        /// the PTX.
+        pub fn cubin_for(&self, sm: u32) -> Option<&'static [u8]> {
+            self.cubins
+                .iter()
+                .filter(|(arch, _)| *arch / 10 == sm / 10 && *arch <= sm)
+                .max_by_key(|(arch, _)| *arch)
+                .map(|(_, bytes)| *bytes)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::cpu::q8::Q8Matrix;
+
+    /// The constants above are the kernels' own `#define`s.
+    #[test]
+    fn geometry_constants_match_the_kernel_sources() {
+        let matmul = include_str!("matmul.cu");
+        let attention = include_str!("attention.cu");
+        assert!(matmul.contains(&format!("#define TILE {MATMUL_TILE}\n")));
+        assert!(matmul.contains(&format!("#define WARPS {MATMUL_WARPS}\n")));
+        // The group's layout: four arrays of GROUP addresses, then GROUP + 1 row counts.
+        assert!(matmul.contains("    u64 w[3];") && matmul.contains("    int rows[4];"));
+        assert_eq!(GROUP, 3);
+        assert_eq!(size_of::<MatmulGroup>(), 4 * 3 * 8 + 4 * 4);
+        assert!(attention.contains(&format!("#define ATT_WARPS {ATTENTION_WARPS}\n")));
+        assert!(attention.contains(&format!("#define MAX_DIMS {} ", MAX_HEAD_DIM / 32)));
+        let elementwise = include_str!("elementwise.cu");
+        assert!(elementwise.contains(&format!("best_v[{ARGMAX_THREADS}]")));
+    }
+
+    #[test]
+    fn launch_geometry_covers_every_output_once() {
+        for (rows_x, rows_w) in [(1, 1), (1, 576), (7, 1536), (8, 8), (9, 49152), (2048, 4096)] {
+            let g = matmul_geometry(rows_x, rows_w);
+            assert!(g.grid.0 * MATMUL_WARPS >= rows_w as u32 && (g.grid.0 - 1) * MATMUL_WARPS < rows_w as u32);
+            assert!(g.grid.1 * MATMUL_TILE >= rows_x as u32 && (g.grid.1 - 1) * MATMUL_TILE < rows_x as u32);
+            assert!(g.grid.1 <= 65_535, "grid.y limit");
+        }
+        let g = elementwise_geometry(1_000_001);
+        assert_eq!(g.grid.0 as u64 * g.block.0 as u64, 1_000_192);
+        assert_eq!(quantize_geometry(17).grid.0, 3);
+        assert_eq!(attention_geometry(5, 9).grid, (5, 9, 1));
+    }
+
+    #[test]
+    fn q8_layout_holds_the_cpu_matrix_weights() {
+        let (rows, cols) = (5, 64);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
+            .collect();
+        let mut bytes = baton_shared::dtype::quantize_q8_0(&w);
+        // A -128 quant (never written by ggml) is read as -127 by both paths.
+        bytes[2] = 0x80;
+        let gpu = Q8Device::from_ggml(&bytes, rows, cols).unwrap();
+        let cpu = Q8Matrix::from_ggml(&bytes, rows, cols).unwrap();
+        let mut want = vec![0f32; cols];
+        for r in 0..rows {
+            cpu.dequantize_row(r, &mut want);
+            assert_eq!(gpu.dequantize_row(r), want, "row {r}");
+        }
+        assert_eq!(gpu.bytes(), rows * cols + 2 * rows * cols / QK);
+        assert_eq!(
+            Q8Device::from_ggml(&bytes[1..], rows, cols),
+            Err(LayoutError::Bytes {
+                got: bytes.len() - 1,
+                want: bytes.len(),
+                rows,
+                cols
+            })
+        );
+        assert_eq!(Q8Device::from_ggml(&[], 1, 33), Err(LayoutError::RowLength(33)));
+    }
+
+    #[test]
+    fn batch_meta_names_each_rows_keys_and_storage() {
+        let (a, b) = ([3u32, 1, 7], [0u32, 5]);
+        let seqs = [
+            PagedSeq {
+                pos0: 6,
+                len: 3,
+                stored: 6,
+                table: &a,
+                state_slot: 0,
+            },
+            PagedSeq {
+                pos0: 0,
+                len: 2,
+                stored: 0,
+                table: &b,
+                state_slot: 1,
+            },
+        ];
+        let mut meta = BatchMeta::default();
+        meta.build(&seqs, 4);
+        // Positions 6..9 of the first sequence need blocks 0..3 of its table; the second
+        // sequence needs one block.
+        assert_eq!(meta.tables, vec![3, 1, 7, 0]);
+        assert_eq!(
+            meta.rows,
+            vec![6, 7, 9, 0, 7, 8, 9, 0, 8, 9, 9, 0, 0, 1, 2, 3, 1, 2, 2, 3]
+        );
+        // Position 6 is block 1 (id 1) offset 2; 7 → id 1 offset 3; 8 → id 7 offset 0.
+        assert_eq!(meta.slots, vec![6, 7, 28, 0, 1]);
+    }
+}

@@ -1,0 +1,750 @@
+//! [`Ops`] on an NVIDIA GPU: weights, K/V and activations stay in GPU memory; host rows cross
+//! only where the model uploads or downloads them (a stage's edges). Every kernel is Baton's
+//! own ([`crate::kernels::cuda`]), compiled ahead of time into this binary.
+//!
+//! Errors of the driver (a failed launch, memory exhausted) are recorded where they happen
+//! and reported by the backend after the call ([`Gpu::take_error`]), since the operations
+//! themselves return nothing.
+//!
+//! What runs here: dense decoders (Llama, Qwen2, Qwen3) with f32, f16/bf16 (widened to f32)
+//! and Q8_0 weights, f32 or f16 K/V. Mixture-of-experts routing and Gated DeltaNet have no GPU
+//! kernels yet: a CUDA backend refuses such layers at load, and these operations only record
+//! an error if reached.
+
+pub mod device;
+pub mod kv;
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits};
+
+use super::{AttnMask, AttnShape, HostMatrix, LinearAttnShape, Ops, OpsInfo, Product};
+use crate::kernels::cpu::matmul::WeightFormat;
+use crate::kernels::cuda::{self as geometry, Geometry, MatmulGroup, Q8Device};
+use crate::model::ForwardError;
+pub use device::{CudaError, Gpu, GpuInfo};
+use kv::KvStore;
+pub use kv::{CudaBatch, CudaKvPool};
+
+fn config(g: Geometry) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: g.grid,
+        block_dim: g.block,
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Launch kernel `$name` with `$geom` and the arguments in order; a failure is recorded.
+macro_rules! launch {
+    ($gpu:expr, $name:literal, $geom:expr, $($arg:expr),* $(,)?) => {{
+        if let Some(f) = $gpu.function($name) {
+            let mut b = $gpu.stream.launch_builder(f);
+            $( b.arg($arg); )*
+            // SAFETY: the arguments are, in order and type, the kernel's parameters in
+            // kernels/cuda/*.cu, and every buffer holds what the geometry covers.
+            let r = unsafe { b.launch(config($geom)) };
+            $gpu.check($name, r);
+        }
+    }};
+}
+
+/// A GPU as a device.
+#[derive(Clone)]
+pub struct CudaOps {
+    gpu: Arc<Gpu>,
+    staging: Arc<Mutex<Staging>>,
+}
+
+impl std::fmt::Debug for CudaOps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaOps").field("gpu", &self.gpu.info).finish()
+    }
+}
+
+/// Small per-call uploads (token ids, RoPE tables), kept between calls; the RoPE tables are
+/// uploaded once per forward, not once per layer.
+#[derive(Default)]
+struct Staging {
+    tokens: Option<CudaSlice<u32>>,
+    cos: Option<CudaSlice<f32>>,
+    sin: Option<CudaSlice<f32>>,
+    cos_host: Vec<f32>,
+    sin_host: Vec<f32>,
+    ids: Option<CudaSlice<u32>>,
+}
+
+/// f32 rows in GPU memory; keeps its largest allocation.
+#[derive(Default)]
+pub struct CudaBuf {
+    data: Option<CudaSlice<f32>>,
+    len: usize,
+}
+
+/// A weight matrix in GPU memory.
+pub enum CudaMat {
+    F32 {
+        w: CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+    },
+    Q8 {
+        q: CudaSlice<i8>,
+        d: CudaSlice<u16>,
+        rows: usize,
+        cols: usize,
+    },
+}
+
+impl CudaMat {
+    fn shape(&self) -> (usize, usize) {
+        match self {
+            CudaMat::F32 { rows, cols, .. } | CudaMat::Q8 { rows, cols, .. } => (*rows, *cols),
+        }
+    }
+}
+
+/// An f32 vector in GPU memory.
+pub struct CudaVector {
+    data: CudaSlice<f32>,
+    len: usize,
+}
+
+/// Quantized activations for Q8_0 products.
+#[derive(Default)]
+pub struct CudaWorkspace {
+    xq: Option<CudaSlice<i8>>,
+    xd: Option<CudaSlice<f32>>,
+}
+
+// SAFETY: `MatmulGroup` is `repr(C)` plain data laid out as matmul.cu's `Group` (checked by a
+// test), passed by value as a kernel parameter.
+unsafe impl DeviceRepr for MatmulGroup {}
+
+/// Mixture-of-experts routing has no GPU implementation yet.
+#[derive(Default)]
+pub struct CudaRouting;
+
+impl CudaOps {
+    /// Operations on GPU `ordinal`.
+    pub fn open(ordinal: u32) -> Result<Self, CudaError> {
+        Ok(Self {
+            gpu: Arc::new(Gpu::open(ordinal)?),
+            staging: Arc::default(),
+        })
+    }
+
+    /// The GPU.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    fn alloc<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Option<CudaSlice<T>> {
+        self.gpu
+            .check("allocating GPU memory", self.gpu.stream.alloc_zeros::<T>(n.max(1)))
+    }
+
+    fn upload_new<T: DeviceRepr + ValidAsZeroBits>(&self, host: &[T]) -> Result<CudaSlice<T>, String> {
+        self.gpu
+            .stream
+            .clone_htod(host)
+            .map_err(|e| format!("uploading {} bytes to the GPU: {e}", size_of_val(host)))
+    }
+
+    /// Copy `host` into `dev` (grown when too small).
+    fn stage<T: DeviceRepr + ValidAsZeroBits>(&self, host: &[T], dev: &mut Option<CudaSlice<T>>) -> bool {
+        if dev.as_ref().is_none_or(|d| d.len() < host.len()) {
+            *dev = self.alloc::<T>(host.len());
+        }
+        match dev.as_mut() {
+            Some(d) => {
+                let r = self.gpu.stream.memcpy_htod(host, &mut d.slice_mut(0..host.len()));
+                self.gpu.check("uploading", r).is_some()
+            }
+            None => false,
+        }
+    }
+
+    fn dev<'b>(&self, buf: &'b CudaBuf) -> Option<&'b CudaSlice<f32>> {
+        let d = buf.data.as_ref();
+        if d.is_none() {
+            self.gpu
+                .record("an operation read a buffer that was never written".into());
+        }
+        d
+    }
+
+    /// The most likely token of each `vocab`-wide row of `logits` (first on ties), on the GPU.
+    pub fn argmax_rows(&self, logits: &CudaBuf, vocab: usize, out: &mut Vec<u32>) {
+        let rows = logits.len / vocab.max(1);
+        out.clear();
+        out.resize(rows, 0);
+        if rows == 0 {
+            return;
+        }
+        let Some(x) = self.dev(logits) else { return };
+        let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        if staging.ids.as_ref().is_none_or(|d| d.len() < rows) {
+            staging.ids = self.alloc::<u32>(rows);
+        }
+        let Some(ids) = staging.ids.as_ref() else { return };
+        let cols = vocab as i32;
+        let g = Geometry {
+            grid: (rows as u32, 1, 1),
+            block: (geometry::ARGMAX_THREADS, 1, 1),
+        };
+        launch!(self.gpu, "argmax_rows", g, x, ids, &cols);
+        let r = self.gpu.stream.memcpy_dtoh(&ids.slice(0..rows), out.as_mut_slice());
+        self.gpu.check("downloading token ids", r);
+        self.gpu.check("synchronizing", self.gpu.stream.synchronize());
+    }
+
+    fn quantize(&self, ws: &mut CudaWorkspace, x: &CudaSlice<f32>, values: usize) -> bool {
+        let blocks = values / baton_shared::dtype::QK;
+        if ws.xq.as_ref().is_none_or(|d| d.len() < values) {
+            ws.xq = self.alloc::<i8>(values);
+        }
+        if ws.xd.as_ref().is_none_or(|d| d.len() < blocks) {
+            ws.xd = self.alloc::<f32>(blocks);
+        }
+        let (Some(xq), Some(xd)) = (ws.xq.as_ref(), ws.xd.as_ref()) else {
+            return false;
+        };
+        let n = blocks as u64;
+        launch!(
+            self.gpu,
+            "quantize_q8",
+            geometry::quantize_geometry(blocks),
+            x,
+            xq,
+            xd,
+            &n
+        );
+        true
+    }
+
+    fn address<T>(&self, s: &CudaSlice<T>) -> u64 {
+        let (ptr, _sync) = s.device_ptr(&self.gpu.stream);
+        ptr
+    }
+
+    /// One launch for `products` (all f32 or all Q8_0, at most [`geometry::GROUP`]) over the
+    /// `t` rows of `x` (Q8_0: already quantized into `ws`).
+    fn launch_group(
+        &self,
+        ws: &CudaWorkspace,
+        x: &CudaSlice<f32>,
+        t: usize,
+        cols: usize,
+        q8: bool,
+        products: &[(&CudaMat, Option<&CudaVector>, &CudaSlice<f32>)],
+    ) {
+        let mut g = MatmulGroup::default();
+        for (i, (w, bias, out)) in products.iter().enumerate() {
+            match w {
+                CudaMat::F32 { w, rows, .. } => {
+                    g.w[i] = self.address(w);
+                    g.rows[i] = *rows as i32;
+                }
+                CudaMat::Q8 { q, d, rows, .. } => {
+                    g.w[i] = self.address(q);
+                    g.d[i] = self.address(d);
+                    g.rows[i] = *rows as i32;
+                }
+            }
+            g.bias[i] = bias.map_or(0, |b| self.address(&b.data));
+            g.out[i] = self.address(*out);
+        }
+        let geom = geometry::matmul_geometry(t, g.total_rows());
+        let (t32, c32) = (t as i32, cols as i32);
+        if q8 {
+            let (Some(xq), Some(xd)) = (ws.xq.as_ref(), ws.xd.as_ref()) else {
+                return;
+            };
+            launch!(self.gpu, "matmul_q8", geom, xq, xd, &g, &t32, &c32);
+        } else {
+            launch!(self.gpu, "matmul_f32", geom, x, &g, &t32, &c32);
+        }
+    }
+
+    /// The device's copy bandwidth: bytes read plus bytes written per second (as
+    /// `bandwidthTest` counts a device-to-device copy), best of `reps` copies of `bytes`.
+    pub fn copy_bandwidth(&self, bytes: usize, reps: usize) -> Result<f64, CudaError> {
+        let s = &self.gpu.stream;
+        let err = |what: &'static str| {
+            move |e: cudarc::driver::DriverError| CudaError::Driver {
+                what,
+                reason: e.to_string(),
+            }
+        };
+        let a = s.alloc_zeros::<u8>(bytes).map_err(err("allocating the copy source"))?;
+        let mut b = s.alloc_zeros::<u8>(bytes).map_err(err("allocating the copy target"))?;
+        let mut best = f64::INFINITY;
+        for _ in 0..reps.max(1) + 1 {
+            s.synchronize().map_err(err("synchronizing"))?;
+            let t = std::time::Instant::now();
+            s.memcpy_dtod(&a, &mut b).map_err(err("copying"))?;
+            s.synchronize().map_err(err("synchronizing"))?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Ok(2.0 * bytes as f64 / best / 1e9)
+    }
+
+    fn unsupported(&self, op: &str) {
+        self.gpu.record(format!(
+            "{op} has no CUDA kernel yet (mixture-of-experts and linear-attention layers run on the CPU backend)"
+        ));
+    }
+}
+
+impl Ops for CudaOps {
+    type Buf = CudaBuf;
+    type Mat = CudaMat;
+    type Vector = CudaVector;
+    type Kv<'a> = CudaBatch<'a>;
+    type Workspace = CudaWorkspace;
+    type Routing = CudaRouting;
+
+    fn info(&self) -> OpsInfo {
+        OpsInfo {
+            kernels: format!("cuda sm_{} ({})", self.gpu.info.sm, self.gpu.info.name),
+            threads: 1,
+        }
+    }
+
+    fn matrix(&self, m: HostMatrix, format: WeightFormat) -> Result<CudaMat, String> {
+        let q8 = |dev: Q8Device| -> Result<CudaMat, String> {
+            Ok(CudaMat::Q8 {
+                q: self.upload_new(&dev.quants)?,
+                d: self.upload_new(&dev.scales)?,
+                rows: dev.rows,
+                cols: dev.cols,
+            })
+        };
+        match m {
+            HostMatrix::Blocks {
+                dtype: baton_shared::dtype::DType::Q8_0,
+                bytes,
+                rows,
+                cols,
+            } => q8(Q8Device::from_ggml(&bytes, rows, cols).map_err(|e| e.to_string())?),
+            HostMatrix::Blocks { dtype, .. } => Err(format!(
+                "{dtype} weights have no CUDA kernel yet: use --weights q8_0 (or auto, f32) on a GPU"
+            )),
+            HostMatrix::F32 { values, cols } => {
+                let rows = values.len() / cols.max(1);
+                match format {
+                    WeightFormat::Q8_0 if cols.is_multiple_of(baton_shared::dtype::QK) => {
+                        let bytes = baton_shared::dtype::quantize_q8_0(&values);
+                        q8(Q8Device::from_ggml(&bytes, rows, cols).map_err(|e| e.to_string())?)
+                    }
+                    WeightFormat::Q4_0 | WeightFormat::Q4_1 => Err(format!(
+                        "{format} weights have no CUDA kernel yet: use --weights q8_0 (or auto, f32) on a GPU"
+                    )),
+                    WeightFormat::F16 | WeightFormat::Bf16 => {
+                        // Rounded as the CPU rounds them, then widened: the same weights, at
+                        // f32's memory until the GPU has half-precision products.
+                        let wide: Vec<f32> = match format {
+                            WeightFormat::F16 if values.iter().all(|v| v.abs() <= 65504.0) => {
+                                values.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect()
+                            }
+                            WeightFormat::Bf16 => values.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect(),
+                            _ => values,
+                        };
+                        Ok(CudaMat::F32 {
+                            w: self.upload_new(&wide)?,
+                            rows,
+                            cols,
+                        })
+                    }
+                    _ => Ok(CudaMat::F32 {
+                        w: self.upload_new(&values)?,
+                        rows,
+                        cols,
+                    }),
+                }
+            }
+        }
+    }
+
+    fn vector(&self, v: Vec<f32>) -> CudaVector {
+        let data = match self.upload_new(&v) {
+            Ok(d) => d,
+            Err(e) => {
+                self.gpu.record(e);
+                self.gpu.stream.null().expect("an empty device slice allocates nothing")
+            }
+        };
+        CudaVector { data, len: v.len() }
+    }
+
+    fn matrix_bytes(&self, m: &CudaMat) -> usize {
+        match m {
+            CudaMat::F32 { w, .. } => 4 * w.len(),
+            CudaMat::Q8 { q, d, .. } => q.len() + 2 * d.len(),
+        }
+    }
+
+    fn vector_len(&self, v: &CudaVector) -> usize {
+        v.len
+    }
+
+    fn resize(&self, buf: &mut CudaBuf, len: usize) {
+        if buf.data.as_ref().is_none_or(|d| d.len() < len) {
+            buf.data = self.alloc::<f32>(len);
+        }
+        buf.len = len;
+    }
+
+    fn len(&self, buf: &CudaBuf) -> usize {
+        buf.len
+    }
+
+    fn upload(&self, host: &[f32], buf: &mut CudaBuf) {
+        self.resize(buf, host.len());
+        if let Some(d) = buf.data.as_mut() {
+            let r = self.gpu.stream.memcpy_htod(host, &mut d.slice_mut(0..host.len()));
+            self.gpu.check("uploading rows", r);
+        }
+    }
+
+    fn download(&self, buf: &CudaBuf, host: &mut [f32]) {
+        let Some(d) = self.dev(buf) else { return };
+        let n = host.len().min(buf.len);
+        let r = self.gpu.stream.memcpy_dtoh(&d.slice(0..n), &mut host[..n]);
+        self.gpu.check("downloading rows", r);
+        self.gpu.check("synchronizing", self.gpu.stream.synchronize());
+    }
+
+    fn embed(&self, table: &CudaMat, tokens: &[u32], out: &mut CudaBuf) -> Result<(), ForwardError> {
+        let CudaMat::F32 { w, rows, cols } = table else {
+            return Err(ForwardError::Device("the embedding table must be held as f32".into()));
+        };
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= *rows) {
+            return Err(ForwardError::TokenOutOfRange { id, vocab: *rows });
+        }
+        self.resize(out, tokens.len() * cols);
+        let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        if !self.stage(tokens, &mut staging.tokens) {
+            return Err(ForwardError::Device("uploading token ids".into()));
+        }
+        let (Some(ids), Some(o)) = (staging.tokens.as_ref(), out.data.as_ref()) else {
+            return Err(ForwardError::Device("GPU memory for the embedding".into()));
+        };
+        let c = *cols as i32;
+        launch!(
+            self.gpu,
+            "embed_f32",
+            geometry::row_geometry(tokens.len()),
+            w,
+            ids,
+            o,
+            &c
+        );
+        Ok(())
+    }
+
+    fn matmul(&self, ws: &mut CudaWorkspace, x: &CudaBuf, w: &CudaMat, bias: Option<&CudaVector>, out: &mut CudaBuf) {
+        self.matmul_many(ws, x, [(w, bias, out)]);
+    }
+
+    fn matmul_many<const N: usize>(&self, ws: &mut CudaWorkspace, x: &CudaBuf, mut products: [Product<'_, Self>; N]) {
+        let Some(cols) = products.first().map(|p| p.0.shape().1) else {
+            return;
+        };
+        let t = x.len / cols;
+        let Some(xd) = self.dev(x) else { return };
+        for (w, _, out) in products.iter_mut() {
+            self.resize(out, t * w.shape().0);
+        }
+        // Q8_0 products share one quantization of the activations; each format's products
+        // go out as one launch (a group of up to three).
+        let q8 = products.iter().any(|p| matches!(p.0, CudaMat::Q8 { .. }));
+        if q8 && !self.quantize(ws, xd, t * cols) {
+            return;
+        }
+        for want_q8 in [false, true] {
+            let mut group = Vec::with_capacity(N);
+            for (w, bias, out) in &products {
+                if matches!(w, CudaMat::Q8 { .. }) != want_q8 {
+                    continue;
+                }
+                let Some(o) = out.data.as_ref() else { return };
+                group.push((*w, *bias, o));
+            }
+            for chunk in group.chunks(geometry::GROUP) {
+                self.launch_group(ws, xd, t, cols, want_q8, chunk);
+            }
+        }
+    }
+
+    fn rmsnorm(&self, x: &CudaBuf, w: &CudaVector, eps: f32, out: &mut CudaBuf) {
+        self.resize(out, x.len);
+        let (Some(xd), Some(o)) = (self.dev(x), out.data.as_ref()) else {
+            return;
+        };
+        let width = w.len as i32;
+        launch!(
+            self.gpu,
+            "rmsnorm",
+            geometry::row_geometry(x.len / w.len),
+            xd,
+            &w.data,
+            o,
+            &width,
+            &eps
+        );
+    }
+
+    fn rmsnorm_inplace(&self, x: &mut CudaBuf, w: &CudaVector, eps: f32) {
+        let Some(xd) = self.dev(x) else { return };
+        let width = w.len as i32;
+        launch!(
+            self.gpu,
+            "rmsnorm",
+            geometry::row_geometry(x.len / w.len),
+            xd,
+            &w.data,
+            xd,
+            &width,
+            &eps
+        );
+    }
+
+    fn rope(&self, x: &mut CudaBuf, width: usize, head_dim: usize, rotary_dim: usize, cos: &[f32], sin: &[f32]) {
+        let Some(xd) = self.dev(x) else { return };
+        let rows = x.len / width;
+        let half = rotary_dim / 2;
+        let (cos, sin) = (&cos[..rows * half], &sin[..rows * half]);
+        let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        let st = &mut *staging;
+        if st.cos_host != cos || st.sin_host != sin || st.cos.is_none() {
+            if !(self.stage(cos, &mut st.cos) && self.stage(sin, &mut st.sin)) {
+                return;
+            }
+            st.cos_host.clear();
+            st.cos_host.extend_from_slice(cos);
+            st.sin_host.clear();
+            st.sin_host.extend_from_slice(sin);
+        }
+        let (Some(c), Some(s)) = (st.cos.as_ref(), st.sin.as_ref()) else {
+            return;
+        };
+        let (r, w, hd, rd) = (rows as i32, width as i32, head_dim as i32, rotary_dim as i32);
+        let n = rows * (width / head_dim) * half;
+        launch!(
+            self.gpu,
+            "rope",
+            geometry::elementwise_geometry(n),
+            xd,
+            c,
+            s,
+            &r,
+            &w,
+            &hd,
+            &rd
+        );
+    }
+
+    fn deinterleave(&self, x: &CudaBuf, piece: usize, a: &mut CudaBuf, b: &mut CudaBuf) {
+        let half = x.len / 2;
+        self.resize(a, half);
+        self.resize(b, half);
+        let (Some(xd), Some(ad), Some(bd)) = (self.dev(x), a.data.as_ref(), b.data.as_ref()) else {
+            return;
+        };
+        let (p, n) = (piece as i32, half as u64);
+        launch!(
+            self.gpu,
+            "deinterleave",
+            geometry::elementwise_geometry(half),
+            xd,
+            ad,
+            bd,
+            &p,
+            &n
+        );
+    }
+
+    fn sigmoid_mul(&self, x: &mut CudaBuf, gate: &CudaBuf) {
+        let (Some(xd), Some(g)) = (self.dev(x), self.dev(gate)) else {
+            return;
+        };
+        let n = x.len as u64;
+        launch!(
+            self.gpu,
+            "sigmoid_mul",
+            geometry::elementwise_geometry(x.len),
+            xd,
+            g,
+            &n
+        );
+    }
+
+    fn add_sigmoid_scaled(&self, _out: &mut CudaBuf, _y: &CudaBuf, _gate: &CudaBuf) {
+        self.unsupported("a shared expert's gate");
+    }
+
+    fn rmsnorm_gated(&self, _x: &mut CudaBuf, _w: &CudaVector, _eps: f32, _z: &CudaBuf) {
+        self.unsupported("the gated RMSNorm of linear attention");
+    }
+
+    fn silu_mul(&self, gate: &mut CudaBuf, up: &CudaBuf, _width: usize) {
+        let (Some(g), Some(u)) = (self.dev(gate), self.dev(up)) else {
+            return;
+        };
+        let n = gate.len as u64;
+        launch!(self.gpu, "silu_mul", geometry::elementwise_geometry(gate.len), g, u, &n);
+    }
+
+    fn add(&self, x: &mut CudaBuf, y: &CudaBuf) {
+        let (Some(xd), Some(yd)) = (self.dev(x), self.dev(y)) else {
+            return;
+        };
+        let n = x.len as u64;
+        launch!(self.gpu, "add", geometry::elementwise_geometry(x.len), xd, yd, &n);
+    }
+
+    fn zeros(&self, buf: &mut CudaBuf, len: usize) {
+        self.resize(buf, len);
+        if let Some(d) = buf.data.as_mut() {
+            let r = self.gpu.stream.memset_zeros(&mut d.slice_mut(0..len));
+            self.gpu.check("zeroing", r);
+        }
+    }
+
+    fn route(&self, _logits: &CudaBuf, _experts: usize, _top_k: usize, _normalize: bool, _routing: &mut CudaRouting) {
+        self.unsupported("mixture-of-experts routing");
+    }
+
+    fn gather_routed(&self, _x: &CudaBuf, _routing: &CudaRouting, _expert: usize, _out: &mut CudaBuf) -> usize {
+        0
+    }
+
+    fn scatter_routed(&self, _y: &CudaBuf, _routing: &CudaRouting, _expert: usize, _out: &mut CudaBuf) {}
+
+    fn split_qkvz(
+        &self,
+        _qkvz: &CudaBuf,
+        _ba: &CudaBuf,
+        _shape: LinearAttnShape,
+        _qkv: &mut CudaBuf,
+        _z: &mut CudaBuf,
+        _b: &mut CudaBuf,
+        _a: &mut CudaBuf,
+    ) {
+        self.unsupported("linear attention's projections");
+    }
+
+    fn linear_attention(
+        &self,
+        _ws: &mut CudaWorkspace,
+        _layer: usize,
+        _qkv: &CudaBuf,
+        _b: &CudaBuf,
+        _a: &CudaBuf,
+        _params: [&CudaVector; 3],
+        _shape: LinearAttnShape,
+        _kv: &mut CudaBatch<'_>,
+        _out: &mut CudaBuf,
+    ) {
+        self.unsupported("Gated DeltaNet");
+    }
+
+    fn store_kv(&self, layer: usize, k: &CudaBuf, v: &CudaBuf, kv: &mut CudaBatch<'_>) {
+        let pool = &*kv.pool;
+        let rows = k.len / pool.kv_dim.max(1);
+        let (Some(kd), Some(vd), Some(slots)) = (self.dev(k), self.dev(v), pool.slots.as_ref()) else {
+            return;
+        };
+        let Some((kp, vp)) = pool.layers.get(layer) else {
+            self.gpu.record(format!("K/V layer {layer} is outside the pool"));
+            return;
+        };
+        let d = pool.kv_dim as i32;
+        let g = Geometry {
+            grid: (rows as u32, 1, 1),
+            block: (geometry::ROW_THREADS, 1, 1),
+        };
+        match (kp, vp) {
+            (KvStore::F32(kp), KvStore::F32(vp)) => launch!(self.gpu, "store_kv_f32", g, kd, vd, kp, vp, slots, &d),
+            (KvStore::F16(kp), KvStore::F16(vp)) => launch!(self.gpu, "store_kv_f16", g, kd, vd, kp, vp, slots, &d),
+            _ => self.gpu.record("K and V stores of different types".into()),
+        }
+    }
+
+    fn attention(
+        &self,
+        _ws: &mut CudaWorkspace,
+        layer: usize,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        kv: &mut CudaBatch<'_>,
+        shape: AttnShape,
+        mask: AttnMask,
+        _longest: usize,
+        out: &mut CudaBuf,
+    ) {
+        self.store_kv(layer, k, v, kv);
+        let width = shape.num_heads * shape.head_dim;
+        let rows = q.len / width;
+        self.resize(out, q.len);
+        let pool = &*kv.pool;
+        let (Some(qd), Some(o), Some(meta), Some(tables)) =
+            (self.dev(q), out.data.as_ref(), pool.rows.as_ref(), pool.tables.as_ref())
+        else {
+            return;
+        };
+        let Some((kp, vp)) = pool.layers.get(layer) else { return };
+        let (h, kvh, hd, bs) = (
+            shape.num_heads as i32,
+            shape.num_kv_heads as i32,
+            shape.head_dim as i32,
+            pool.block_size as i32,
+        );
+        let block = i32::from(mask == AttnMask::Block);
+        let scale = 1.0f32 / (shape.head_dim as f32).sqrt();
+        let g = geometry::attention_geometry(rows, shape.num_heads);
+        match (kp, vp) {
+            (KvStore::F32(kp), KvStore::F32(vp)) => {
+                launch!(
+                    self.gpu,
+                    "attention_f32",
+                    g,
+                    qd,
+                    kp,
+                    vp,
+                    meta,
+                    tables,
+                    o,
+                    &h,
+                    &kvh,
+                    &hd,
+                    &bs,
+                    &block,
+                    &scale
+                )
+            }
+            (KvStore::F16(kp), KvStore::F16(vp)) => {
+                launch!(
+                    self.gpu,
+                    "attention_f16",
+                    g,
+                    qd,
+                    kp,
+                    vp,
+                    meta,
+                    tables,
+                    o,
+                    &h,
+                    &kvh,
+                    &hd,
+                    &bs,
+                    &block,
+                    &scale
+                )
+            }
+            _ => self.gpu.record("K and V stores of different types".into()),
+        }
+    }
+}
