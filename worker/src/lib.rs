@@ -9,6 +9,7 @@
 //! that bounds batch-1 decode; [`profiler`] times a layer and the head for the split planner.
 
 pub mod backend;
+pub mod device_check;
 pub mod drafting;
 pub mod engine;
 pub mod kernels;

@@ -35,12 +35,19 @@ pub(super) struct WorkerCommand {
     pub program: std::path::PathBuf,
     pub args: Vec<String>,
     pub envs: Vec<(String, String)>,
+    /// `--device` of worker `i`: `devices[i % len]` (none: the args say).
+    pub devices: Vec<String>,
 }
 
 impl WorkerCommand {
     fn spawn(&self, index: usize) -> Result<Child> {
+        let device = match self.devices.is_empty() {
+            true => Vec::new(),
+            false => vec!["--device".to_string(), self.devices[index % self.devices.len()].clone()],
+        };
         let child = Command::new(&self.program)
             .args(&self.args)
+            .args(&device)
             .envs(self.envs.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::null())
@@ -198,6 +205,7 @@ mod tests {
             program: "false".into(),
             args: Vec::new(),
             envs: Vec::new(),
+            devices: Vec::new(),
         };
         let mut workers = LocalWorkers::start(command, 1).unwrap();
         let start = Instant::now();

@@ -88,6 +88,9 @@ pub enum Command {
     /// Make a development CA and a certificate per node for mutual TLS between coordinator and
     /// workers.
     Certs(certs::CertsArgs),
+    /// Check a GPU against the CPU reference (kernels, model parity, batch invariance) and
+    /// measure it (bandwidth, decode, prefill) into one JSON report; `--dry-run` on the CPU.
+    DeviceCheck(baton_worker::device_check::CheckArgs),
 }
 
 /// Shared state for running a subcommand.
@@ -155,6 +158,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Worker(a) => worker::run(&ctx, a),
         Command::Bench(a) => bench::run(&ctx, a),
         Command::Certs(a) => certs::run(a),
+        Command::DeviceCheck(a) => baton_worker::device_check::run(&a).map(|_| ()),
     }
 }
 

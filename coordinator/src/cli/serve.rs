@@ -50,6 +50,12 @@ pub struct ServeArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_model_len: Option<usize>,
+    /// Devices of the local workers, one per worker in turn (e.g. `cuda:0,cuda:1` for a worker
+    /// per GPU, `cuda:0,cpu` for a GPU stage and a CPU stage) [default: the CPU cores split
+    /// among the workers].
+    #[arg(long, value_delimiter = ',')]
+    #[serde(skip)]
+    pub device: Vec<String>,
 }
 
 /// How long in-flight requests may run on after Ctrl-C/SIGTERM before the process exits.
@@ -102,7 +108,7 @@ pub fn run(ctx: &Ctx, args: ServeArgs) -> Result<()> {
         // A bad key or key file fails before any worker starts.
         let api_keys = api_keys(&a.pipeline)?;
         let http_limits = http_limits(&a.pipeline)?;
-        let (generator, mut workers) = build_generator(ctx, a, &model_path, model, max_context).await?;
+        let (generator, mut workers) = build_generator(ctx, a, &args.device, &model_path, model, max_context).await?;
         let state = AppState {
             max_body_bytes: a.pipeline.max_body_bytes,
             body_timeout: std::time::Duration::from_secs(a.pipeline.body_timeout_secs),
@@ -152,6 +158,7 @@ pub fn run(ctx: &Ctx, args: ServeArgs) -> Result<()> {
 async fn build_generator(
     ctx: &Ctx,
     a: &ServeSettings,
+    worker_devices: &[String],
     model_path: &Path,
     model: LoadedModel,
     max_context: usize,
@@ -162,6 +169,11 @@ async fn build_generator(
         .display()
         .to_string();
     let config = pipeline_config(p, &model, worker_model, a.workers.max(1), max_context)?;
+    if a.workers == 0 && !worker_devices.is_empty() {
+        bail!(
+            "--device chooses the devices of worker processes; with --workers 0 the model runs in this process on the CPU (use --workers 1 --device cuda:0 for one GPU stage)"
+        );
+    }
     if a.workers == 0 {
         // The whole model on one stage in this process, through the same engine.
         let opts = LocalStageOptions {
@@ -195,10 +207,17 @@ async fn build_generator(
     // The workers share this machine: split its cores among them.
     let device = format!("cpu:{}", (cores() / a.workers).max(1));
     let exe = std::env::current_exe().context("locating the baton binary to start workers")?;
-    let mut args: Vec<String> = ["worker", "--exit-with-stdin", "--listen", "127.0.0.1:0", "--device"]
+    let mut args: Vec<String> = ["worker", "--exit-with-stdin", "--listen", "127.0.0.1:0"]
         .map(String::from)
         .into();
-    args.extend([device, "--coordinator".into(), registry_url]);
+    let devices = match worker_devices.is_empty() {
+        true => vec![device],
+        false => worker_devices.to_vec(),
+    };
+    for d in &devices {
+        d.parse::<baton_worker::backend::Device>()?;
+    }
+    args.extend(["--coordinator".into(), registry_url]);
     let mut envs = vec![
         ("BATON_CLUSTER_TOKEN".to_string(), token),
         ("BATON_HOME".into(), ctx.settings.home().display().to_string()),
@@ -215,6 +234,7 @@ async fn build_generator(
         program: exe,
         args,
         envs,
+        devices,
     };
     let workers = LocalWorkers::start(command, a.workers)?;
     Ok((server.generator, workers))

@@ -1,0 +1,567 @@
+//! `baton device-check`: what a GPU host (or, with `--dry-run`, this CPU) is checked and
+//! measured on, as one JSON report. Each part runs the same code on the device under test and
+//! on the CPU reference, through the public [`Ops`] and [`Backend`] interfaces:
+//!
+//! * `kernels`: every operation against the single-thread CPU operations over batches of 1, 8,
+//!   32 and 128 rows;
+//! * `parity`: whole models (logits at every position of a prompt, 64 greedy steps) in f32,
+//!   Q8_0 and f16-K/V modes against the CPU in the same mode;
+//! * `batch_invariance`: a sequence's rows alone and beside others, bit for bit;
+//! * `bandwidth` and `speed`: the Q8_0 product's GB/s against the device's copy bandwidth,
+//!   decode tokens/s at batch 1, 8 and 32 and a 2,048-token prefill.
+//!
+//! A part that fails records its error and the report goes on, so one run shows everything.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use baton_shared::model_files::ModelFiles;
+use serde_json::{Value, json};
+
+use crate::backend::{self, Backend, BackendOptions, Device, SampleSlot, SeqChunk};
+use crate::kernels::cpu::matmul::WeightFormat;
+use crate::kv_cache::KvDtype;
+use crate::ops::cpu::{CpuOps, CpuOptions};
+use crate::ops::{HostMatrix, Ops};
+use crate::sampler::Sampler;
+
+/// The command's flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CheckArgs {
+    /// The device under test (`cuda:N`); `--dry-run` tests `cpu:2` against the reference instead.
+    #[arg(long, default_value = "cuda:0")]
+    pub device: String,
+    /// Run every step on the CPU (proves the script without a GPU).
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Models for the parity checks (Hugging Face directories or GGUF files).
+    #[arg(long = "parity-model")]
+    pub parity_models: Vec<PathBuf>,
+    /// Models to measure decode and prefill speed on.
+    #[arg(long = "speed-model")]
+    pub speed_models: Vec<PathBuf>,
+    /// Greedy steps compared in the parity check.
+    #[arg(long, default_value_t = 64)]
+    pub greedy_steps: usize,
+    /// Prefill length measured.
+    #[arg(long, default_value_t = 2048)]
+    pub prefill_tokens: usize,
+    /// Decode batches measured.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    pub batches: Vec<usize>,
+    /// Timed decode steps per batch.
+    #[arg(long, default_value_t = 32)]
+    pub decode_steps: usize,
+    /// Where to write the JSON report.
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+/// Run every part and write the report; the report is also returned.
+pub fn run(a: &CheckArgs) -> anyhow::Result<Value> {
+    let device: Device = if a.dry_run {
+        Device::Cpu { threads: Some(2) }
+    } else {
+        a.device.parse()?
+    };
+    let mut report = serde_json::Map::new();
+    report.insert("device".into(), json!(device.to_string()));
+    report.insert("dry_run".into(), json!(a.dry_run));
+    let started = Instant::now();
+    let part = |name: &str, report: &mut serde_json::Map<String, Value>, f: &dyn Fn() -> anyhow::Result<Value>| {
+        let t = Instant::now();
+        let v = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+            Ok(Ok(v)) => v,
+            Ok(Err(e)) => json!({ "error": format!("{e:#}") }),
+            Err(_) => json!({ "error": "panicked" }),
+        };
+        eprintln!("device-check: {name} done in {:.1} s", t.elapsed().as_secs_f64());
+        report.insert(name.into(), v);
+    };
+    part("kernels", &mut report, &|| kernels_on(device));
+    part("bandwidth", &mut report, &|| bandwidth_on(device));
+    for model in &a.parity_models {
+        let name = format!("parity:{}", model.display());
+        part(&name, &mut report, &|| parity(model, device, a.greedy_steps));
+    }
+    for model in &a.speed_models {
+        let name = format!("speed:{}", model.display());
+        part(&name, &mut report, &|| speed(model, device, a));
+    }
+    report.insert("seconds".into(), json!(started.elapsed().as_secs_f64()));
+    let report = Value::Object(report);
+    std::fs::write(&a.out, serde_json::to_string_pretty(&report)?)?;
+    Ok(report)
+}
+
+/// Deterministic values in ±1.
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// `max |a - b|` and `max |b|`.
+fn diff(a: &[f32], b: &[f32]) -> (f32, f32) {
+    let d = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    let s = b.iter().fold(0f32, |m, y| m.max(y.abs()));
+    if a.len() != b.len() { (f32::INFINITY, s) } else { (d, s) }
+}
+
+/// The operations of one device, kept as a closure set so the kernel checks are written once.
+fn kernels_on(device: Device) -> anyhow::Result<Value> {
+    match device {
+        Device::Cpu { threads } => Ok(kernel_cases(&CpuOps::new(threads.unwrap_or(2), None))),
+        #[cfg(feature = "cuda")]
+        Device::Cuda { gpu } => Ok(kernel_cases(&crate::ops::cuda::CudaOps::open(gpu)?)),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda { .. } => anyhow::bail!("this build has no CUDA backend"),
+    }
+}
+
+/// One operation over `rows` rows on `ops` and on the reference.
+fn kernel_cases<O: Ops>(ops: &O) -> Value {
+    let reference = CpuOps::reference();
+    let mut cases = Vec::new();
+    let (cols, out_rows) = (576usize, 1536usize);
+    let w = values(out_rows * cols, 7);
+    let bias = values(out_rows, 8);
+    let norm = values(cols, 9);
+    for rows in [1usize, 8, 32, 128] {
+        let x = values(rows * cols, rows as u64);
+        for (name, format, tol) in [
+            ("matmul_f32", WeightFormat::F32, 1e-5f32),
+            ("matmul_q8_0", WeightFormat::Q8_0, 1e-5),
+        ] {
+            for with_bias in [false, true] {
+                let run = |o: &dyn Fn(&[f32]) -> Vec<f32>| o(&x);
+                let got = run(&|x| matmul_on(ops, x, &w, cols, format, with_bias.then_some(&bias[..])));
+                let want = run(&|x| matmul_on(&reference, x, &w, cols, format, with_bias.then_some(&bias[..])));
+                cases.push(case(name, rows, with_bias, &got, &want, tol));
+            }
+        }
+        let got = elementwise_on(ops, &x, &norm, cols);
+        let want = elementwise_on(&reference, &x, &norm, cols);
+        for ((name, g), (_, w)) in got.iter().zip(&want) {
+            cases.push(case(name, rows, false, g, w, 1e-5));
+        }
+    }
+    let failed = cases.iter().filter(|c| c["ok"] == json!(false)).count();
+    json!({ "cases": cases, "failed": failed })
+}
+
+fn case(name: &str, rows: usize, bias: bool, got: &[f32], want: &[f32], tol: f32) -> Value {
+    let (d, s) = diff(got, want);
+    let rel = d / s.max(1e-30);
+    json!({ "op": name, "rows": rows, "bias": bias, "max_abs": d, "max_rel": rel, "tolerance_rel": tol, "ok": rel <= tol })
+}
+
+fn matmul_on<O: Ops>(
+    ops: &O,
+    x: &[f32],
+    w: &[f32],
+    cols: usize,
+    format: WeightFormat,
+    bias: Option<&[f32]>,
+) -> Vec<f32> {
+    let m = ops
+        .matrix(
+            HostMatrix::F32 {
+                values: w.to_vec(),
+                cols,
+            },
+            format,
+        )
+        .expect("a valid matrix");
+    let b = bias.map(|b| ops.vector(b.to_vec()));
+    let (mut xb, mut out, mut ws) = (O::Buf::default(), O::Buf::default(), O::Workspace::default());
+    ops.upload(x, &mut xb);
+    ops.matmul(&mut ws, &xb, &m, b.as_ref(), &mut out);
+    let mut host = vec![0f32; ops.len(&out)];
+    ops.download(&out, &mut host);
+    host
+}
+
+/// RMSNorm, per-head RMSNorm, RoPE, SiLU·up and the residual add over `x`.
+fn elementwise_on<O: Ops>(ops: &O, x: &[f32], norm: &[f32], cols: usize) -> Vec<(&'static str, Vec<f32>)> {
+    let rows = x.len() / cols;
+    let (head_dim, half) = (64usize, 32usize);
+    let cos: Vec<f32> = (0..rows * half).map(|i| (i as f32 * 0.37).cos()).collect();
+    let sin: Vec<f32> = (0..rows * half).map(|i| (i as f32 * 0.37).sin()).collect();
+    let y = values(x.len(), 99);
+    let w = ops.vector(norm.to_vec());
+    let wh = ops.vector(norm[..head_dim].to_vec());
+    let get = |b: &O::Buf| {
+        let mut h = vec![0f32; ops.len(b)];
+        ops.download(b, &mut h);
+        h
+    };
+    let (mut a, mut b, mut c) = (O::Buf::default(), O::Buf::default(), O::Buf::default());
+    let mut out = Vec::new();
+    ops.upload(x, &mut a);
+    ops.rmsnorm(&a, &w, 1e-5, &mut b);
+    out.push(("rmsnorm", get(&b)));
+    ops.rmsnorm_inplace(&mut a, &wh, 1e-6);
+    out.push(("rmsnorm_per_head", get(&a)));
+    ops.upload(x, &mut a);
+    ops.rope(&mut a, cols, head_dim, head_dim, &cos, &sin);
+    out.push(("rope", get(&a)));
+    ops.upload(x, &mut a);
+    ops.rope(
+        &mut a,
+        cols,
+        head_dim,
+        head_dim / 2,
+        &cos[..rows * half / 2],
+        &sin[..rows * half / 2],
+    );
+    out.push(("rope_partial", get(&a)));
+    ops.upload(x, &mut a);
+    ops.upload(&y, &mut c);
+    ops.silu_mul(&mut a, &c, cols);
+    out.push(("silu_mul", get(&a)));
+    ops.upload(x, &mut a);
+    ops.add(&mut a, &c);
+    out.push(("add", get(&a)));
+    let table = ops
+        .matrix(
+            HostMatrix::F32 {
+                values: y.clone(),
+                cols,
+            },
+            WeightFormat::F32,
+        )
+        .expect("a valid table");
+    let tokens: Vec<u32> = (0..rows as u32).rev().collect();
+    ops.embed(&table, &tokens, &mut b).expect("tokens in range");
+    out.push(("embed", get(&b)));
+    out
+}
+
+/// Copy bandwidth of the device and the Q8_0 product's GB/s on matrices of 64 and 128 MiB.
+fn bandwidth_on(device: Device) -> anyhow::Result<Value> {
+    match device {
+        Device::Cpu { threads } => Ok(bandwidth(&CpuOps::new(threads.unwrap_or(2), None), None, 8)),
+        #[cfg(feature = "cuda")]
+        Device::Cuda { gpu } => {
+            let ops = crate::ops::cuda::CudaOps::open(gpu)?;
+            let copy = ops.copy_bandwidth(1 << 30, 20)?;
+            Ok(bandwidth(&ops, Some(copy), 100))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda { .. } => anyhow::bail!("this build has no CUDA backend"),
+    }
+}
+
+fn bandwidth<O: Ops>(ops: &O, copy_gb_s: Option<f64>, reps: usize) -> Value {
+    let mut rows_out = Vec::new();
+    for (rows_w, cols) in [(8192usize, 8192usize), (16384, 8192)] {
+        let w = values(rows_w * cols, 3);
+        let m = ops
+            .matrix(HostMatrix::F32 { values: w, cols }, WeightFormat::Q8_0)
+            .expect("a valid matrix");
+        let bytes = ops.matrix_bytes(&m);
+        for rows in [1usize, 8] {
+            let (mut xb, mut out, mut ws) = (O::Buf::default(), O::Buf::default(), O::Workspace::default());
+            ops.upload(&values(rows * cols, 5), &mut xb);
+            ops.matmul(&mut ws, &xb, &m, None, &mut out);
+            let mut sink = vec![0f32; ops.len(&out)];
+            ops.download(&out, &mut sink);
+            let t = Instant::now();
+            for _ in 0..reps {
+                ops.matmul(&mut ws, &xb, &m, None, &mut out);
+            }
+            ops.download(&out, &mut sink);
+            let s = t.elapsed().as_secs_f64() / reps as f64;
+            let gb_s = bytes as f64 / s / 1e9;
+            rows_out.push(json!({
+                "matrix": format!("{rows_w}x{cols} q8_0"), "bytes": bytes, "rows": rows,
+                "us": s * 1e6, "gb_s": gb_s, "of_copy": copy_gb_s.map(|c| gb_s / c),
+            }));
+        }
+    }
+    json!({ "copy_gb_s": copy_gb_s, "q8_0_products": rows_out })
+}
+
+/// Options for a whole-model backend on `device` with room for `seqs` sequences of `positions`.
+fn options(device: Device, format: WeightFormat, kv_dtype: KvDtype, seqs: usize, positions: usize) -> BackendOptions {
+    let block = 16;
+    BackendOptions {
+        device,
+        format,
+        cpu: CpuOptions::threads(1),
+        check_finite: false,
+        kv_blocks: seqs * positions.div_ceil(block),
+        kv_block_size: block,
+        kv_dtype,
+        state_slots: 0,
+    }
+}
+
+fn load(model: &std::path::Path, opts: &BackendOptions) -> anyhow::Result<Box<dyn Backend>> {
+    let files = ModelFiles::open(model)?;
+    let config = files.config()?;
+    Ok(backend::load(&files, &config, 0..config.num_layers, opts)?)
+}
+
+/// One sequence's driver: its block table, where it is, and its chunks.
+struct Seq {
+    table: Vec<u32>,
+    stored: usize,
+}
+
+impl Seq {
+    fn new(index: usize, blocks: usize) -> Self {
+        Self {
+            table: (index * blocks..(index + 1) * blocks).map(|b| b as u32).collect(),
+            stored: 0,
+        }
+    }
+
+    fn chunk(&self, len: usize) -> SeqChunk<'_> {
+        SeqChunk {
+            pos0: self.stored,
+            len,
+            stored: self.stored,
+            table: &self.table,
+            state_slot: 0,
+        }
+    }
+}
+
+/// Prefill `prompt` on a fresh sequence and return the logits of every position.
+fn prompt_logits(b: &mut dyn Backend, prompt: &[u32], seq: &mut Seq) -> anyhow::Result<Vec<f32>> {
+    let c = b.shape().config.clone();
+    let mut hidden = vec![0f32; prompt.len() * c.hidden_size];
+    b.embed(prompt, &mut hidden)?;
+    b.forward(&mut hidden, &[seq.chunk(prompt.len())])?;
+    seq.stored += prompt.len();
+    let mut logits = vec![0f32; prompt.len() * c.vocab_size];
+    b.logits(&hidden, &mut logits)?;
+    Ok(logits)
+}
+
+/// Greedy continuation of a sequence whose prompt is prefilled, whose last token is `last`;
+/// also the logits of each step.
+fn greedy(
+    b: &mut dyn Backend,
+    mut last: u32,
+    seq: &mut Seq,
+    steps: usize,
+) -> anyhow::Result<(Vec<u32>, Vec<Vec<f32>>)> {
+    let c = b.shape().config.clone();
+    let (mut tokens, mut all) = (Vec::new(), Vec::new());
+    let mut hidden = vec![0f32; c.hidden_size];
+    for _ in 0..steps {
+        b.embed(&[last], &mut hidden)?;
+        b.forward(&mut hidden, &[seq.chunk(1)])?;
+        seq.stored += 1;
+        let mut logits = vec![0f32; c.vocab_size];
+        b.logits(&hidden, &mut logits)?;
+        let mut slots = [SampleSlot::new(
+            Sampler::new(&baton_shared::sampling::SamplingParams::greedy(1)),
+            None,
+        )];
+        b.sample(&hidden, &mut slots)?;
+        last = slots[0].token;
+        tokens.push(last);
+        all.push(logits);
+    }
+    Ok((tokens, all))
+}
+
+fn prompt_for(vocab: usize, n: usize) -> Vec<u32> {
+    (0..n).map(|i| ((i * 7919 + 13) % vocab) as u32).collect()
+}
+
+/// The gap between the largest and second-largest logits.
+fn top2_margin(logits: &[f32]) -> f32 {
+    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &x in logits {
+        if x > a {
+            b = a;
+            a = x;
+        } else if x > b {
+            b = x;
+        }
+    }
+    a - b
+}
+
+/// A model on the device against the CPU in f32, Q8_0 and f16-K/V modes, and batch invariance.
+///
+/// f32 mode must match the CPU's f32 logits within 1e-3 and its greedy tokens exactly. A
+/// quantized mode rounds activations (Q8_0) or cached K/V (f16), so one ulp of difference
+/// before a rounding can move a value by a whole step: there the device must be as close to
+/// the f32 reference as the CPU in the same mode is (within 1.5× its error, plus 1e-3), and
+/// its top-1 agreement with the CPU is reported. A greedy divergence counts as a near tie when
+/// the CPU's top-two gap at that step is within twice the logit difference measured.
+fn parity(model: &std::path::Path, device: Device, steps: usize) -> anyhow::Result<Value> {
+    let cpu = Device::Cpu { threads: Some(1) };
+    let positions = 33 + steps + 1;
+    let blocks = positions.div_ceil(16);
+    let mut modes = Vec::new();
+    let mut reference: Option<Vec<f32>> = None;
+    for (mode, format, kv) in [
+        ("f32", WeightFormat::F32, KvDtype::F32),
+        ("q8_0", WeightFormat::Q8_0, KvDtype::F32),
+        ("f32_f16kv", WeightFormat::F32, KvDtype::F16),
+    ] {
+        let mut d = load(model, &options(device, format, kv, 1, positions))?;
+        let mut r = load(model, &options(cpu, format, kv, 1, positions))?;
+        let vocab = d.shape().config.vocab_size;
+        let prompt = prompt_for(vocab, 33);
+        let (mut sd, mut sr) = (Seq::new(0, blocks), Seq::new(0, blocks));
+        let ld = prompt_logits(d.as_mut(), &prompt, &mut sd)?;
+        let lr = prompt_logits(r.as_mut(), &prompt, &mut sr)?;
+        let f32_reference = reference.get_or_insert_with(|| lr.clone());
+        let (max_abs, scale) = diff(&ld, &lr);
+        let (device_vs_f32, cpu_vs_f32) = (diff(&ld, f32_reference).0, diff(&lr, f32_reference).0);
+        let ok = match mode {
+            "f32" => max_abs <= 1e-3,
+            _ => device_vs_f32 <= 1.5 * cpu_vs_f32 + 1e-3,
+        };
+        let top1 = ld
+            .chunks_exact(vocab)
+            .zip(lr.chunks_exact(vocab))
+            .filter(|(a, b)| crate::sampler::argmax(a) == crate::sampler::argmax(b))
+            .count();
+        let last = *prompt.last().unwrap_or(&0);
+        let (td, logits_d) = greedy(d.as_mut(), last, &mut sd, steps)?;
+        let (tr, logits_r) = greedy(r.as_mut(), last, &mut sr, steps)?;
+        let first_diff = td.iter().zip(&tr).position(|(a, b)| a != b);
+        let divergence = first_diff.map(|i| {
+            let margin = top2_margin(&logits_r[i]);
+            let step_diff = diff(&logits_d[i], &logits_r[i]).0;
+            json!({
+                "step": i, "device": td[i], "cpu": tr[i], "cpu_top2_margin": margin,
+                "device_top2_margin": top2_margin(&logits_d[i]), "logit_diff_at_step": step_diff,
+                "near_tie": margin <= 2.0 * step_diff.max(max_abs),
+            })
+        });
+        modes.push(json!({
+            "mode": mode, "prompt_positions": prompt.len(), "max_abs_logit_error": max_abs, "logit_scale": scale,
+            "device_vs_cpu_f32": device_vs_f32, "cpu_vs_cpu_f32": cpu_vs_f32, "ok": ok,
+            "top1_agreement": format!("{top1}/{}", prompt.len()),
+            "greedy_steps": steps, "greedy_equal": first_diff.is_none(), "divergence": divergence,
+        }));
+    }
+    let invariance = batch_invariance(model, device)?;
+    Ok(json!({ "modes": modes, "batch_invariance": invariance }))
+}
+
+/// A sequence's rows computed alone and beside two others (another prefill and a decode):
+/// bit for bit the same.
+fn batch_invariance(model: &std::path::Path, device: Device) -> anyhow::Result<Value> {
+    let positions = 64;
+    let blocks = positions / 16;
+    let mut b = load(model, &options(device, WeightFormat::Q8_0, KvDtype::F16, 6, positions))?;
+    let c = b.shape().config.clone();
+    let h = c.hidden_size;
+    let a = prompt_for(c.vocab_size, 21);
+    let other = prompt_for(c.vocab_size / 2, 9);
+    // Alone.
+    let alone = Seq::new(0, blocks);
+    let mut ha = vec![0f32; a.len() * h];
+    b.embed(&a, &mut ha)?;
+    b.forward(&mut ha, &[alone.chunk(a.len())])?;
+    // Beside others: the same prompt in a fresh sequence, between two other sequences.
+    let (mut s1, mut s2, mut s3) = (Seq::new(1, blocks), Seq::new(2, blocks), Seq::new(3, blocks));
+    let mut h2 = vec![0f32; other.len() * h];
+    b.embed(&other, &mut h2)?;
+    b.forward(&mut h2, &[s3.chunk(other.len())])?;
+    s3.stored += other.len();
+    let tokens: Vec<u32> = other.iter().chain(&a).chain(&other[..1]).copied().collect();
+    let mut hb = vec![0f32; tokens.len() * h];
+    b.embed(&tokens, &mut hb)?;
+    let chunks = [s1.chunk(other.len()), s2.chunk(a.len()), s3.chunk(1)];
+    b.forward(&mut hb, &chunks)?;
+    s1.stored += other.len();
+    s2.stored += a.len();
+    let mine = &hb[other.len() * h..(other.len() + a.len()) * h];
+    let equal = mine.iter().zip(&ha).all(|(x, y)| x.to_bits() == y.to_bits());
+    Ok(
+        json!({ "mode": "q8_0 weights, f16 K/V", "rows": a.len(), "bit_identical": equal, "max_abs": diff(mine, &ha).0 }),
+    )
+}
+
+/// Decode tokens/s at each batch and a long prefill, with the weight-streaming roofline.
+fn speed(model: &std::path::Path, device: Device, a: &CheckArgs) -> anyhow::Result<Value> {
+    let max_batch = a.batches.iter().copied().max().unwrap_or(1);
+    let context = 128 + a.decode_steps + 2;
+    let positions = context.max(a.prefill_tokens + 1);
+    let blocks = positions.div_ceil(16);
+    // A Q8_0 file's blocks as stored (what `--weights auto` serves it with).
+    let mut opts = options(device, WeightFormat::Native, KvDtype::F16, max_batch, positions);
+    opts.kv_blocks = max_batch * blocks;
+    let t = Instant::now();
+    let mut b = load(model, &opts)?;
+    let load_s = t.elapsed().as_secs_f64();
+    let info = b.info();
+    let c = b.shape().config.clone();
+    let h = c.hidden_size;
+    let mut decode = Vec::new();
+    for &batch in &a.batches {
+        let mut seqs: Vec<Seq> = (0..batch).map(|i| Seq::new(i, blocks)).collect();
+        // Each sequence gets a 128-token prompt, all in one forward.
+        let prompt = prompt_for(c.vocab_size, 128);
+        let tokens: Vec<u32> = (0..batch).flat_map(|_| prompt.iter().copied()).collect();
+        let mut hidden = vec![0f32; tokens.len() * h];
+        b.embed(&tokens, &mut hidden)?;
+        let chunks: Vec<SeqChunk<'_>> = seqs.iter().map(|s| s.chunk(prompt.len())).collect();
+        b.forward(&mut hidden, &chunks)?;
+        drop(chunks);
+        seqs.iter_mut().for_each(|s| s.stored += prompt.len());
+        let mut last = vec![prompt[prompt.len() - 1]; batch];
+        let mut hidden = vec![0f32; batch * h];
+        let mut slots: Vec<SampleSlot> = (0..batch)
+            .map(|_| SampleSlot::new(Sampler::new(&baton_shared::sampling::SamplingParams::greedy(1)), None))
+            .collect();
+        let mut step = |b: &mut Box<dyn Backend>, seqs: &mut [Seq], last: &mut Vec<u32>| -> anyhow::Result<()> {
+            b.embed(last, &mut hidden)?;
+            let chunks: Vec<SeqChunk<'_>> = seqs.iter().map(|s| s.chunk(1)).collect();
+            b.forward(&mut hidden, &chunks)?;
+            drop(chunks);
+            seqs.iter_mut().for_each(|s| s.stored += 1);
+            b.sample(&hidden, &mut slots)?;
+            last.iter_mut().zip(&slots).for_each(|(l, s)| *l = s.token);
+            Ok(())
+        };
+        step(&mut b, &mut seqs, &mut last)?;
+        let t = Instant::now();
+        for _ in 0..a.decode_steps {
+            step(&mut b, &mut seqs, &mut last)?;
+        }
+        let s = t.elapsed().as_secs_f64();
+        // Each step streams every weight matrix once, whatever the batch.
+        let steps_s = a.decode_steps as f64 / s;
+        decode.push(json!({
+            "batch": batch, "steps": a.decode_steps, "tok_s": batch as f64 * steps_s,
+            "ms_per_step": s * 1e3 / a.decode_steps as f64,
+            "weight_gb_s": steps_s * info.matrix_bytes as f64 / 1e9,
+        }));
+    }
+    // Prefill: one sequence, the whole prompt in one forward, then its first token.
+    let prompt = prompt_for(c.vocab_size, a.prefill_tokens);
+    let seq = Seq::new(0, blocks);
+    let t = Instant::now();
+    let mut hidden = vec![0f32; prompt.len() * h];
+    b.embed(&prompt, &mut hidden)?;
+    b.forward(&mut hidden, &[seq.chunk(prompt.len())])?;
+    let mut slots = [SampleSlot::new(
+        Sampler::new(&baton_shared::sampling::SamplingParams::greedy(1)),
+        None,
+    )];
+    b.sample(&hidden[(prompt.len() - 1) * h..], &mut slots)?;
+    let prefill_s = t.elapsed().as_secs_f64();
+    Ok(json!({
+        "model": model.display().to_string(), "layers": c.num_layers, "hidden": h, "kernels": info.kernels,
+        "weights": info.weights.name(), "matrix_bytes_per_token": info.matrix_bytes, "weight_bytes": info.weight_bytes,
+        "load_s": load_s, "decode": decode,
+        "prefill": { "tokens": prompt.len(), "seconds": prefill_s, "tok_s": prompt.len() as f64 / prefill_s },
+    }))
+}
