@@ -126,6 +126,8 @@ res = worker["resources"]
 if target.endswith("gpu"):
     need(str(res.get("limits", {}).get("nvidia.com/gpu")) == "1", "gpu: worker limit nvidia.com/gpu is not 1")
     need(worker["image"].endswith(":cuda"), "gpu: worker image is not the cuda image")
+    env = {e["name"]: e.get("value") for e in worker.get("env", [])}
+    need(env.get("BATON_WORKER__DEVICE") == "cuda:0", "gpu: workers do not compute on their GPU (BATON_WORKER__DEVICE)")
 else:
     need("nvidia.com/gpu" not in res.get("limits", {}), f"{target}: worker requests a GPU")
 if target.endswith("cpu"):
