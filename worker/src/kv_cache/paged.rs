@@ -166,6 +166,25 @@ pub struct PagedSeq<'a> {
     pub state_slot: usize,
 }
 
+/// Check that each sequence's block table covers its positions with ids inside a pool of
+/// `blocks` blocks of `block_size` positions (any device's pool).
+pub fn check_tables(seqs: &[PagedSeq<'_>], block_size: usize, blocks: usize) -> Result<(), ForwardError> {
+    for s in seqs {
+        let needed = (s.pos0 + s.len).div_ceil(block_size);
+        if s.table.len() < needed {
+            return Err(ForwardError::KvBlocks {
+                positions: s.pos0 + s.len,
+                needed,
+                have: s.table.len(),
+            });
+        }
+        if let Some(&id) = s.table[..needed].iter().find(|&&b| b as usize >= blocks) {
+            return Err(ForwardError::KvBlockId { id, blocks });
+        }
+    }
+    Ok(())
+}
+
 /// A batch of sequences over one pool. The caller records the new lengths on success.
 #[derive(Debug)]
 pub struct PagedBatch<'a> {
@@ -187,21 +206,8 @@ impl KvSpans for PagedBatch<'_> {
     }
 
     fn prepare(&mut self) -> Result<(), ForwardError> {
+        check_tables(self.seqs, self.pool.block_size, self.pool.blocks)?;
         for s in self.seqs {
-            let needed = (s.pos0 + s.len).div_ceil(self.pool.block_size);
-            if s.table.len() < needed {
-                return Err(ForwardError::KvBlocks {
-                    positions: s.pos0 + s.len,
-                    needed,
-                    have: s.table.len(),
-                });
-            }
-            if let Some(&id) = s.table[..needed].iter().find(|&&b| b as usize >= self.pool.blocks) {
-                return Err(ForwardError::KvBlockId {
-                    id,
-                    blocks: self.pool.blocks,
-                });
-            }
             if self.pool.state_layers > 0 && s.state_slot >= self.pool.state_slots {
                 return Err(ForwardError::StateSlot {
                     slot: s.state_slot,

@@ -71,19 +71,7 @@ impl Q8Matrix {
     /// one) is clamped to -127 so that every weight's negation fits a byte (the AVX2 kernel
     /// relies on it).
     pub fn from_ggml(bytes: &[u8], rows: usize, cols: usize) -> Result<Self, Q8Error> {
-        if !cols.is_multiple_of(QK) {
-            return Err(Q8Error::RowLength(cols));
-        }
-        let nb = cols / QK;
-        let want = rows * nb * (2 + QK);
-        if bytes.len() != want {
-            return Err(Q8Error::Bytes {
-                got: bytes.len(),
-                want,
-                rows,
-                cols,
-            });
-        }
+        let nb = ggml_blocks_per_row(bytes.len(), rows, cols)?;
         let panels = rows.div_ceil(PANEL);
         // 0x80 is a biased zero: padding rows hold zero weights.
         let mut quants = AlignedI8::zeros(panels * nb * PANEL_BLOCK);
@@ -152,6 +140,24 @@ impl Q8Matrix {
             *o = self.quant(r, c) as f32 * self.scale(r, c / QK);
         }
     }
+}
+
+/// Blocks per row of a `rows × cols` Q8_0 matrix stored as `len` bytes of ggml blocks (an f16
+/// scale and 32 quants each), or why those bytes are not one.
+pub fn ggml_blocks_per_row(len: usize, rows: usize, cols: usize) -> Result<usize, Q8Error> {
+    if !cols.is_multiple_of(QK) {
+        return Err(Q8Error::RowLength(cols));
+    }
+    let want = rows * (cols / QK) * (2 + QK);
+    if len != want {
+        return Err(Q8Error::Bytes {
+            got: len,
+            want,
+            rows,
+            cols,
+        });
+    }
+    Ok(cols / QK)
 }
 
 /// Where row `r`, column `c` lives in the panel-ordered quants of a matrix with `nb` blocks per

@@ -5,6 +5,7 @@
 
 use baton_shared::dtype::QK;
 
+use crate::kernels::cpu::q8::{Q8Error, ggml_blocks_per_row};
 use crate::kv_cache::PagedSeq;
 
 /// Activation rows one warp of `matmul_f32` / `matmul_q8` serves with each weight row it reads
@@ -108,38 +109,12 @@ pub struct Q8Device {
     pub scales: Vec<u16>,
 }
 
-/// Why ggml bytes are not a Q8_0 matrix of the stated shape.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum LayoutError {
-    #[error("Q8_0 needs a row length that is a multiple of {QK}, got {0}")]
-    RowLength(usize),
-    #[error("Q8_0 data of {got} bytes, expected {want} for {rows}x{cols}")]
-    Bytes {
-        got: usize,
-        want: usize,
-        rows: usize,
-        cols: usize,
-    },
-}
-
 impl Q8Device {
     /// Split ggml Q8_0 blocks (per block: f16 scale, 32 i8) into quants and scales. A quant of
     /// -128 (ggml never writes one) becomes -127, as on the CPU, so both paths compute with the
     /// same weights.
-    pub fn from_ggml(bytes: &[u8], rows: usize, cols: usize) -> Result<Self, LayoutError> {
-        if !cols.is_multiple_of(QK) {
-            return Err(LayoutError::RowLength(cols));
-        }
-        let nb = cols / QK;
-        let want = rows * nb * (2 + QK);
-        if bytes.len() != want {
-            return Err(LayoutError::Bytes {
-                got: bytes.len(),
-                want,
-                rows,
-                cols,
-            });
-        }
+    pub fn from_ggml(bytes: &[u8], rows: usize, cols: usize) -> Result<Self, Q8Error> {
+        let nb = ggml_blocks_per_row(bytes.len(), rows, cols)?;
         let mut quants = Vec::with_capacity(rows * cols);
         let mut scales = Vec::with_capacity(rows * nb);
         for block in bytes.chunks_exact(2 + QK) {
@@ -290,14 +265,14 @@ mod tests {
         assert_eq!(gpu.bytes(), rows * cols + 2 * rows * cols / QK);
         assert_eq!(
             Q8Device::from_ggml(&bytes[1..], rows, cols),
-            Err(LayoutError::Bytes {
+            Err(Q8Error::Bytes {
                 got: bytes.len() - 1,
                 want: bytes.len(),
                 rows,
                 cols
             })
         );
-        assert_eq!(Q8Device::from_ggml(&[], 1, 33), Err(LayoutError::RowLength(33)));
+        assert_eq!(Q8Device::from_ggml(&[], 1, 33), Err(Q8Error::RowLength(33)));
     }
 
     #[test]

@@ -9,6 +9,7 @@ use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::device::Gpu;
 use crate::kernels::cuda::BatchMeta;
+use crate::kv_cache::paged::check_tables;
 use crate::kv_cache::{KvDtype, KvSpans, PagedSeq};
 use crate::model::ForwardError;
 
@@ -124,22 +125,7 @@ impl KvSpans for CudaBatch<'_> {
 
     fn prepare(&mut self) -> Result<(), ForwardError> {
         let pool = &mut *self.pool;
-        for s in self.seqs {
-            let needed = (s.pos0 + s.len).div_ceil(pool.block_size);
-            if s.table.len() < needed {
-                return Err(ForwardError::KvBlocks {
-                    positions: s.pos0 + s.len,
-                    needed,
-                    have: s.table.len(),
-                });
-            }
-            if let Some(&id) = s.table[..needed].iter().find(|&&b| b as usize >= pool.blocks) {
-                return Err(ForwardError::KvBlockId {
-                    id,
-                    blocks: pool.blocks,
-                });
-            }
-        }
+        check_tables(self.seqs, pool.block_size, pool.blocks)?;
         pool.meta.build(self.seqs, pool.block_size);
         let stream = pool.gpu.stream.clone();
         let uploaded = CudaKvPool::put(&stream, &pool.meta.rows, &mut pool.rows)

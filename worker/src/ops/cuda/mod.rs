@@ -36,7 +36,7 @@ fn config(g: Geometry) -> LaunchConfig {
 
 /// Launch kernel `$name` with `$geom` and the arguments in order; a failure is recorded.
 macro_rules! launch {
-    ($gpu:expr, $name:literal, $geom:expr, $($arg:expr),* $(,)?) => {{
+    ($gpu:expr, $name:expr, $geom:expr, $($arg:expr),* $(,)?) => {{
         if let Some(f) = $gpu.function($name) {
             let mut b = $gpu.stream.launch_builder(f);
             $( b.arg($arg); )*
@@ -289,6 +289,31 @@ impl CudaOps {
         Ok(2.0 * bytes as f64 / best / 1e9)
     }
 
+    /// The kernel for a pool's K/V type (`f32` or `f16`) and the layer's K and V addresses.
+    fn kv_addresses(
+        &self,
+        k: &KvStore,
+        v: &KvStore,
+        f32: &'static str,
+        f16: &'static str,
+    ) -> Option<(&'static str, u64, u64)> {
+        match (k, v) {
+            (KvStore::F32(k), KvStore::F32(v)) => Some((f32, self.address(k), self.address(v))),
+            (KvStore::F16(k), KvStore::F16(v)) => Some((f16, self.address(k), self.address(v))),
+            _ => {
+                self.gpu.record("K and V stores of different types".into());
+                None
+            }
+        }
+    }
+
+    /// RMSNorm of each `w.len`-wide row of the `len` values of `x` into `out` (may be `x`).
+    fn norm_rows(&self, x: &CudaSlice<f32>, len: usize, w: &CudaVector, eps: f32, out: &CudaSlice<f32>) {
+        let width = w.len as i32;
+        let g = geometry::row_geometry(len / w.len.max(1));
+        launch!(self.gpu, "rmsnorm", g, x, &w.data, out, &width, &eps);
+    }
+
     fn unsupported(&self, op: &str) {
         self.gpu.record(format!(
             "{op} has no CUDA kernel yet (mixture-of-experts and linear-attention layers run on the CPU backend)"
@@ -482,32 +507,12 @@ impl Ops for CudaOps {
         let (Some(xd), Some(o)) = (self.dev(x), out.data.as_ref()) else {
             return;
         };
-        let width = w.len as i32;
-        launch!(
-            self.gpu,
-            "rmsnorm",
-            geometry::row_geometry(x.len / w.len),
-            xd,
-            &w.data,
-            o,
-            &width,
-            &eps
-        );
+        self.norm_rows(xd, x.len, w, eps, o);
     }
 
     fn rmsnorm_inplace(&self, x: &mut CudaBuf, w: &CudaVector, eps: f32) {
         let Some(xd) = self.dev(x) else { return };
-        let width = w.len as i32;
-        launch!(
-            self.gpu,
-            "rmsnorm",
-            geometry::row_geometry(x.len / w.len),
-            xd,
-            &w.data,
-            xd,
-            &width,
-            &eps
-        );
+        self.norm_rows(xd, x.len, w, eps, xd);
     }
 
     fn rope(&self, x: &mut CudaBuf, width: usize, head_dim: usize, rotary_dim: usize, cos: &[f32], sin: &[f32]) {
@@ -660,16 +665,15 @@ impl Ops for CudaOps {
             self.gpu.record(format!("K/V layer {layer} is outside the pool"));
             return;
         };
+        let Some((name, kp, vp)) = self.kv_addresses(kp, vp, "store_kv_f32", "store_kv_f16") else {
+            return;
+        };
         let d = pool.kv_dim as i32;
         let g = Geometry {
             grid: (rows as u32, 1, 1),
             block: (geometry::ROW_THREADS, 1, 1),
         };
-        match (kp, vp) {
-            (KvStore::F32(kp), KvStore::F32(vp)) => launch!(self.gpu, "store_kv_f32", g, kd, vd, kp, vp, slots, &d),
-            (KvStore::F16(kp), KvStore::F16(vp)) => launch!(self.gpu, "store_kv_f16", g, kd, vd, kp, vp, slots, &d),
-            _ => self.gpu.record("K and V stores of different types".into()),
-        }
+        launch!(self.gpu, name, g, kd, vd, &kp, &vp, slots, &d);
     }
 
     fn attention(
@@ -705,46 +709,11 @@ impl Ops for CudaOps {
         let block = i32::from(mask == AttnMask::Block);
         let scale = 1.0f32 / (shape.head_dim as f32).sqrt();
         let g = geometry::attention_geometry(rows, shape.num_heads);
-        match (kp, vp) {
-            (KvStore::F32(kp), KvStore::F32(vp)) => {
-                launch!(
-                    self.gpu,
-                    "attention_f32",
-                    g,
-                    qd,
-                    kp,
-                    vp,
-                    meta,
-                    tables,
-                    o,
-                    &h,
-                    &kvh,
-                    &hd,
-                    &bs,
-                    &block,
-                    &scale
-                )
-            }
-            (KvStore::F16(kp), KvStore::F16(vp)) => {
-                launch!(
-                    self.gpu,
-                    "attention_f16",
-                    g,
-                    qd,
-                    kp,
-                    vp,
-                    meta,
-                    tables,
-                    o,
-                    &h,
-                    &kvh,
-                    &hd,
-                    &bs,
-                    &block,
-                    &scale
-                )
-            }
-            _ => self.gpu.record("K and V stores of different types".into()),
-        }
+        let Some((name, kp, vp)) = self.kv_addresses(kp, vp, "attention_f32", "attention_f16") else {
+            return;
+        };
+        launch!(
+            self.gpu, name, g, qd, &kp, &vp, meta, tables, o, &h, &kvh, &hd, &bs, &block, &scale
+        );
     }
 }
