@@ -57,6 +57,15 @@ timeout 300 "$BIN/baton" device-check "${DEVICE[@]}" "${parity[@]}" "${speed[@]}
 echo "device-check exit $?" >> "$OUT/device-check.log"
 tail -5 "$OUT/device-check.log" >&2
 
+# `baton generate` in this process on the device and on the CPU: greedy tokens (f32 weights).
+gen() {
+  "$BIN/baton" generate --model tests/fixtures/tiny/llama_tied --tokens 1,2,3 --max-tokens 24 --ignore-eos \
+    --weights f32 --format json --device "$1" 2>&1 | tail -1
+}
+if [ "${DEVICE[0]}" = --dry-run ]; then gen_device=cpu:2; else gen_device=cuda:0; fi
+{ echo "device $gen_device: $(gen "$gen_device")"; echo "cpu:1: $(gen cpu:1)"; } > "$OUT/generate.txt"
+cat "$OUT/generate.txt" >&2
+
 # Pipelines through `baton serve`: one GPU stage, two worker processes on the one GPU, and a
 # GPU stage plus a CPU stage (split by measured cost). Each answers a warm-up request, then a
 # greedy 128-token completion (batch 1) is timed.

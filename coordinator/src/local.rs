@@ -17,6 +17,8 @@ use crate::pipeline::{PipelineConfig, PipelineGenerator, StageLoader};
 /// How to build the in-process stage.
 #[derive(Debug, Clone)]
 pub struct LocalStageOptions {
+    /// Where the stage computes (`cpu`, or `cuda:N` in a build with the `cuda` feature).
+    pub device: Device,
     pub format: WeightFormat,
     /// Threads for the matrix products.
     pub threads: usize,
@@ -39,6 +41,7 @@ impl Default for LocalStageOptions {
     /// f32 weights on every core, 1 GiB of f32 KV in blocks of 16 positions.
     fn default() -> Self {
         Self {
+            device: Device::Cpu { threads: None },
             format: WeightFormat::F32,
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             check_finite: true,
@@ -95,7 +98,7 @@ pub fn load_stage(path: &Path, opts: &LocalStageOptions) -> Result<Stage, LocalE
         });
     }
     let backend_opts = BackendOptions {
-        device: Device::Cpu { threads: None },
+        device: opts.device,
         format: opts.format,
         cpu: baton_worker::backend::CpuOptions::threads(opts.threads.max(1)),
         check_finite: opts.check_finite,

@@ -48,13 +48,14 @@ fn the_dry_run_checks_every_part_on_the_cpu() {
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     assert_eq!(report["device"], "cpu:2");
     let cases = report["kernels"]["cases"].as_array().expect("kernel cases");
-    // Two matrix formats with and without bias, and seven row-wise operations, at four batch sizes.
-    assert_eq!(cases.len(), 4 * (4 + 7), "{cases:?}");
+    // Four matrix formats with and without bias, and seven row-wise operations, at four batch
+    // sizes.
+    assert_eq!(cases.len(), 4 * (8 + 7), "{cases:?}");
     assert_eq!(report["kernels"]["failed"], 0, "{cases:?}");
     for model in [&llama, &qwen3] {
         let part = &report[format!("parity:{}", model.display())];
         let modes = part["modes"].as_array().unwrap_or_else(|| panic!("{part}"));
-        assert_eq!(modes.len(), 3);
+        assert_eq!(modes.len(), 4);
         for m in modes {
             // The CPU against the single-thread CPU: the same bits in every mode.
             assert_eq!(m["ok"], true, "{m}");
@@ -89,4 +90,29 @@ fn a_gpu_this_build_cannot_use_is_reported_by_name() {
             "{part}: {e}"
         );
     }
+}
+
+#[test]
+fn generate_takes_a_device() {
+    let model = fixtures().join("tiny").join("llama_tied");
+    let generate = |device: &str| {
+        Command::new(baton_bin())
+            .args(["generate", "--model", model.to_str().unwrap(), "--tokens", "1,2,3"])
+            .args(["--max-tokens", "3", "--format", "json", "--device", device])
+            .output()
+            .expect("running baton generate")
+    };
+    let cpu = generate("cpu:1");
+    assert!(cpu.status.success(), "{}", String::from_utf8_lossy(&cpu.stderr));
+    let out: Value = serde_json::from_slice(&cpu.stdout).expect("JSON output");
+    assert_eq!(out["tokens"].as_array().map(Vec::len), Some(3), "{out}");
+    // This build (or this host) has no GPU backend: refused by name, before anything loads.
+    let gpu = generate("cuda:0");
+    let e = String::from_utf8_lossy(&gpu.stderr);
+    assert!(
+        !gpu.status.success() && (e.contains("no CUDA backend") || e.contains("no NVIDIA driver")),
+        "{e}"
+    );
+    let bad = generate("tpu");
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("bad device 'tpu'"));
 }

@@ -5,7 +5,7 @@
 //! * `kernels`: every operation against the single-thread CPU operations over batches of 1, 8,
 //!   32 and 128 rows;
 //! * `parity`: whole models (logits at every position of a prompt, 64 greedy steps) in f32,
-//!   Q8_0 and f16-K/V modes against the CPU in the same mode;
+//!   Q8_0, Q4_0 and f16-K/V modes against the CPU in the same mode;
 //! * `batch_invariance`: a sequence's rows alone and beside others, bit for bit;
 //! * `bandwidth` and `speed`: the Q8_0 product's GB/s against the device's copy bandwidth,
 //!   decode tokens/s at batch 1, 8 and 32 and a 2,048-token prefill.
@@ -136,6 +136,8 @@ fn kernel_cases<O: Ops>(ops: &O) -> Value {
         for (name, format, tol) in [
             ("matmul_f32", WeightFormat::F32, 1e-5f32),
             ("matmul_q8_0", WeightFormat::Q8_0, 1e-5),
+            ("matmul_q4_0", WeightFormat::Q4_0, 1e-5),
+            ("matmul_q4_1", WeightFormat::Q4_1, 1e-5),
         ] {
             for with_bias in [false, true] {
                 let run = |o: &dyn Fn(&[f32]) -> Vec<f32>| o(&x);
@@ -392,10 +394,10 @@ fn top2_margin(logits: &[f32]) -> f32 {
     a - b
 }
 
-/// A model on the device against the CPU in f32, Q8_0 and f16-K/V modes, and batch invariance.
+/// A model on the device against the CPU in f32, Q8_0, Q4_0 and f16-K/V modes, and batch invariance.
 ///
 /// f32 mode must match the CPU's f32 logits within 1e-3 and its greedy tokens exactly. A
-/// quantized mode rounds activations (Q8_0) or cached K/V (f16), so one ulp of difference
+/// quantized mode rounds activations (Q8_0, Q4_0) or cached K/V (f16), so one ulp of difference
 /// before a rounding can move a value by a whole step: there the device must be as close to
 /// the f32 reference as the CPU in the same mode is (within 1.5× its error, plus 1e-3), and
 /// its top-1 agreement with the CPU is reported. A greedy divergence counts as a near tie when
@@ -409,6 +411,7 @@ fn parity(model: &std::path::Path, device: Device, steps: usize) -> anyhow::Resu
     for (mode, format, kv) in [
         ("f32", WeightFormat::F32, KvDtype::F32),
         ("q8_0", WeightFormat::Q8_0, KvDtype::F32),
+        ("q4_0", WeightFormat::Q4_0, KvDtype::F32),
         ("f32_f16kv", WeightFormat::F32, KvDtype::F16),
     ] {
         let mut d = load(model, &options(device, format, kv, 1, positions))?;

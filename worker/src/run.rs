@@ -110,7 +110,7 @@ fn gpu_description(gpu: u32) -> anyhow::Result<(u64, Vec<String>)> {
             format!("gpu:{}", i.name),
             format!("compute_capability:{}.{}", i.sm / 10, i.sm % 10),
             format!("multiprocessors:{}", i.multiprocessors),
-            "weights:f32,bf16,f16,q8_0".into(),
+            "weights:f32,bf16,f16,q8_0,q4_0,q4_1,native".into(),
             "kv_dtype:f32,f16".into(),
         ],
     ))

@@ -64,6 +64,9 @@ pub struct GenerateArgs {
     /// Threads for the matrix products (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Where to compute: cpu (default), cpu:THREADS, or cuda:N (a build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
     /// Speculative decoding: off, ngram (prompt lookup) or dflash (a draft model,
     /// --draft-model); output unchanged.
     #[arg(long, default_value = "off", value_parser = names!(SpeculativeSetting))]
@@ -150,7 +153,10 @@ pub fn run(ctx: &Ctx, a: GenerateArgs) -> Result<()> {
         prefix_caching: false,
         ..PipelineConfig::new(path.display().to_string(), &config, eos_ids)
     };
+    let device: baton_worker::backend::Device = a.device.parse()?;
+    device.check_available()?;
     let opts = LocalStageOptions {
+        device,
         format: super::pipeline_args::weight_format(a.weights.as_str(), &files)?,
         threads: a
             .threads

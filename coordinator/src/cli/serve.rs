@@ -169,14 +169,17 @@ async fn build_generator(
         .display()
         .to_string();
     let config = pipeline_config(p, &model, worker_model, a.workers.max(1), max_context)?;
-    if a.workers == 0 && !worker_devices.is_empty() {
+    if a.workers == 0 && worker_devices.len() > 1 {
         bail!(
-            "--device chooses the devices of worker processes; with --workers 0 the model runs in this process on the CPU (use --workers 1 --device cuda:0 for one GPU stage)"
+            "with --workers 0 the whole model is one stage in this process: give one --device, not {worker_devices:?}"
         );
     }
     if a.workers == 0 {
         // The whole model on one stage in this process, through the same engine.
+        let device: baton_worker::backend::Device = worker_devices.first().map_or("cpu", |d| d.as_str()).parse()?;
+        device.check_available()?;
         let opts = LocalStageOptions {
+            device,
             format: weight_format(p.weights.as_str(), &model.files)?,
             threads: cores(),
             check_finite: ctx.settings.check_weights,

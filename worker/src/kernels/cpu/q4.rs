@@ -54,27 +54,34 @@ pub struct Q4Matrix {
     pub mins: Vec<f32>,
 }
 
+/// Bytes before the codes in each block of `dtype` (2: Q4_0's f16 `d`; 4: Q4_1's `d` and `m`),
+/// once `len` bytes are checked to be a `rows × cols` matrix of such blocks.
+pub fn ggml_q4_head(dtype: DType, len: usize, rows: usize, cols: usize) -> Result<usize, Q4Error> {
+    let head = match dtype {
+        DType::Q4_0 => 2,
+        DType::Q4_1 => 4,
+        other => return Err(Q4Error::NotQ4(other)),
+    };
+    if !cols.is_multiple_of(QK) {
+        return Err(Q4Error::RowLength(cols));
+    }
+    let want = dtype.n_bytes(rows * cols);
+    if len != want {
+        return Err(Q4Error::Bytes {
+            dtype,
+            got: len,
+            want,
+            rows,
+            cols,
+        });
+    }
+    Ok(head)
+}
+
 impl Q4Matrix {
     /// Repack ggml Q4_0 (f16 `d`, 16 code bytes) or Q4_1 (f16 `d`, f16 `m`, 16 code bytes) blocks.
     pub fn from_ggml(dtype: DType, bytes: &[u8], rows: usize, cols: usize) -> Result<Self, Q4Error> {
-        let head = match dtype {
-            DType::Q4_0 => 2,
-            DType::Q4_1 => 4,
-            other => return Err(Q4Error::NotQ4(other)),
-        };
-        if !cols.is_multiple_of(QK) {
-            return Err(Q4Error::RowLength(cols));
-        }
-        let want = dtype.n_bytes(rows * cols);
-        if bytes.len() != want {
-            return Err(Q4Error::Bytes {
-                dtype,
-                got: bytes.len(),
-                want,
-                rows,
-                cols,
-            });
-        }
+        let head = ggml_q4_head(dtype, bytes.len(), rows, cols)?;
         let blocks = rows * cols / QK;
         let mut codes = AlignedI8::zeros(rows * cols / 2);
         let (mut scales, mut mins) = (Vec::with_capacity(blocks), Vec::with_capacity(blocks));

@@ -14,7 +14,8 @@
 // rows are numbered one after another, and each warp finds the product its row belongs to.
 struct Group {
     u64 w[3];     // weights: f32 rows, or Q8_0 quants
-    u64 d[3];     // Q8_0 block scales (f16 bits); unused for f32
+    u64 d[3];     // Q8_0 / Q4 block scales (f16 bits); unused for f32
+    u64 m[3];     // Q4_1 block minimums (f16 bits); 0 otherwise
     u64 bias[3];  // 0: no bias
     u64 out[3];
     int rows[4];  // weight rows of each product (the fourth is padding)
@@ -155,6 +156,78 @@ matmul_q8(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, int 
                         const int4* xr = (const int4*)(xq + row * cols);
                         const int dot = dot_block(w0[u], w1[u], __ldg(xr + 2 * b), __ldg(xr + 2 * b + 1));
                         acc[j] += (ws[u] * __ldg(xd + row * nb + b)) * (float)dot;
+                    }
+                }
+            }
+        }
+    }
+    const float bv = bias ? bias[r] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < TILE; ++j) {
+        const float s = warp_sum(acc[j]);
+        if (lane == 0 && j < nt) out[(u64)(t0 + j) * rows_w + r] = s + bv;
+    }
+}
+
+// Q4_0 / Q4_1 weights (16 code bytes per block as ggml packs them, f16 scales d and, for Q4_1,
+// f16 minimums m; Q4_0's minimum is -8 d) against activations quantized by quantize_q8. A weight
+// is code·d + m, so a block contributes d·dx·Σ code·x + m·dx·Σ x: two integer sums (dp4a).
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
+matmul_q4(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, int rows_x, int cols) {
+    const int lane = threadIdx.x & 31;
+    int p, r;
+    if (!locate(g, blockIdx.x * WARPS + (threadIdx.x >> 5), p, r)) return;
+    const int rows_w = pick_rows(g, p);
+    const int4* __restrict__ wc = (const int4*)pick(p, g.w[0], g.w[1], g.w[2]);
+    const u16* __restrict__ wd = (const u16*)pick(p, g.d[0], g.d[1], g.d[2]);
+    const u16* __restrict__ wm = (const u16*)pick(p, g.m[0], g.m[1], g.m[2]);
+    const float* bias = (const float*)pick(p, g.bias[0], g.bias[1], g.bias[2]);
+    float* out = (float*)pick(p, g.out[0], g.out[1], g.out[2]);
+    const int t0 = blockIdx.y * TILE;
+    const int nt = min(TILE, rows_x - t0);
+    const int nb = cols / QK;
+    float acc[TILE];
+#pragma unroll
+    for (int j = 0; j < TILE; ++j) acc[j] = 0.0f;
+    const int4* wr = wc + (u64)r * nb;
+    for (int b0 = lane; b0 < nb; b0 += 32 * UNROLL) {
+        int4 c[UNROLL];
+        float ds[UNROLL], ms[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int b = b0 + 32 * u;
+            if (b < nb) {
+                c[u] = __ldg(wr + b);
+                ds[u] = h2f(__ldg(wd + (u64)r * nb + b));
+                ms[u] = wm ? h2f(__ldg(wm + (u64)r * nb + b)) : -8.0f * ds[u];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int b = b0 + 32 * u;
+            if (b < nb) {
+                const int4 lo = make_int4(c[u].x & 0x0f0f0f0f, c[u].y & 0x0f0f0f0f, c[u].z & 0x0f0f0f0f,
+                                          c[u].w & 0x0f0f0f0f);
+                const int4 hi = make_int4((c[u].x >> 4) & 0x0f0f0f0f, (c[u].y >> 4) & 0x0f0f0f0f,
+                                          (c[u].z >> 4) & 0x0f0f0f0f, (c[u].w >> 4) & 0x0f0f0f0f);
+#pragma unroll
+                for (int j = 0; j < TILE; ++j) {
+                    if (j < nt) {
+                        const u64 row = (u64)(t0 + j);
+                        const int4* xr = (const int4*)(xq + row * cols);
+                        const int4 a0 = __ldg(xr + 2 * b), a1 = __ldg(xr + 2 * b + 1);
+                        const int dot = dot_block(lo, hi, a0, a1);
+                        const int ones = 0x01010101;
+                        int sum = dp4a(ones, a0.x, 0);
+                        sum = dp4a(ones, a0.y, sum);
+                        sum = dp4a(ones, a0.z, sum);
+                        sum = dp4a(ones, a0.w, sum);
+                        sum = dp4a(ones, a1.x, sum);
+                        sum = dp4a(ones, a1.y, sum);
+                        sum = dp4a(ones, a1.z, sum);
+                        sum = dp4a(ones, a1.w, sum);
+                        const float dx = __ldg(xd + row * nb + b);
+                        acc[j] += (ds[u] * dx) * (float)dot + (ms[u] * dx) * (float)sum;
                     }
                 }
             }

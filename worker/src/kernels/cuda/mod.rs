@@ -5,6 +5,9 @@
 
 use baton_shared::dtype::QK;
 
+use baton_shared::dtype::DType;
+
+use crate::kernels::cpu::q4::{Q4Error, ggml_q4_head};
 use crate::kernels::cpu::q8::{Q8Error, ggml_blocks_per_row};
 use crate::kv_cache::PagedSeq;
 
@@ -55,6 +58,8 @@ pub const GROUP: usize = 3;
 pub struct MatmulGroup {
     pub w: [u64; GROUP],
     pub d: [u64; GROUP],
+    /// Q4_1 block minimums (f16 bits); 0 otherwise.
+    pub m: [u64; GROUP],
     pub bias: [u64; GROUP],
     pub out: [u64; GROUP],
     pub rows: [i32; GROUP + 1],
@@ -146,6 +151,70 @@ impl Q8Device {
     }
 }
 
+/// A Q4_0 or Q4_1 matrix as the GPU kernels read it: each block's 16 code bytes as ggml packs
+/// them (byte `j`: value `j` in the low nibble, value `j + 16` in the high), row-major, so a
+/// lane loads a block with one 16-byte load; f16 scale bits `d`, and for Q4_1 the f16 minimum
+/// bits `m` (Q4_0's minimum is `-8 d`, formed in the kernel). A weight is `code · d + m`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Q4Device {
+    pub rows: usize,
+    pub cols: usize,
+    pub codes: Vec<u8>,
+    pub scales: Vec<u16>,
+    /// Empty for Q4_0.
+    pub mins: Vec<u16>,
+}
+
+impl Q4Device {
+    /// Split ggml Q4_0 / Q4_1 blocks into codes, scales and minimums.
+    pub fn from_ggml(dtype: DType, bytes: &[u8], rows: usize, cols: usize) -> Result<Self, Q4Error> {
+        let head = ggml_q4_head(dtype, bytes.len(), rows, cols)?;
+        let blocks = rows * cols / QK;
+        let mut codes = Vec::with_capacity(rows * cols / 2);
+        let mut scales = Vec::with_capacity(blocks);
+        let mut mins = Vec::with_capacity(if head == 4 { blocks } else { 0 });
+        for block in bytes.chunks_exact(head + QK / 2) {
+            scales.push(u16::from_le_bytes([block[0], block[1]]));
+            if head == 4 {
+                mins.push(u16::from_le_bytes([block[2], block[3]]));
+            }
+            codes.extend_from_slice(&block[head..]);
+        }
+        Ok(Self {
+            rows,
+            cols,
+            codes,
+            scales,
+            mins,
+        })
+    }
+
+    /// Bytes on the device.
+    pub fn bytes(&self) -> usize {
+        self.codes.len() + 2 * (self.scales.len() + self.mins.len())
+    }
+
+    /// Row `r` as f32 (`code · d + m`).
+    pub fn dequantize_row(&self, r: usize) -> Vec<f32> {
+        let nb = self.cols / QK;
+        let f = |bits: u16| half::f16::from_bits(bits).to_f32();
+        (0..self.cols)
+            .map(|c| {
+                let b = r * nb + c / QK;
+                let byte = self.codes[r * self.cols / 2 + (c / QK) * (QK / 2) + c % (QK / 2)];
+                let code = if c % QK < QK / 2 { byte & 0x0f } else { byte >> 4 };
+                let d = f(self.scales[b]);
+                let m = if self.mins.is_empty() {
+                    -8.0 * d
+                } else {
+                    f(self.mins[b])
+                };
+                code as f32 * d + m
+            })
+            .collect()
+    }
+}
+
 /// What the attention kernels need to know about a batch, uploaded once per forward and read
 /// by every layer: per query row `{position, causal end, block end, table offset}`, the storage
 /// row each new K/V row goes to, and the sequences' block tables back to back.
@@ -223,9 +292,11 @@ mod tests {
         assert!(matmul.contains(&format!("#define TILE {MATMUL_TILE}\n")));
         assert!(matmul.contains(&format!("#define WARPS {MATMUL_WARPS}\n")));
         // The group's layout: four arrays of GROUP addresses, then GROUP + 1 row counts.
-        assert!(matmul.contains("    u64 w[3];") && matmul.contains("    int rows[4];"));
+        assert!(
+            matmul.contains("    u64 w[3];") && matmul.contains("    u64 m[3];") && matmul.contains("    int rows[4];")
+        );
         assert_eq!(GROUP, 3);
-        assert_eq!(size_of::<MatmulGroup>(), 4 * 3 * 8 + 4 * 4);
+        assert_eq!(size_of::<MatmulGroup>(), 5 * 3 * 8 + 4 * 4);
         assert!(attention.contains(&format!("#define ATT_WARPS {ATTENTION_WARPS}\n")));
         assert!(attention.contains(&format!("#define MAX_DIMS {} ", MAX_HEAD_DIM / 32)));
         let elementwise = include_str!("elementwise.cu");
@@ -273,6 +344,35 @@ mod tests {
             })
         );
         assert_eq!(Q8Device::from_ggml(&[], 1, 33), Err(Q8Error::RowLength(33)));
+    }
+
+    #[test]
+    fn q4_layout_holds_the_cpu_matrix_weights() {
+        use crate::kernels::cpu::q4::Q4Matrix;
+        let (rows, cols) = (3, 96);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 53 % 97) as f32 - 48.0) * 0.021)
+            .collect();
+        for (dtype, bytes) in [
+            (DType::Q4_0, baton_shared::dtype::quantize_q4_0(&w)),
+            (DType::Q4_1, baton_shared::dtype::quantize_q4_1(&w)),
+        ] {
+            let gpu = Q4Device::from_ggml(dtype, &bytes, rows, cols).unwrap();
+            let cpu = Q4Matrix::from_ggml(dtype, &bytes, rows, cols).unwrap();
+            let mut want = vec![0f32; cols];
+            for r in 0..rows {
+                cpu.dequantize_row(r, &mut want);
+                assert_eq!(gpu.dequantize_row(r), want, "{dtype} row {r}");
+            }
+            let head = if dtype == DType::Q4_1 { 4 } else { 2 };
+            assert_eq!(
+                gpu.bytes(),
+                bytes.len(),
+                "{dtype}: {head}-byte heads and 16 code bytes per block"
+            );
+            assert!(Q4Device::from_ggml(dtype, &bytes[1..], rows, cols).is_err());
+        }
+        assert!(Q4Device::from_ggml(DType::Q8_0, &[], 1, 32).is_err());
     }
 
     #[test]

@@ -194,6 +194,7 @@ mod tests {
             "deinterleave",
             "embed_f32",
             "matmul_f32",
+            "matmul_q4",
             "matmul_q8",
             "quantize_q8",
             "rmsnorm",

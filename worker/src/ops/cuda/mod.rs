@@ -6,8 +6,8 @@
 //! and reported by the backend after the call ([`Gpu::take_error`]), since the operations
 //! themselves return nothing.
 //!
-//! What runs here: dense decoders (Llama, Qwen2, Qwen3) with f32, f16/bf16 (widened to f32)
-//! and Q8_0 weights, f32 or f16 K/V. Mixture-of-experts routing and Gated DeltaNet have no GPU
+//! What runs here: dense decoders (Llama, Qwen2, Qwen3) with f32, f16/bf16 (widened to f32),
+//! Q8_0, Q4_0 and Q4_1 weights, f32 or f16 K/V. Mixture-of-experts routing and Gated DeltaNet have no GPU
 //! kernels yet: a CUDA backend refuses such layers at load, and these operations only record
 //! an error if reached.
 
@@ -20,7 +20,9 @@ use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelA
 
 use super::{AttnMask, AttnShape, HostMatrix, LinearAttnShape, Ops, OpsInfo, Product};
 use crate::kernels::cpu::matmul::WeightFormat;
-use crate::kernels::cuda::{self as geometry, Geometry, MatmulGroup, Q8Device};
+use baton_shared::dtype::DType;
+
+use crate::kernels::cuda::{self as geometry, Geometry, MatmulGroup, Q4Device, Q8Device};
 use crate::model::ForwardError;
 pub use device::{CudaError, Gpu, GpuInfo};
 use kv::KvStore;
@@ -93,12 +95,38 @@ pub enum CudaMat {
         rows: usize,
         cols: usize,
     },
+    /// Q4_0 (`m` is `None`: the minimum is `-8 d`) or Q4_1.
+    Q4 {
+        codes: CudaSlice<u8>,
+        d: CudaSlice<u16>,
+        m: Option<CudaSlice<u16>>,
+        rows: usize,
+        cols: usize,
+    },
+}
+
+/// Which product kernel a matrix takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    F32,
+    Q8,
+    Q4,
 }
 
 impl CudaMat {
     fn shape(&self) -> (usize, usize) {
         match self {
-            CudaMat::F32 { rows, cols, .. } | CudaMat::Q8 { rows, cols, .. } => (*rows, *cols),
+            CudaMat::F32 { rows, cols, .. } | CudaMat::Q8 { rows, cols, .. } | CudaMat::Q4 { rows, cols, .. } => {
+                (*rows, *cols)
+            }
+        }
+    }
+
+    fn kind(&self) -> Kind {
+        match self {
+            CudaMat::F32 { .. } => Kind::F32,
+            CudaMat::Q8 { .. } => Kind::Q8,
+            CudaMat::Q4 { .. } => Kind::Q4,
         }
     }
 }
@@ -227,15 +255,15 @@ impl CudaOps {
         ptr
     }
 
-    /// One launch for `products` (all f32 or all Q8_0, at most [`geometry::GROUP`]) over the
-    /// `t` rows of `x` (Q8_0: already quantized into `ws`).
+    /// One launch for `products` (all of one kind, at most [`geometry::GROUP`]) over the `t`
+    /// rows of `x` (quantized formats: already quantized into `ws`).
     fn launch_group(
         &self,
         ws: &CudaWorkspace,
         x: &CudaSlice<f32>,
         t: usize,
         cols: usize,
-        q8: bool,
+        kind: Kind,
         products: &[(&CudaMat, Option<&CudaVector>, &CudaSlice<f32>)],
     ) {
         let mut g = MatmulGroup::default();
@@ -250,20 +278,27 @@ impl CudaOps {
                     g.d[i] = self.address(d);
                     g.rows[i] = *rows as i32;
                 }
+                CudaMat::Q4 { codes, d, m, rows, .. } => {
+                    g.w[i] = self.address(codes);
+                    g.d[i] = self.address(d);
+                    g.m[i] = m.as_ref().map_or(0, |m| self.address(m));
+                    g.rows[i] = *rows as i32;
+                }
             }
             g.bias[i] = bias.map_or(0, |b| self.address(&b.data));
             g.out[i] = self.address(*out);
         }
         let geom = geometry::matmul_geometry(t, g.total_rows());
         let (t32, c32) = (t as i32, cols as i32);
-        if q8 {
-            let (Some(xq), Some(xd)) = (ws.xq.as_ref(), ws.xd.as_ref()) else {
-                return;
-            };
-            launch!(self.gpu, "matmul_q8", geom, xq, xd, &g, &t32, &c32);
-        } else {
+        if kind == Kind::F32 {
             launch!(self.gpu, "matmul_f32", geom, x, &g, &t32, &c32);
+            return;
         }
+        let (Some(xq), Some(xd)) = (ws.xq.as_ref(), ws.xd.as_ref()) else {
+            return;
+        };
+        let name = if kind == Kind::Q8 { "matmul_q8" } else { "matmul_q4" };
+        launch!(self.gpu, name, geom, xq, xd, &g, &t32, &c32);
     }
 
     /// The device's copy bandwidth: bytes read plus bytes written per second (as
@@ -345,16 +380,32 @@ impl Ops for CudaOps {
                 cols: dev.cols,
             })
         };
+        let q4 = |dev: Q4Device| -> Result<CudaMat, String> {
+            Ok(CudaMat::Q4 {
+                codes: self.upload_new(&dev.codes)?,
+                d: self.upload_new(&dev.scales)?,
+                m: match dev.mins.is_empty() {
+                    true => None,
+                    false => Some(self.upload_new(&dev.mins)?),
+                },
+                rows: dev.rows,
+                cols: dev.cols,
+            })
+        };
         match m {
             HostMatrix::Blocks {
-                dtype: baton_shared::dtype::DType::Q8_0,
+                dtype: DType::Q8_0,
                 bytes,
                 rows,
                 cols,
             } => q8(Q8Device::from_ggml(&bytes, rows, cols).map_err(|e| e.to_string())?),
-            HostMatrix::Blocks { dtype, .. } => Err(format!(
-                "{dtype} weights have no CUDA kernel yet: use --weights q8_0 (or auto, f32) on a GPU"
-            )),
+            HostMatrix::Blocks {
+                dtype: dtype @ (DType::Q4_0 | DType::Q4_1),
+                bytes,
+                rows,
+                cols,
+            } => q4(Q4Device::from_ggml(dtype, &bytes, rows, cols).map_err(|e| e.to_string())?),
+            HostMatrix::Blocks { dtype, .. } => Err(format!("{dtype} is not a block format the GPU reads")),
             HostMatrix::F32 { values, cols } => {
                 let rows = values.len() / cols.max(1);
                 match format {
@@ -362,9 +413,13 @@ impl Ops for CudaOps {
                         let bytes = baton_shared::dtype::quantize_q8_0(&values);
                         q8(Q8Device::from_ggml(&bytes, rows, cols).map_err(|e| e.to_string())?)
                     }
-                    WeightFormat::Q4_0 | WeightFormat::Q4_1 => Err(format!(
-                        "{format} weights have no CUDA kernel yet: use --weights q8_0 (or auto, f32) on a GPU"
-                    )),
+                    WeightFormat::Q4_0 | WeightFormat::Q4_1 if cols.is_multiple_of(baton_shared::dtype::QK) => {
+                        let (dtype, bytes) = match format {
+                            WeightFormat::Q4_0 => (DType::Q4_0, baton_shared::dtype::quantize_q4_0(&values)),
+                            _ => (DType::Q4_1, baton_shared::dtype::quantize_q4_1(&values)),
+                        };
+                        q4(Q4Device::from_ggml(dtype, &bytes, rows, cols).map_err(|e| e.to_string())?)
+                    }
                     WeightFormat::F16 | WeightFormat::Bf16 => {
                         // Rounded as the CPU rounds them, then widened: the same weights, at
                         // f32's memory until the GPU has half-precision products.
@@ -406,6 +461,7 @@ impl Ops for CudaOps {
         match m {
             CudaMat::F32 { w, .. } => 4 * w.len(),
             CudaMat::Q8 { q, d, .. } => q.len() + 2 * d.len(),
+            CudaMat::Q4 { codes, d, m, .. } => codes.len() + 2 * (d.len() + m.as_ref().map_or(0, |m| m.len())),
         }
     }
 
@@ -481,23 +537,23 @@ impl Ops for CudaOps {
         for (w, _, out) in products.iter_mut() {
             self.resize(out, t * w.shape().0);
         }
-        // Q8_0 products share one quantization of the activations; each format's products
-        // go out as one launch (a group of up to three).
-        let q8 = products.iter().any(|p| matches!(p.0, CudaMat::Q8 { .. }));
-        if q8 && !self.quantize(ws, xd, t * cols) {
+        // Quantized products share one quantization of the activations; each format's
+        // products go out as one launch (a group of up to three).
+        let quantized = products.iter().any(|p| p.0.kind() != Kind::F32);
+        if quantized && !self.quantize(ws, xd, t * cols) {
             return;
         }
-        for want_q8 in [false, true] {
+        for kind in [Kind::F32, Kind::Q8, Kind::Q4] {
             let mut group = Vec::with_capacity(N);
             for (w, bias, out) in &products {
-                if matches!(w, CudaMat::Q8 { .. }) != want_q8 {
+                if w.kind() != kind {
                     continue;
                 }
                 let Some(o) = out.data.as_ref() else { return };
                 group.push((*w, *bias, o));
             }
             for chunk in group.chunks(geometry::GROUP) {
-                self.launch_group(ws, xd, t, cols, want_q8, chunk);
+                self.launch_group(ws, xd, t, cols, kind, chunk);
             }
         }
     }
