@@ -540,12 +540,32 @@ fn speed(model: &std::path::Path, device: Device, a: &CheckArgs) -> anyhow::Resu
             step(&mut b, &mut seqs, &mut last)?;
         }
         let s = t.elapsed().as_secs_f64();
+        // Where a step's time goes on the device: the same steps again with each kernel timed
+        // (events around every launch, so this pass is a little slower and not counted).
+        b.kernel_times(true);
+        let t = Instant::now();
+        for _ in 0..a.decode_steps {
+            step(&mut b, &mut seqs, &mut last)?;
+        }
+        let timed_s = t.elapsed().as_secs_f64();
+        let kernels = b.kernel_times(false);
+        let gpu_ms: f64 = kernels.iter().map(|k| k.2).sum();
+        let per_step = |ms: f64| ms / a.decode_steps as f64;
+        let profile = (!kernels.is_empty()).then(|| {
+            json!({
+                "wall_ms_per_step": timed_s * 1e3 / a.decode_steps as f64,
+                "kernel_ms_per_step": per_step(gpu_ms),
+                "launches_per_step": kernels.iter().map(|k| k.1).sum::<usize>() / a.decode_steps,
+                "kernels": kernels.iter().map(|k| json!({"kernel": k.0, "launches_per_step": k.1 / a.decode_steps, "ms_per_step": per_step(k.2)})).collect::<Vec<_>>(),
+            })
+        });
         // Each step streams every weight matrix once, whatever the batch.
         let steps_s = a.decode_steps as f64 / s;
         decode.push(json!({
             "batch": batch, "steps": a.decode_steps, "tok_s": batch as f64 * steps_s,
             "ms_per_step": s * 1e3 / a.decode_steps as f64,
             "weight_gb_s": steps_s * info.matrix_bytes as f64 / 1e9,
+            "kernel_profile": profile,
         }));
     }
     // Prefill: one sequence, the whole prompt in one forward, then its first token.

@@ -240,4 +240,14 @@ impl Backend for CudaBackend {
     fn layer_specs(&self) -> &[LayerSpec] {
         &self.model.specs
     }
+
+    fn kernel_times(&mut self, on: bool) -> Vec<(String, usize, f64)> {
+        let gpu = self.model.ops.gpu();
+        let times = gpu.kernel_times();
+        gpu.set_timing(on);
+        times
+            .into_iter()
+            .map(|t| (t.kernel.to_string(), t.launches, t.ms))
+            .collect()
+    }
 }

@@ -235,6 +235,12 @@ pub trait Backend: Send {
     fn sample(&mut self, rows: &[f32], slots: &mut [SampleSlot]) -> Result<(), ForwardError>;
     /// What each held layer is and caches, as the model declares it.
     fn layer_specs(&self) -> &[LayerSpec];
+    /// A diagnostic: start (`true`) or stop timing each kernel on the device, returning the
+    /// `(kernel, launches, milliseconds)` timed so far; empty where the device has no such
+    /// timer (the CPU).
+    fn kernel_times(&mut self, _on: bool) -> Vec<(String, usize, f64)> {
+        Vec::new()
+    }
 }
 
 /// [`Backend::sample`] for a device whose logits are in host memory: each slot's sampler on

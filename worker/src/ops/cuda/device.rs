@@ -6,7 +6,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::CUdevice_attribute;
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError};
 use cudarc::nvrtc::Ptx;
 
 use crate::kernels::cuda::embedded::MODULES;
@@ -63,6 +65,17 @@ pub struct Gpu {
     /// The first error a launch or copy met; reported by the backend after the call that met
     /// it (CUDA errors are sticky, so later work is suspect anyway).
     error: Mutex<Option<String>>,
+    /// Kernel timing (a diagnostic): each launch records events around itself.
+    timing: AtomicBool,
+    timings: Mutex<Vec<(&'static str, CudaEvent, CudaEvent)>>,
+}
+
+/// GPU time of one kernel over the launches timed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KernelTime {
+    pub kernel: &'static str,
+    pub launches: usize,
+    pub ms: f64,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -122,6 +135,8 @@ impl Gpu {
             stream: ctx.default_stream(),
             functions,
             error: Mutex::new(None),
+            timing: AtomicBool::new(false),
+            timings: Mutex::new(Vec::new()),
         })
     }
 
@@ -162,6 +177,47 @@ impl Gpu {
             self.record(format!("synchronizing: {e}"));
         }
         self.error.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    /// Whether launches are being timed.
+    pub fn timing(&self) -> bool {
+        self.timing.load(Ordering::Relaxed)
+    }
+
+    /// Start timing every launch (events around each, which costs a little), or stop.
+    pub fn set_timing(&self, on: bool) {
+        self.timing.store(on, Ordering::Relaxed);
+    }
+
+    /// Keep a timed launch's events.
+    pub fn timed(&self, kernel: &'static str, events: (CudaEvent, CudaEvent)) {
+        self.timings
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((kernel, events.0, events.1));
+    }
+
+    /// GPU time per kernel of the launches timed since the last call, most first.
+    pub fn kernel_times(&self) -> Vec<KernelTime> {
+        let _ = self.stream.synchronize();
+        let timed = std::mem::take(&mut *self.timings.lock().unwrap_or_else(|p| p.into_inner()));
+        let mut out: Vec<KernelTime> = Vec::new();
+        for (kernel, start, end) in timed {
+            let ms = start.elapsed_ms(&end).map_or(0.0, f64::from);
+            match out.iter_mut().find(|t| t.kernel == kernel) {
+                Some(t) => {
+                    t.launches += 1;
+                    t.ms += ms;
+                }
+                None => out.push(KernelTime {
+                    kernel,
+                    launches: 1,
+                    ms,
+                }),
+            }
+        }
+        out.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+        out
     }
 
     /// Bytes free on the GPU now.

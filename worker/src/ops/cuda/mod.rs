@@ -24,7 +24,7 @@ use baton_shared::dtype::DType;
 
 use crate::kernels::cuda::{self as geometry, Geometry, MatmulGroup, Q4Device, Q8Device};
 use crate::model::ForwardError;
-pub use device::{CudaError, Gpu, GpuInfo};
+pub use device::{CudaError, Gpu, GpuInfo, KernelTime};
 use kv::KvStore;
 pub use kv::{CudaBatch, CudaKvPool};
 
@@ -42,10 +42,16 @@ macro_rules! launch {
         if let Some(f) = $gpu.function($name) {
             let mut b = $gpu.stream.launch_builder(f);
             $( b.arg($arg); )*
+            let timing = $gpu.timing();
+            if timing {
+                b.record_kernel_launch(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+            }
             // SAFETY: the arguments are, in order and type, the kernel's parameters in
             // kernels/cuda/*.cu, and every buffer holds what the geometry covers.
             let r = unsafe { b.launch(config($geom)) };
-            $gpu.check($name, r);
+            if let Some(Some(events)) = $gpu.check($name, r) {
+                $gpu.timed($name, events);
+            }
         }
     }};
 }
