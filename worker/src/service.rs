@@ -124,19 +124,26 @@ impl WorkerState {
     /// Whether this host has the memory to load a stage with a KV pool of `pool_bytes` beside
     /// the one it serves: its weights are estimated at 1.5 times the served stage's (a re-plan
     /// moves a few layers), and the host's available memory must hold both.
+    /// On a GPU, the memory in question is the GPU's free memory.
     fn room_beside_current(&self, pool_bytes: u128) -> Result<(), Status> {
-        let served = lock(&self.stage)
-            .as_ref()
-            .map_or(0, |s| s.backend().info().weight_bytes) as u128;
+        let (served, device_free) = lock(&self.stage).as_ref().map_or((0, None), |s| {
+            (s.backend().info().weight_bytes as u128, s.backend().device_free_bytes())
+        });
         let need = pool_bytes + served * 3 / 2;
-        let available = crate::run::meminfo("MemAvailable:").ok_or_else(|| {
-            Status::resource_exhausted(
-                "this host's available memory is unknown: not loading a stage beside the served one",
-            )
-        })?;
+        let (available, what) = match device_free {
+            Some(free) => (free, "this GPU has"),
+            None => (
+                crate::run::meminfo("MemAvailable:").ok_or_else(|| {
+                    Status::resource_exhausted(
+                        "this host's available memory is unknown: not loading a stage beside the served one",
+                    )
+                })?,
+                "this host has",
+            ),
+        };
         if need > available as u128 {
             return Err(Status::resource_exhausted(format!(
-                "a stage beside the served one needs about {need} bytes; this host has {available} available"
+                "a stage beside the served one needs about {need} bytes; {what} {available} available"
             )));
         }
         Ok(())

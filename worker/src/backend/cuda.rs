@@ -241,6 +241,10 @@ impl Backend for CudaBackend {
         &self.model.specs
     }
 
+    fn device_free_bytes(&self) -> Option<u64> {
+        Some(self.model.ops.gpu().free_bytes() as u64)
+    }
+
     fn kernel_times(&mut self, on: bool) -> Vec<(String, usize, f64)> {
         let gpu = self.model.ops.gpu();
         let times = gpu.kernel_times();

@@ -241,6 +241,11 @@ pub trait Backend: Send {
     fn kernel_times(&mut self, _on: bool) -> Vec<(String, usize, f64)> {
         Vec::new()
     }
+    /// Bytes free in the device's own memory (a GPU's), or `None` where the stage lives in
+    /// host memory.
+    fn device_free_bytes(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// [`Backend::sample`] for a device whose logits are in host memory: each slot's sampler on
