@@ -100,8 +100,7 @@ impl TlsArgs {
 /// capability, multiprocessors.
 #[cfg(feature = "cuda")]
 fn gpu_description(gpu: u32) -> anyhow::Result<(u64, Vec<String>)> {
-    let g = crate::ops::cuda::Gpu::open(gpu)?;
-    let i = &g.info;
+    let i = crate::ops::cuda::device::describe(gpu)?;
     tracing::info!(gpu, name = %i.name, sm = i.sm, multiprocessors = i.multiprocessors, memory = i.total_bytes, "GPU");
     Ok((
         i.total_bytes as u64,
@@ -110,8 +109,6 @@ fn gpu_description(gpu: u32) -> anyhow::Result<(u64, Vec<String>)> {
             format!("gpu:{}", i.name),
             format!("compute_capability:{}.{}", i.sm / 10, i.sm % 10),
             format!("multiprocessors:{}", i.multiprocessors),
-            "weights:f32,bf16,f16,q8_0,q4_0,q4_1,native".into(),
-            "kv_dtype:f32,f16".into(),
         ],
     ))
 }
@@ -207,17 +204,15 @@ pub async fn run(args: WorkerArgs, settings: Settings) -> Result<()> {
         }
         None => String::new(),
     };
-    let (memory_bytes, features) = match device {
+    let (memory_bytes, mut features) = match device {
         Device::Cuda { gpu } => gpu_description(gpu)?,
-        Device::Cpu { .. } => (
-            total_memory(),
-            vec![
-                format!("kernels:{}", kernels.path().name()),
-                "weights:f32,bf16,f16,q8_0,q4_0,q4_1,native".into(),
-                "kv_dtype:f32,f16".into(),
-            ],
-        ),
+        Device::Cpu { .. } => (total_memory(), vec![format!("kernels:{}", kernels.path().name())]),
     };
+    // Every device takes every weight format and K/V type.
+    features.extend([
+        "weights:f32,bf16,f16,q8_0,q4_0,q4_1,native".into(),
+        "kv_dtype:f32,f16".into(),
+    ]);
     let desc = WorkerDescription {
         worker_id: w.worker_id.clone(),
         address: address.clone(),

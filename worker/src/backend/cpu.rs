@@ -6,10 +6,10 @@ use baton_shared::model_files::ModelFiles;
 
 use super::{
     Backend, BackendError, BackendInfo, BackendOptions, Device, KvGeometry, SampleSlot, SeqChunk, StageShape,
-    sample_rows,
+    model_info, sample_rows, sample_rows_wanted,
 };
 use crate::kv_cache::{PagedBatch, PagedKv};
-use crate::model::dflash::{DflashFiles, TapProjection};
+use crate::model::dflash::DflashFiles;
 use crate::model::spec::{LayerSpec, uniform_kv_dim};
 use crate::model::{ForwardError, Scratch, StageModel};
 use crate::ops::cpu::CpuOps;
@@ -29,12 +29,7 @@ impl CpuBackend {
         let Device::Cpu { threads } = opts.device else {
             return Err(BackendError::Unavailable(opts.device));
         };
-        if opts.kv_blocks == 0 || opts.kv_block_size == 0 {
-            return Err(BackendError::KvGeometry {
-                blocks: opts.kv_blocks,
-                block_size: opts.kv_block_size,
-            });
-        }
+        opts.check_kv_geometry()?;
         let ops = CpuOps::new(threads.unwrap_or(opts.cpu.threads).max(1), opts.cpu.kernels);
         let model = StageModel::load_on(
             ops,
@@ -102,17 +97,7 @@ impl Backend for CpuBackend {
     }
 
     fn info(&self) -> BackendInfo {
-        let m = &self.model;
-        let ops = crate::ops::Ops::info(&m.ops);
-        BackendInfo {
-            device: self.device,
-            kernels: ops.kernels,
-            threads: ops.threads,
-            weights: m.format,
-            weight_bytes: m.weight_bytes(),
-            part_bytes: m.part_bytes(),
-            matrix_bytes: m.matrix_bytes(),
-        }
+        model_info(&self.model, self.device)
     }
 
     fn kv(&self) -> KvGeometry {
@@ -143,9 +128,7 @@ impl Backend for CpuBackend {
     }
 
     fn load_taps(&mut self, draft: &DflashFiles) -> Result<Vec<usize>, BackendError> {
-        let taps = TapProjection::load(&self.model.ops, draft, self.model.layers.clone())?;
-        self.model.set_taps(taps);
-        Ok(self.model.tap_layers())
+        Ok(self.model.attach_taps(draft)?)
     }
 
     fn draft_argmax(&mut self, rows: &[f32], out: &mut Vec<u32>) -> Result<(), ForwardError> {
@@ -162,13 +145,7 @@ impl Backend for CpuBackend {
 
     fn sample(&mut self, rows: &[f32], slots: &mut [SampleSlot]) -> Result<(), ForwardError> {
         let (h, vocab) = (self.shape.config.hidden_size, self.shape.config.vocab_size);
-        let wanted: usize = slots.iter().map(SampleSlot::rows).sum();
-        if rows.len() != wanted * h {
-            return Err(ForwardError::HiddenShape {
-                got: rows.len(),
-                hidden: h,
-            });
-        }
+        sample_rows_wanted(rows, slots, h)?;
         // The logits stay in the scratch buffer the head wrote: no copy.
         self.model.head_into(rows, &mut self.scratch)?;
         sample_rows(&self.scratch.logits, vocab, slots);

@@ -7,9 +7,9 @@ use baton_shared::model_files::ModelFiles;
 
 use super::{
     Backend, BackendError, BackendInfo, BackendOptions, Device, KvGeometry, SampleSlot, SeqChunk, StageShape,
-    sample_ids, sample_rows,
+    model_info, sample_ids, sample_rows, sample_rows_wanted,
 };
-use crate::model::dflash::{DflashFiles, TapProjection};
+use crate::model::dflash::DflashFiles;
 use crate::model::spec::{FfnKind, LayerKind, LayerSpec, uniform_kv_dim};
 use crate::model::{ForwardError, Scratch, StageModel, registry};
 use crate::ops::Ops;
@@ -32,12 +32,7 @@ impl CudaBackend {
         let Device::Cuda { gpu } = opts.device else {
             return Err(BackendError::Unavailable(opts.device));
         };
-        if opts.kv_blocks == 0 || opts.kv_block_size == 0 {
-            return Err(BackendError::KvGeometry {
-                blocks: opts.kv_blocks,
-                block_size: opts.kv_block_size,
-            });
-        }
+        opts.check_kv_geometry()?;
         supported(&shape.config, shape.layers.clone())?;
         let ops = CudaOps::open(gpu).map_err(|e| BackendError::Cuda(e.to_string()))?;
         let gpu_handle = ops.gpu().clone();
@@ -81,7 +76,8 @@ impl CudaBackend {
         })
     }
 
-    /// `r`, or the GPU error that the work behind it met.
+    /// `r`, or the GPU error that the work behind it met (waiting for that work: the one wait
+    /// of a call).
     fn finish<T>(&self, r: Result<T, ForwardError>) -> Result<T, ForwardError> {
         let device = self.model.ops.gpu().take_error();
         let v = r?;
@@ -143,17 +139,7 @@ impl Backend for CudaBackend {
     }
 
     fn info(&self) -> BackendInfo {
-        let m = &self.model;
-        let ops = m.ops.info();
-        BackendInfo {
-            device: self.device,
-            kernels: ops.kernels,
-            threads: ops.threads,
-            weights: m.format,
-            weight_bytes: m.weight_bytes(),
-            part_bytes: m.part_bytes(),
-            matrix_bytes: m.matrix_bytes(),
-        }
+        model_info(&self.model, self.device)
     }
 
     fn kv(&self) -> KvGeometry {
@@ -175,9 +161,10 @@ impl Backend for CudaBackend {
             });
         }
         let r = self.model.embed_into(tokens, &mut self.scratch);
-        self.finish(r)?;
-        self.model.ops.download(&self.scratch.hidden, hidden);
-        self.finish(Ok(()))
+        if r.is_ok() {
+            self.model.ops.download(&self.scratch.hidden, hidden);
+        }
+        self.finish(r)
     }
 
     fn forward(&mut self, hidden: &mut [f32], seqs: &[SeqChunk<'_>]) -> Result<(), ForwardError> {
@@ -194,17 +181,16 @@ impl Backend for CudaBackend {
     }
 
     fn load_taps(&mut self, draft: &DflashFiles) -> Result<Vec<usize>, BackendError> {
-        let taps = TapProjection::load(&self.model.ops, draft, self.model.layers.clone())?;
-        self.model.set_taps(taps);
-        Ok(self.model.tap_layers())
+        Ok(self.model.attach_taps(draft)?)
     }
 
     fn draft_argmax(&mut self, rows: &[f32], out: &mut Vec<u32>) -> Result<(), ForwardError> {
         let vocab = self.shape.config.vocab_size;
         let r = self.model.head_only_into(rows, &mut self.scratch);
-        self.finish(r)?;
-        self.model.ops.argmax_rows(&self.scratch.logits, vocab, out);
-        self.finish(Ok(()))
+        if r.is_ok() {
+            self.model.ops.argmax_rows(&self.scratch.logits, vocab, out);
+        }
+        self.finish(r)
     }
 
     fn logits(&mut self, rows: &[f32], out: &mut [f32]) -> Result<(), ForwardError> {
@@ -214,25 +200,23 @@ impl Backend for CudaBackend {
 
     fn sample(&mut self, rows: &[f32], slots: &mut [SampleSlot]) -> Result<(), ForwardError> {
         let (h, vocab) = (self.shape.config.hidden_size, self.shape.config.vocab_size);
-        let wanted: usize = slots.iter().map(SampleSlot::rows).sum();
-        if rows.len() != wanted * h {
-            return Err(ForwardError::HiddenShape {
-                got: rows.len(),
-                hidden: h,
-            });
-        }
+        let wanted = sample_rows_wanted(rows, slots, h)?;
         let r = self.model.head_into(rows, &mut self.scratch);
+        // Greedy rows: only their token ids leave the GPU.
+        let greedy = slots.iter().all(|s| s.sampler.is_greedy() && s.top_logprobs.is_none());
+        if r.is_ok() {
+            match greedy {
+                true => self.model.ops.argmax_rows(&self.scratch.logits, vocab, &mut self.ids),
+                false => {
+                    self.logits.resize(wanted * vocab, 0.0);
+                    self.model.ops.download(&self.scratch.logits, &mut self.logits);
+                }
+            }
+        }
         self.finish(r)?;
-        if slots.iter().all(|s| s.sampler.is_greedy() && s.top_logprobs.is_none()) {
-            // Greedy rows: only their token ids leave the GPU.
-            self.model.ops.argmax_rows(&self.scratch.logits, vocab, &mut self.ids);
-            self.finish(Ok(()))?;
-            sample_ids(&self.ids, slots);
-        } else {
-            self.logits.resize(wanted * vocab, 0.0);
-            self.model.ops.download(&self.scratch.logits, &mut self.logits);
-            self.finish(Ok(()))?;
-            sample_rows(&self.logits, vocab, slots);
+        match greedy {
+            true => sample_ids(&self.ids, slots),
+            false => sample_rows(&self.logits, vocab, slots),
         }
         Ok(())
     }

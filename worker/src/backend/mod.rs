@@ -288,6 +288,33 @@ pub fn sample_rows(logits: &[f32], vocab: usize, slots: &mut [SampleSlot]) {
     }
 }
 
+/// What every backend reports of a model on device `device`.
+pub fn model_info<O: crate::ops::Ops>(m: &crate::model::StageModel<O>, device: Device) -> BackendInfo {
+    let ops = m.ops.info();
+    BackendInfo {
+        device,
+        kernels: ops.kernels,
+        threads: ops.threads,
+        weights: m.format,
+        weight_bytes: m.weight_bytes(),
+        part_bytes: m.part_bytes(),
+        matrix_bytes: m.matrix_bytes(),
+    }
+}
+
+/// The rows [`Backend::sample`] takes for `slots` (one per slot, plus its draft), checked
+/// against the `hidden`-wide `rows` given.
+pub fn sample_rows_wanted(rows: &[f32], slots: &[SampleSlot], hidden: usize) -> Result<usize, ForwardError> {
+    let wanted: usize = slots.iter().map(SampleSlot::rows).sum();
+    match rows.len() == wanted * hidden {
+        true => Ok(wanted),
+        false => Err(ForwardError::HiddenShape {
+            got: rows.len(),
+            hidden,
+        }),
+    }
+}
+
 /// [`sample_rows`] for slots whose samplers are all greedy, from each row's most likely token
 /// (computed where the logits are): the same choices, with only ids crossing to the host.
 pub fn sample_ids(ids: &[u32], slots: &mut [SampleSlot]) {
@@ -331,6 +358,17 @@ pub struct BackendOptions {
 pub const DEFAULT_STATE_SLOTS: usize = 64;
 
 impl BackendOptions {
+    /// Refuse a KV pool of no blocks or of blocks of no positions.
+    pub fn check_kv_geometry(&self) -> Result<(), BackendError> {
+        match self.kv_blocks == 0 || self.kv_block_size == 0 {
+            true => Err(BackendError::KvGeometry {
+                blocks: self.kv_blocks,
+                block_size: self.kv_block_size,
+            }),
+            false => Ok(()),
+        }
+    }
+
     /// The state slots a stage with linear-attention layers keeps.
     pub fn effective_state_slots(&self) -> usize {
         match self.state_slots {

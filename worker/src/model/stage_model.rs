@@ -10,7 +10,7 @@ use baton_shared::model_files::{LoadError, ModelFiles};
 use super::ForwardError;
 use super::arch::{self, Architecture};
 use super::blocks::{DecoderLayer, RmsNorm};
-use super::dflash::TapProjection;
+use super::dflash::{DflashError, DflashFiles, TapProjection};
 use super::loader::WeightLoader;
 use super::registry;
 use super::rope::Rope;
@@ -173,6 +173,14 @@ impl<O: Ops> StageModel<O> {
     /// asks for taps ([`forward_host_tapped`](Self::forward_host_tapped)).
     pub fn set_taps(&mut self, taps: Option<TapProjection<O>>) {
         self.taps = taps;
+    }
+
+    /// Load `fc`'s column blocks for the DFlash tap layers among this stage's and use them;
+    /// returns the tap layers held (stage-relative).
+    pub fn attach_taps(&mut self, draft: &DflashFiles) -> Result<Vec<usize>, DflashError> {
+        let taps = TapProjection::load(&self.ops, draft, self.layers.clone())?;
+        self.set_taps(taps);
+        Ok(self.tap_layers())
     }
 
     /// Stage-relative indices of the tap layers held.

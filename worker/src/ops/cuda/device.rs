@@ -8,7 +8,9 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::sys::CUdevice_attribute;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAsZeroBits,
+};
 use cudarc::nvrtc::Ptx;
 
 use crate::kernels::cuda::embedded::MODULES;
@@ -57,6 +59,39 @@ pub fn driver_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
+/// A context on GPU `ordinal` and what the GPU is, after checking the driver and the ordinal.
+fn context(ordinal: u32) -> Result<(Arc<CudaContext>, GpuInfo), CudaError> {
+    if !driver_present() {
+        return Err(CudaError::NoDriver);
+    }
+    let count = CudaContext::device_count().map_err(CudaError::driver("counting devices"))?;
+    if ordinal as i32 >= count {
+        return Err(CudaError::NoDevice { gpu: ordinal, count });
+    }
+    let ctx = CudaContext::new(ordinal as usize).map_err(CudaError::driver("creating a context"))?;
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(CudaError::driver("reading the compute capability"))?;
+    let (free_bytes, total_bytes) = ctx.mem_get_info().map_err(CudaError::driver("reading memory"))?;
+    let info = GpuInfo {
+        ordinal,
+        name: ctx.name().map_err(CudaError::driver("reading the name"))?,
+        total_bytes,
+        free_bytes,
+        multiprocessors: ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(CudaError::driver("reading the multiprocessor count"))? as u32,
+        sm: (major * 10 + minor) as u32,
+    };
+    Ok((ctx, info))
+}
+
+/// What GPU `ordinal` is (name, memory, multiprocessors, compute capability), without loading
+/// any kernel: what a worker registers before it is given layers.
+pub fn describe(ordinal: u32) -> Result<GpuInfo, CudaError> {
+    context(ordinal).map(|(_, info)| info)
+}
+
 /// A GPU with a context, a stream and every kernel loaded.
 pub struct Gpu {
     pub info: GpuInfo,
@@ -87,29 +122,8 @@ impl std::fmt::Debug for Gpu {
 impl Gpu {
     /// Open GPU `ordinal` and load the kernels for it.
     pub fn open(ordinal: u32) -> Result<Self, CudaError> {
-        if !driver_present() {
-            return Err(CudaError::NoDriver);
-        }
-        let count = CudaContext::device_count().map_err(CudaError::driver("counting devices"))?;
-        if ordinal as i32 >= count {
-            return Err(CudaError::NoDevice { gpu: ordinal, count });
-        }
-        let ctx = CudaContext::new(ordinal as usize).map_err(CudaError::driver("creating a context"))?;
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(CudaError::driver("reading the compute capability"))?;
-        let sm = (major * 10 + minor) as u32;
-        let (free_bytes, total_bytes) = ctx.mem_get_info().map_err(CudaError::driver("reading memory"))?;
-        let info = GpuInfo {
-            ordinal,
-            name: ctx.name().map_err(CudaError::driver("reading the name"))?,
-            total_bytes,
-            free_bytes,
-            multiprocessors: ctx
-                .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-                .map_err(CudaError::driver("reading the multiprocessor count"))? as u32,
-            sm,
-        };
+        let (ctx, info) = context(ordinal)?;
+        let sm = info.sm;
         let mut functions = HashMap::new();
         for module in MODULES {
             let image = match module.cubin_for(sm) {
@@ -223,6 +237,22 @@ impl Gpu {
     /// Bytes free on the GPU now.
     pub fn free_bytes(&self) -> usize {
         self.stream.context().mem_get_info().map(|(free, _)| free).unwrap_or(0)
+    }
+}
+
+/// Copy `host` into `dev`, which grows (zeroed) when too small and otherwise keeps its
+/// allocation, so steady serving allocates nothing.
+pub fn upload_into<T: DeviceRepr + ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    host: &[T],
+    dev: &mut Option<CudaSlice<T>>,
+) -> Result<(), DriverError> {
+    if dev.as_ref().is_none_or(|d| d.len() < host.len()) {
+        *dev = Some(stream.alloc_zeros::<T>(host.len().max(1))?);
+    }
+    match dev.as_mut() {
+        Some(d) => stream.memcpy_htod(host, &mut d.slice_mut(0..host.len())),
+        None => Ok(()),
     }
 }
 

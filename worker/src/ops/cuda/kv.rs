@@ -5,12 +5,12 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::CudaSlice;
 
-use super::device::Gpu;
+use super::device::{Gpu, upload_into};
 use crate::kernels::cuda::BatchMeta;
 use crate::kv_cache::paged::check_tables;
-use crate::kv_cache::{KvDtype, KvSpans, PagedSeq};
+use crate::kv_cache::{KvDtype, KvSpans, PagedKv, PagedSeq};
 use crate::model::ForwardError;
 
 /// One layer's keys or values.
@@ -83,24 +83,7 @@ impl CudaKvPool {
 
     /// Bytes the pool holds on the GPU.
     pub fn bytes(&self) -> usize {
-        self.layers.len() * 2 * self.blocks * self.block_size * self.kv_dim * self.dtype.bytes()
-    }
-
-    /// Upload `host` into `dev`, growing it when too small.
-    fn put<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
-        stream: &Arc<CudaStream>,
-        host: &[T],
-        dev: &mut Option<CudaSlice<T>>,
-    ) -> Result<(), String> {
-        if dev.as_ref().is_none_or(|d| d.len() < host.len()) {
-            *dev = Some(stream.alloc_zeros::<T>(host.len().max(1)).map_err(|e| e.to_string())?);
-        }
-        if let Some(d) = dev.as_mut() {
-            stream
-                .memcpy_htod(host, &mut d.slice_mut(0..host.len()))
-                .map_err(|e| e.to_string())?;
-        }
-        Ok(())
+        PagedKv::bytes_per_block(self.layers.len(), self.kv_dim, self.block_size, self.dtype) * self.blocks
     }
 }
 
@@ -127,10 +110,10 @@ impl KvSpans for CudaBatch<'_> {
         let pool = &mut *self.pool;
         check_tables(self.seqs, pool.block_size, pool.blocks)?;
         pool.meta.build(self.seqs, pool.block_size);
-        let stream = pool.gpu.stream.clone();
-        let uploaded = CudaKvPool::put(&stream, &pool.meta.rows, &mut pool.rows)
-            .and_then(|()| CudaKvPool::put(&stream, &pool.meta.slots, &mut pool.slots))
-            .and_then(|()| CudaKvPool::put(&stream, &pool.meta.tables, &mut pool.tables));
+        let stream = &pool.gpu.stream;
+        let uploaded = upload_into(stream, &pool.meta.rows, &mut pool.rows)
+            .and_then(|()| upload_into(stream, &pool.meta.slots, &mut pool.slots))
+            .and_then(|()| upload_into(stream, &pool.meta.tables, &mut pool.tables));
         uploaded.map_err(|e| ForwardError::Device(format!("uploading the batch's block tables: {e}")))
     }
 

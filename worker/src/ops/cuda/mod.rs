@@ -186,16 +186,8 @@ impl CudaOps {
 
     /// Copy `host` into `dev` (grown when too small).
     fn stage<T: DeviceRepr + ValidAsZeroBits>(&self, host: &[T], dev: &mut Option<CudaSlice<T>>) -> bool {
-        if dev.as_ref().is_none_or(|d| d.len() < host.len()) {
-            *dev = self.alloc::<T>(host.len());
-        }
-        match dev.as_mut() {
-            Some(d) => {
-                let r = self.gpu.stream.memcpy_htod(host, &mut d.slice_mut(0..host.len()));
-                self.gpu.check("uploading", r).is_some()
-            }
-            None => false,
-        }
+        let r = device::upload_into(&self.gpu.stream, host, dev);
+        self.gpu.check("uploading", r).is_some()
     }
 
     fn dev<'b>(&self, buf: &'b CudaBuf) -> Option<&'b CudaSlice<f32>> {
