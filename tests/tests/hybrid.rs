@@ -353,13 +353,23 @@ async fn concurrent_sequences_with_preemption_equal_each_alone_through_three_sta
     assert!(preempted > 0, "the tiny pool preempted sequences");
     // Layers L L | F | L L: the stages with linear-attention layers keep a state slot per
     // sequence that may run (16), the attention-only one none; finished sequences hold none.
-    let mut slots = Vec::new();
-    for w in tc.cluster.alive() {
-        let mut client = connect_worker(&w.address, &tc.peer).await.unwrap();
-        let h = client.health(HealthRequest {}).await.unwrap().into_inner();
-        let stage = h.stage.unwrap();
-        slots.push((stage.layer_start, h.state_slots_used, h.state_slots_total));
-    }
-    slots.sort();
-    assert_eq!(slots, [(0, 0, 16), (2, 0, 0), (3, 0, 16)]);
+    // A finished sequence's release reaches the stages after its last token reaches the
+    // client, so read until the releases have landed (or 10 s have passed).
+    let want = [(0, 0, 16), (2, 0, 0), (3, 0, 16)];
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let slots = loop {
+        let mut slots = Vec::new();
+        for w in tc.cluster.alive() {
+            let mut client = connect_worker(&w.address, &tc.peer).await.unwrap();
+            let h = client.health(HealthRequest {}).await.unwrap().into_inner();
+            let stage = h.stage.unwrap();
+            slots.push((stage.layer_start, h.state_slots_used, h.state_slots_total));
+        }
+        slots.sort();
+        if slots == want || std::time::Instant::now() > deadline {
+            break slots;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    assert_eq!(slots, want);
 }
