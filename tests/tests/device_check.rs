@@ -64,6 +64,14 @@ fn the_dry_run_checks_every_part_on_the_cpu() {
             assert_eq!(m["top1_agreement"], "33/33", "{m}");
         }
         assert_eq!(part["batch_invariance"]["bit_identical"], true, "{part}");
+        // The tiny models' context (256 positions) bounds the long prompt.
+        let long = part["long_prompt"].as_array().unwrap_or_else(|| panic!("{part}"));
+        assert_eq!(long.len(), 2, "{part}");
+        for m in long {
+            assert_eq!(m["prompt_positions"], 256, "{m}");
+            assert_eq!(m["ok"], true, "{m}");
+            assert_eq!(m["max_abs_logit_error"], 0.0, "{m}");
+        }
     }
     let speed = &report[format!("speed:{}", llama.display())];
     let decode = speed["decode"].as_array().unwrap_or_else(|| panic!("{speed}"));

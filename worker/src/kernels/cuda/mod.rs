@@ -17,13 +17,11 @@ pub const MATMUL_TILE: u32 = 8;
 /// Weight rows (one per warp) of one `matmul_*` thread block (`WARPS` in matmul.cu).
 pub const MATMUL_WARPS: u32 = 4;
 /// Warps of one attention thread block (`ATT_WARPS` in attention.cu).
-pub const ATTENTION_WARPS: u32 = 4;
+pub const ATTENTION_WARPS: u32 = 8;
 /// The widest attention head the kernel holds in registers (`MAX_DIMS` × 32 in attention.cu).
 pub const MAX_HEAD_DIM: usize = 256;
 /// Threads of an element-wise thread block.
 pub const ELEMENTWISE_THREADS: u32 = 256;
-/// Threads of a row-wise (norm, embedding) thread block.
-pub const ROW_THREADS: u32 = 128;
 /// Threads of the argmax block (a power of two; `argmax_rows` reduces pairwise).
 pub const ARGMAX_THREADS: u32 = 1024;
 
@@ -80,12 +78,25 @@ pub fn elementwise_geometry(n: usize) -> Geometry {
     }
 }
 
-/// One block per row.
-pub fn row_geometry(rows: usize) -> Geometry {
+/// One block per row, a thread per `per_thread` values of its `width` (one warp at least,
+/// 1,024 threads at most): a row's loads are issued together rather than one after another
+/// by a few threads, which is what made a 4,096-wide RMSNorm latency-bound.
+fn row_geometry(rows: usize, width: usize, per_thread: usize) -> Geometry {
+    let warps = (width.div_ceil(per_thread.max(1)) as u32).div_ceil(32).clamp(1, 32);
     Geometry {
         grid: (rows as u32, 1, 1),
-        block: (ROW_THREADS, 1, 1),
+        block: (warps * 32, 1, 1),
     }
+}
+
+/// RMSNorm of `rows` rows of `width`: a thread per four values (`rmsnorm` loads a float4).
+pub fn norm_geometry(rows: usize, width: usize) -> Geometry {
+    row_geometry(rows, width, 4)
+}
+
+/// Row copies (embedding gather, K/V stores): a thread per value.
+pub fn copy_geometry(rows: usize, width: usize) -> Geometry {
+    row_geometry(rows, width, 1)
 }
 
 /// `quantize_q8`: a warp per 32-value block, eight warps a block.
@@ -315,6 +326,14 @@ mod tests {
         assert_eq!(g.grid.0 as u64 * g.block.0 as u64, 1_000_192);
         assert_eq!(quantize_geometry(17).grid.0, 3);
         assert_eq!(attention_geometry(5, 9).grid, (5, 9, 1));
+        // Row kernels: a block per row, whole warps, at most 1,024 threads.
+        assert_eq!(norm_geometry(3, 4096).grid, (3, 1, 1));
+        assert_eq!(norm_geometry(3, 4096).block, (1024, 1, 1));
+        assert_eq!(norm_geometry(1, 576).block, (160, 1, 1));
+        assert_eq!(norm_geometry(7, 16).block, (32, 1, 1));
+        assert_eq!(norm_geometry(1, 8192).block, (1024, 1, 1));
+        assert_eq!(copy_geometry(2, 1024).block, (1024, 1, 1));
+        assert_eq!(copy_geometry(2, 192).block, (192, 1, 1));
     }
 
     #[test]

@@ -343,7 +343,7 @@ impl CudaOps {
     /// RMSNorm of each `w.len`-wide row of the `len` values of `x` into `out` (may be `x`).
     fn norm_rows(&self, x: &CudaSlice<f32>, len: usize, w: &CudaVector, eps: f32, out: &CudaSlice<f32>) {
         let width = w.len as i32;
-        let g = geometry::row_geometry(len / w.len.max(1));
+        let g = geometry::norm_geometry(len / w.len.max(1), w.len);
         launch!(self.gpu, "rmsnorm", g, x, &w.data, out, &width, &eps);
     }
 
@@ -513,7 +513,7 @@ impl Ops for CudaOps {
         launch!(
             self.gpu,
             "embed_f32",
-            geometry::row_geometry(tokens.len()),
+            geometry::copy_geometry(tokens.len(), *cols),
             w,
             ids,
             o,
@@ -723,10 +723,7 @@ impl Ops for CudaOps {
             return;
         };
         let d = pool.kv_dim as i32;
-        let g = Geometry {
-            grid: (rows as u32, 1, 1),
-            block: (geometry::ROW_THREADS, 1, 1),
-        };
+        let g = geometry::copy_geometry(rows, pool.kv_dim);
         launch!(self.gpu, name, g, kd, vd, &kp, &vp, slots, &d);
     }
 
