@@ -247,7 +247,9 @@ impl TestCluster {
         limits: Limits,
         speculative: SpeculativeConfig,
     ) -> Self {
-        Self::start_secured(model, cfg, eos_ids, cuts, &[], limits, None, speculative).await
+        // Workers serve metrics (on ports they pick), so tests can read what each stage counted.
+        let flags = vec![vec!["--metrics-listen".to_string(), "127.0.0.1:0".to_string()]; cuts.len() + 1];
+        Self::start_secured(model, cfg, eos_ids, cuts, &flags, limits, None, speculative).await
     }
 
     /// A cluster whose worker plane runs mutual TLS with `tls`'s certificates.

@@ -5,7 +5,11 @@
 //! function summed in another order), greedy tokens equal; and whatever the split, chunking or
 //! batching, bit-identical output, also through real worker processes.
 
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
 use baton_coordinator::generation::FinishReason;
+use baton_coordinator::speculative::{DraftMethod, Drafter, SpeculativeConfig};
 use baton_shared::model_files::ModelFiles;
 use baton_shared::proto::HealthRequest;
 use baton_shared::sampling::SamplingParams;
@@ -372,4 +376,217 @@ async fn concurrent_sequences_with_preemption_equal_each_alone_through_three_sta
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     };
     assert_eq!(slots, want);
+}
+
+/// Proposes the model's own continuation with one proposal made wrong, at a place that moves
+/// with every call (none when it falls past the proposal), so every acceptance length from 0
+/// to k occurs and each stage rolls its recurrent state back by every amount.
+struct Stumbling {
+    full: Arc<Vec<Vec<u32>>>,
+    /// Proposals made so far; `None`: never stumble.
+    calls: Option<usize>,
+}
+
+impl Drafter for Stumbling {
+    fn method(&self) -> DraftMethod {
+        DraftMethod::Ngram
+    }
+
+    fn propose(&mut self, tokens: &[u32], k: usize, out: &mut Vec<u32>) {
+        let Some(full) = self
+            .full
+            .iter()
+            .find(|f| f.len() > tokens.len() && f.starts_with(tokens))
+        else {
+            return;
+        };
+        let start = out.len();
+        out.extend(full[tokens.len()..].iter().take(k));
+        if let Some(calls) = self.calls.as_mut() {
+            let wrong = start + *calls % (k + 1);
+            *calls += 1;
+            if let Some(t) = out.get_mut(wrong) {
+                *t = if *t == 0 { 1 } else { *t - 1 };
+            }
+        }
+    }
+}
+
+/// A drafter per sequence: [`Stumbling`] over `full` (each prompt followed by its greedy
+/// continuation), or with `stumble` false the continuation itself (every proposal accepted).
+fn drafting(k: usize, full: &[Vec<u32>], stumble: bool) -> SpeculativeConfig {
+    let full = Arc::new(full.to_vec());
+    SpeculativeConfig {
+        custom: Some(Arc::new(move || {
+            Box::new(Stumbling {
+                full: full.clone(),
+                calls: stumble.then_some(0),
+            }) as Box<dyn Drafter>
+        })),
+        ..SpeculativeConfig::new(DraftMethod::Ngram, k)
+    }
+}
+
+/// Prompts, their greedy continuations, and each prompt followed by its continuation.
+struct Workload {
+    prompts: Vec<Vec<u32>>,
+    want: Vec<Vec<u32>>,
+    full: Vec<Vec<u32>>,
+}
+
+/// Three prompts for `name`: one that quotes itself (a text, what the model wrote after it,
+/// the text again), so prompt lookup proposes what followed the text, and two that do not.
+fn workload(name: &str, params: &SamplingParams) -> Workload {
+    let long = long_prompt(name);
+    let mut e = engine(name);
+    let text = long[..6].to_vec();
+    let after = e.generate(&text, params, None, |_| {}).unwrap().tokens;
+    let quoting = [&text[..], &after[..8], &text[..]].concat();
+    let prompts = vec![quoting, long[..17].to_vec(), long[5..8].to_vec()];
+    let want: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| e.generate(p, params, None, |_| {}).unwrap().tokens)
+        .collect();
+    let full = prompts
+        .iter()
+        .zip(&want)
+        .map(|(p, w)| [p.clone(), w.clone()].concat())
+        .collect();
+    Workload { prompts, want, full }
+}
+
+/// Per worker: (first layer, recurrent-state slots, state replays its metrics count).
+async fn replays(tc: &TestCluster) -> Vec<(u32, u32, u64)> {
+    let mut out = Vec::new();
+    for w in tc.cluster.alive() {
+        let mut client = connect_worker(&w.address, &tc.peer).await.unwrap();
+        let h = client.health(HealthRequest {}).await.unwrap().into_inner();
+        let text = baton_tests::serve::http_request(&w.metrics_address, "GET", "/metrics", "").1;
+        let replays: u64 = text
+            .lines()
+            .filter(|l| l.starts_with("baton_spec_state_replays_total"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64;
+        out.push((h.stage.unwrap().layer_start, h.state_slots_total, replays));
+    }
+    out.sort();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn speculative_decoding_rolls_the_recurrent_state_back_on_every_stage() {
+    // Verify steps whose proposals are partly rejected, through 1, 2 and 3 worker processes:
+    // each stage with linear-attention layers puts the state back and replays the accepted
+    // rows, so the output is plain greedy decoding's, token for token.
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(16)
+    };
+    for name in HYBRID_MODELS {
+        let dir = fixtures().join("tiny").join(name);
+        let cfg = files(name).config().unwrap();
+        let Workload { prompts, want, full } = workload(name, &params);
+        let n = cfg.num_layers;
+        for cuts in [vec![], vec![n / 2], vec![1, n - 1]] {
+            let tc =
+                TestCluster::start_speculative(&dir, &cfg, vec![], &cuts, hybrid_limits(), drafting(4, &full, true))
+                    .await;
+            let got = futures::future::join_all(prompts.iter().map(|p| tc.generate(p, params.clone()))).await;
+            for (i, (g, w)) in got.into_iter().zip(&want).enumerate() {
+                assert_eq!(&g.unwrap().0, w, "{name}, cuts {cuts:?}, prompt {i}");
+            }
+            let s = &tc.generator.status;
+            let (proposed, accepted) = (
+                s.spec_proposed_tokens.load(Ordering::Relaxed),
+                s.spec_accepted_tokens.load(Ordering::Relaxed),
+            );
+            assert!(
+                0 < accepted && accepted < proposed,
+                "{name}: {accepted} of {proposed} accepted"
+            );
+            // Every stage that keeps recurrent state rolled it back; the others had none to.
+            for (layer, slots, replayed) in replays(&tc).await {
+                assert_eq!(replayed > 0, slots > 0, "{name}, cuts {cuts:?}: stage at layer {layer}");
+            }
+        }
+    }
+    // Prompt lookup, and the model's own continuation (k + 1 tokens every verify step, no
+    // rollback), through two stages.
+    let name = "qwen3_next";
+    let dir = fixtures().join("tiny").join(name);
+    let cfg = files(name).config().unwrap();
+    let Workload { prompts, want, full } = workload(name, &params);
+    for (drafter, spec) in [
+        ("n-gram", SpeculativeConfig::new(DraftMethod::Ngram, 4)),
+        ("oracle", drafting(4, &full, false)),
+    ] {
+        let tc = TestCluster::start_speculative(&dir, &cfg, vec![], &[2], hybrid_limits(), spec).await;
+        for (i, (p, w)) in prompts.iter().zip(&want).enumerate() {
+            assert_eq!(
+                &tc.generate(p, params.clone()).await.unwrap().0,
+                w,
+                "{drafter}, prompt {i}"
+            );
+        }
+        let s = &tc.generator.status;
+        let (steps, proposed, accepted) = (
+            s.spec_steps.load(Ordering::Relaxed),
+            s.spec_proposed_tokens.load(Ordering::Relaxed),
+            s.spec_accepted_tokens.load(Ordering::Relaxed),
+        );
+        assert!(proposed > 0, "{drafter}: proposals were made");
+        if drafter == "oracle" {
+            // 16 tokens per prompt: the first from the prompt, then three verify steps of 4 + 1.
+            assert_eq!((steps, proposed, accepted), (9, 36, 36));
+            assert!(replays(&tc).await.iter().all(|r| r.2 == 0), "nothing to roll back");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixteen_speculative_streams_with_preemption_equal_plain_through_three_stages() {
+    // The concurrent test above with partly rejected proposals: verify chunks, prefill chunks
+    // and decodes share micro-batches, and preempted sequences restart from position 0 (their
+    // kept state dropped with them). Finishing sooner, the streams need a smaller pool than
+    // without proposals (6 blocks, not 12) to be preempted.
+    let name = "qwen3_next";
+    let dir = fixtures().join("tiny").join(name);
+    let cfg = files(name).config().unwrap();
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(24)
+    };
+    let prompts: Vec<Vec<u32>> = (0..16u32)
+        .map(|s| (0..2 + 3 * s).map(|i| (s * 41 + i * 13 + 7) % 300).collect())
+        .collect();
+    let mut e = engine(name);
+    let want: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| e.generate(p, &params, None, |_| {}).unwrap().tokens)
+        .collect();
+    let full: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(&want)
+        .map(|(p, w)| [p.clone(), w.clone()].concat())
+        .collect();
+    let limits = Limits {
+        kv_max_blocks: Some(6),
+        max_running: 16,
+        ..hybrid_limits()
+    };
+    let tc = TestCluster::start_speculative(&dir, &cfg, vec![], &[2, 3], limits, drafting(3, &full, true)).await;
+    let got = futures::future::join_all(prompts.iter().map(|p| tc.generate(p, params.clone()))).await;
+    for ((p, w), g) in prompts.iter().zip(&want).zip(got) {
+        assert_eq!(&g.unwrap().0, w, "prompt of {} tokens", p.len());
+    }
+    let s = &tc.generator.status;
+    assert!(
+        s.preemptions.load(Ordering::Relaxed) > 0,
+        "the tiny pool preempted sequences"
+    );
+    let accepted = s.spec_accepted_tokens.load(Ordering::Relaxed);
+    assert!(0 < accepted && accepted < s.spec_proposed_tokens.load(Ordering::Relaxed));
+    for (layer, slots, replayed) in replays(&tc).await {
+        assert_eq!(replayed > 0, slots > 0, "stage at layer {layer}");
+    }
 }

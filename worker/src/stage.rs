@@ -33,10 +33,31 @@ struct SeqState {
     unverified: usize,
     /// Its recurrent-state slot (0 on a stage without linear-attention layers).
     state_slot: usize,
+    /// On a stage with recurrent state, what undoes the latest verify chunk's rejected
+    /// proposals (kept once allocated, so later drafts reuse its buffers).
+    rollback: Option<Box<Rollback>>,
     /// Last stage only.
     sampler: Option<Sampler>,
     logprobs: bool,
     top_logprobs: usize,
+}
+
+/// A recurrent state cannot drop positions the way K/V can, so before a chunk with proposals
+/// runs, a stage with linear-attention layers keeps the sequence's state and the chunk's input
+/// rows. When the next chunk shows some proposals were rejected, the stage puts the state back
+/// and runs the accepted rows again: the state then holds exactly the kept positions, computed
+/// as they were the first time (each row's result does not depend on its batch), and their
+/// K/V is rewritten with the same values.
+#[derive(Default)]
+struct Rollback {
+    /// Where the verify chunk started.
+    pos0: usize,
+    /// The chunk's input rows (`tokens × hidden`).
+    hidden: Vec<f32>,
+    /// The sequence's state before the chunk.
+    state: Vec<f32>,
+    /// Whether it holds a chunk not yet settled.
+    armed: bool,
 }
 
 /// Work a stage has done since it was loaded.
@@ -97,8 +118,10 @@ pub struct Stage {
     /// Recurrent-state slots no sequence holds (empty, and never used, on a stage without
     /// linear-attention layers).
     free_state_slots: Vec<usize>,
-    /// Whether the layers here keep recurrent state (which cannot be rolled back).
+    /// Whether the layers here keep recurrent state (rolled back by replay: see [`Rollback`]).
     recurrent: bool,
+    /// Rows a rollback runs again (reused).
+    replay_rows: Vec<f32>,
 }
 
 /// Bounds on what one micro-batch may ask for, so a bad message cannot exhaust memory.
@@ -125,6 +148,7 @@ impl Stage {
             drafting: false,
             draft: None,
             taps: Vec::new(),
+            replay_rows: Vec::new(),
         }
     }
 
@@ -454,13 +478,6 @@ impl Stage {
                 return Err(self.err(format!("sequence {}: {e}", chunk.seq_id)));
             }
             let draft = chunk.draft as usize;
-            if draft > 0 && self.recurrent {
-                return Err(self.err(format!(
-                    "sequence {}: speculative decoding is not supported for models with linear-attention layers \
-                     yet (their recurrent state cannot drop rejected proposals)",
-                    chunk.seq_id
-                )));
-            }
             if draft > 0 && (draft >= n || draft > MAX_DRAFT_TOKENS || !chunk.sample) {
                 return Err(self.err(format!(
                     "sequence {}: a draft of {draft} proposals needs a sampling chunk of more tokens, and at most {MAX_DRAFT_TOKENS}",
@@ -512,6 +529,7 @@ impl Stage {
                     len: cached,
                     unverified: 0,
                     state_slot,
+                    rollback: None,
                     sampler: last.then(|| {
                         let mut sampler = Sampler::new(&params);
                         sampler.skip(sampling.drawn);
@@ -531,10 +549,15 @@ impl Stage {
                     self.stage_index, chunk.seq_id
                 ));
             };
+            let mut replay = None;
             if pos0 < seq.len && seq.len - pos0 <= seq.unverified {
                 // After a verified draft: the chunk starts after the accepted proposals, so the
                 // rejected ones' K/V (at pos0 and later) is dropped; the chunk overwrites it.
+                // A recurrent state has absorbed them too: it is rebuilt from before the draft.
                 seq.len = pos0;
+                if self.recurrent {
+                    replay = Some((seq.state_slot, seq.rollback.take()));
+                }
             }
             if seq.len != pos0 {
                 let e = ForwardError::KvPosition { have: seq.len, pos0 };
@@ -542,6 +565,16 @@ impl Stage {
                 self.forget(chunk.seq_id);
                 return Err(self.err(format!("sequence {}: {e}", chunk.seq_id)));
             }
+            if let Some((slot, rollback)) = replay {
+                let replayed = self.replay(chunk, slot, rollback);
+                if let Err(e) = replayed {
+                    self.forget(chunk.seq_id);
+                    return Err(self.err(format!("sequence {}: {e}", chunk.seq_id)));
+                }
+            }
+        }
+        if self.recurrent {
+            self.keep_rollbacks(seqs, hidden).map_err(|e| self.err(e))?;
         }
         let batch: Vec<SeqChunk<'_>> = seqs
             .iter()
@@ -566,6 +599,77 @@ impl Stage {
                 seq.len = chunk.pos0 as usize + chunk.tokens.len();
                 seq.unverified = chunk.draft as usize;
             }
+        }
+        Ok(())
+    }
+
+    /// Undo a verify chunk's rejected proposals on a stage with recurrent state: put back the
+    /// state from before the chunk and run its kept rows (up to `chunk`'s start) again.
+    fn replay(&mut self, chunk: &SequenceChunk, slot: usize, rollback: Option<Box<Rollback>>) -> Result<(), String> {
+        let Some(mut rb) = rollback.filter(|rb| rb.armed) else {
+            return Err("proposals to drop, but no state from before them was kept".into());
+        };
+        let h = self.backend.shape().config.hidden_size;
+        let keep = chunk.pos0 as usize - rb.pos0;
+        if keep == 0 || keep * h > rb.hidden.len() {
+            return Err(format!(
+                "a chunk at {} cannot follow the verify chunk at {} of {} rows",
+                chunk.pos0,
+                rb.pos0,
+                rb.hidden.len() / h.max(1)
+            ));
+        }
+        let mut rows = std::mem::take(&mut self.replay_rows);
+        rows.clear();
+        rows.extend_from_slice(&rb.hidden[..keep * h]);
+        let again = SeqChunk {
+            pos0: rb.pos0,
+            len: keep,
+            stored: rb.pos0,
+            table: &chunk.blocks,
+            state_slot: slot,
+        };
+        let ran = self
+            .backend
+            .restore_state(slot, &rb.state)
+            .and_then(|()| self.backend.forward(&mut rows, &[again]));
+        self.replay_rows = rows;
+        rb.armed = false;
+        if let Some(seq) = self.seqs.get_mut(&chunk.seq_id) {
+            seq.rollback = Some(rb);
+        }
+        let label = [("stage", self.stage_index.to_string())];
+        metrics::counter!("baton_spec_state_replays_total", &label).increment(1);
+        metrics::counter!("baton_spec_replayed_tokens_total", &label).increment(keep as u64);
+        ran.map_err(|e| format!("rolling back the recurrent state: {e}"))
+    }
+
+    /// Before a micro-batch runs on a stage with recurrent state: for each chunk that carries
+    /// proposals, keep its sequence's state and the chunk's input rows (see [`Rollback`]).
+    fn keep_rollbacks(&mut self, seqs: &[SequenceChunk], hidden: &[f32]) -> Result<(), String> {
+        let h = self.backend.shape().config.hidden_size;
+        let mut offset = 0;
+        for chunk in seqs {
+            let n = chunk.tokens.len();
+            let rows = &hidden[offset * h..(offset + n) * h];
+            offset += n;
+            let Some(seq) = self.seqs.get_mut(&chunk.seq_id) else {
+                continue;
+            };
+            if chunk.draft == 0 {
+                if let Some(rb) = seq.rollback.as_mut() {
+                    rb.armed = false;
+                }
+                continue;
+            }
+            let rb = seq.rollback.get_or_insert_with(Box::default);
+            rb.pos0 = chunk.pos0 as usize;
+            rb.hidden.clear();
+            rb.hidden.extend_from_slice(rows);
+            self.backend
+                .save_state(seq.state_slot, &mut rb.state)
+                .map_err(|e| format!("sequence {}: keeping its recurrent state: {e}", chunk.seq_id))?;
+            rb.armed = true;
         }
         Ok(())
     }

@@ -129,12 +129,6 @@ pub fn run(ctx: &Ctx, a: GenerateArgs) -> Result<()> {
         draft_model: a.draft_model.clone(),
         ..PipelineSettings::default()
     })?;
-    anyhow::ensure!(
-        config.linear_attention.is_none() || speculative.method == baton_coordinator::speculative::DraftMethod::Off,
-        "speculative decoding is not supported for models with linear-attention layers yet ({}: their recurrent \
-         state cannot drop rejected proposals); use --speculative off",
-        config.architecture.model_type()
-    );
     let block = 16;
     let eos_ids = tokenizer.as_ref().map(|t| t.eos_ids.clone()).unwrap_or_default();
     let pipeline = PipelineConfig {

@@ -253,15 +253,9 @@ pub(super) fn pipeline_config(
     anyhow::ensure!(p.queue_timeout_secs > 0, "queue_timeout_secs must be at least 1");
     weight_format(p.weights.as_str(), &model.files)?;
     // A hybrid model's linear-attention layers keep a recurrent state per sequence, which is
-    // neither cached with prefix blocks nor rolled back after rejected proposals yet.
+    // not cached with prefix blocks yet (verify steps roll it back by replay on each stage).
     let hybrid = model.config.linear_attention.is_some();
     let speculative = speculative(p)?;
-    anyhow::ensure!(
-        !(hybrid && speculative.method != DraftMethod::Off),
-        "speculative decoding is not supported for models with linear-attention layers yet \
-         ({}: their recurrent state cannot drop rejected proposals); use speculative = off",
-        model.config.architecture.model_type()
-    );
     if hybrid && p.prefix_caching {
         tracing::warn!(
             "prefix caching is off for this model: its linear-attention layers' recurrent state is not cached with \

@@ -131,6 +131,25 @@ impl Backend for CpuBackend {
         Ok(self.model.attach_taps(draft)?)
     }
 
+    fn save_state(&self, slot: usize, out: &mut Vec<f32>) -> Result<(), ForwardError> {
+        let state = self.kv.slot_state(slot)?;
+        out.clear();
+        out.extend_from_slice(state);
+        Ok(())
+    }
+
+    fn restore_state(&mut self, slot: usize, state: &[f32]) -> Result<(), ForwardError> {
+        let dst = self.kv.slot_state_mut(slot)?;
+        if dst.len() != state.len() {
+            return Err(ForwardError::StateSize {
+                got: state.len(),
+                want: dst.len(),
+            });
+        }
+        dst.copy_from_slice(state);
+        Ok(())
+    }
+
     fn draft_argmax(&mut self, rows: &[f32], out: &mut Vec<u32>) -> Result<(), ForwardError> {
         let vocab = self.shape.config.vocab_size;
         self.model.head_only_into(rows, &mut self.scratch)?;

@@ -235,6 +235,21 @@ pub trait Backend: Send {
     fn sample(&mut self, rows: &[f32], slots: &mut [SampleSlot]) -> Result<(), ForwardError>;
     /// What each held layer is and caches, as the model declares it.
     fn layer_specs(&self) -> &[LayerSpec];
+    /// Copy the recurrent state of `slot` (every linear-attention layer held) into `out`, so a
+    /// verify step's rejected proposals can be undone; see [`restore_state`](Self::restore_state).
+    fn save_state(&self, _slot: usize, _out: &mut Vec<f32>) -> Result<(), ForwardError> {
+        Err(ForwardError::Device(format!(
+            "{} keeps no recurrent state (linear-attention layers run on the CPU backend)",
+            self.info().kernels
+        )))
+    }
+    /// Put back a state [`save_state`](Self::save_state) copied from `slot`.
+    fn restore_state(&mut self, _slot: usize, _state: &[f32]) -> Result<(), ForwardError> {
+        Err(ForwardError::Device(format!(
+            "{} keeps no recurrent state (linear-attention layers run on the CPU backend)",
+            self.info().kernels
+        )))
+    }
     /// A diagnostic: start (`true`) or stop timing each kernel on the device, returning the
     /// `(kernel, launches, milliseconds)` timed so far; empty where the device has no such
     /// timer (the CPU).

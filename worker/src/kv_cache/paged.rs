@@ -117,6 +117,30 @@ impl PagedKv {
         self.state_slots
     }
 
+    /// Where `slot`'s recurrent state (every linear-attention layer of the stage, back to back)
+    /// lies in `states`, or `StateSlot` if the pool has no such slot.
+    fn slot_range(&self, slot: usize) -> Result<std::ops::Range<usize>, ForwardError> {
+        if slot >= self.state_slots {
+            return Err(ForwardError::StateSlot {
+                slot,
+                slots: self.state_slots,
+            });
+        }
+        let per_slot = self.state_layers * self.state_values;
+        Ok(slot * per_slot..(slot + 1) * per_slot)
+    }
+
+    /// The recurrent state of `slot`, every linear-attention layer's back to back.
+    pub fn slot_state(&self, slot: usize) -> Result<&[f32], ForwardError> {
+        Ok(&self.states[self.slot_range(slot)?])
+    }
+
+    /// [`slot_state`](Self::slot_state), to write.
+    pub fn slot_state_mut(&mut self, slot: usize) -> Result<&mut [f32], ForwardError> {
+        let r = self.slot_range(slot)?;
+        Ok(&mut self.states[r])
+    }
+
     /// Bytes one state slot takes (every linear-attention layer of the stage).
     pub fn state_slot_bytes(&self) -> usize {
         self.state_layers * self.state_values * size_of::<f32>()
