@@ -25,6 +25,9 @@ pub enum Architecture {
     /// Qwen3.5 (text): Qwen3-Next's layers with separate q/k/v, z, b and a projections and a
     /// dense MLP.
     Qwen35,
+    /// Qwen3.5-MoE (text): Qwen3.5's layers with Qwen3-Next's sparse MoE and gated shared
+    /// expert in every layer.
+    Qwen35Moe,
 }
 
 impl Architecture {
@@ -37,6 +40,7 @@ impl Architecture {
             "qwen3_moe" | "qwen3moe" | "Qwen3MoeForCausalLM" => Some(Self::Qwen3Moe),
             "qwen3_next" | "qwen3next" | "Qwen3NextForCausalLM" => Some(Self::Qwen3Next),
             "qwen3_5_text" | "qwen35" | "Qwen3_5ForCausalLM" => Some(Self::Qwen35),
+            "qwen3_5_moe_text" | "qwen35moe" | "Qwen3_5MoeForCausalLM" => Some(Self::Qwen35Moe),
             _ => None,
         }
     }
@@ -50,12 +54,16 @@ impl Architecture {
             Self::Qwen3Moe => "qwen3_moe",
             Self::Qwen3Next => "qwen3_next",
             Self::Qwen35 => "qwen3_5_text",
+            Self::Qwen35Moe => "qwen3_5_moe_text",
         }
     }
 
     /// Whether q and k get a per-head RMSNorm (and head_dim may differ from hidden/heads).
     pub fn has_qk_norm(self) -> bool {
-        matches!(self, Self::Qwen3 | Self::Qwen3Moe | Self::Qwen3Next | Self::Qwen35)
+        matches!(
+            self,
+            Self::Qwen3 | Self::Qwen3Moe | Self::Qwen3Next | Self::Qwen35 | Self::Qwen35Moe
+        )
     }
 
     /// The Hugging Face class name in `architectures`.
@@ -67,6 +75,7 @@ impl Architecture {
             Self::Qwen3Moe => "Qwen3MoeForCausalLM",
             Self::Qwen3Next => "Qwen3NextForCausalLM",
             Self::Qwen35 => "Qwen3_5ForCausalLM",
+            Self::Qwen35Moe => "Qwen3_5MoeForCausalLM",
         }
     }
 }
@@ -186,7 +195,7 @@ pub enum ConfigError {
         expected: String,
     },
     #[error(
-        "{source_name}: unsupported architecture '{name}' (supported: llama, qwen2, qwen3, qwen3_moe, qwen3_next, qwen3_5_text)"
+        "{source_name}: unsupported architecture '{name}' (supported: llama, qwen2, qwen3, qwen3_moe, qwen3_next, qwen3_5_text, qwen3_5_moe_text; Qwen3.5 multimodal checkpoints serve their text model)"
     )]
     UnsupportedArchitecture { source_name: String, name: String },
     #[error("{source_name}: unsupported rope scaling type '{kind}' (supported: default, linear, llama3)")]
@@ -288,6 +297,24 @@ fn rope_scaling_from(source_name: &str, obj: Option<&Value>) -> Result<RopeScali
     }
 }
 
+/// Multimodal configs whose `text_config` Baton serves (the text model's tensors are under
+/// `model.language_model.`; see `model_files`).
+pub const MULTIMODAL_MODEL_TYPES: &[&str] = &["qwen3_5", "qwen3_5_moe"];
+
+/// The text model's config of a multimodal one ([`MULTIMODAL_MODEL_TYPES`]), with the
+/// wrapper's `tie_word_embeddings` where the text config does not say.
+fn multimodal_text_config(json: &Value) -> Option<Value> {
+    let model_type = json.get("model_type").and_then(Value::as_str)?;
+    if !MULTIMODAL_MODEL_TYPES.contains(&model_type) {
+        return None;
+    }
+    let mut text = json.get("text_config").filter(|t| t.is_object())?.clone();
+    if let (Some(obj), Some(tie)) = (text.as_object_mut(), json.get("tie_word_embeddings")) {
+        obj.entry("tie_word_embeddings").or_insert_with(|| tie.clone());
+    }
+    Some(text)
+}
+
 /// The mixture-of-experts fields of a Hugging Face config (names as transformers' Qwen3-MoE
 /// config has them, with its defaults).
 fn moe_from_hf(f: &Fields<'_>) -> Result<MoeConfig, ConfigError> {
@@ -373,8 +400,13 @@ impl ModelConfig {
         Self::from_hf_value(&source_name, &json)
     }
 
-    /// Parse an already-decoded Hugging Face config.
+    /// Parse an already-decoded Hugging Face config. A multimodal Qwen3.5 config (what the
+    /// published checkpoints hold) describes its text model in `text_config`, which is what
+    /// Baton serves.
     pub fn from_hf_value(source_name: &str, json: &Value) -> Result<Self, ConfigError> {
+        if let Some(text) = multimodal_text_config(json) {
+            return Self::from_hf_value(source_name, &text);
+        }
         let f = Fields { source_name, json };
         let arch_name = json
             .get("model_type")
@@ -431,7 +463,11 @@ impl ModelConfig {
             architecture,
             vocab_size: f.usize("vocab_size")?,
             hidden_size,
-            intermediate_size: f.usize("intermediate_size")?,
+            // A Qwen3.5-MoE config has no dense MLP width: its experts' width stands in.
+            intermediate_size: match architecture {
+                Architecture::Qwen35Moe => f.usize("moe_intermediate_size")?,
+                _ => f.usize("intermediate_size")?,
+            },
             num_layers,
             num_heads,
             num_kv_heads: f.usize_opt("num_key_value_heads")?.unwrap_or(num_heads),
@@ -448,11 +484,21 @@ impl ModelConfig {
                 // A Qwen3-Next without experts (`num_experts` 0, as transformers reads it) is dense.
                 Architecture::Qwen3Next if json.get("num_experts").and_then(Value::as_u64) == Some(0) => None,
                 Architecture::Qwen3Next => Some(moe_from_hf(&f)?),
+                // Every layer sparse, and the router always renormalizes the chosen experts'
+                // probabilities (the config has no such switches).
+                Architecture::Qwen35Moe => Some(MoeConfig {
+                    norm_topk_prob: true,
+                    decoder_sparse_step: 1,
+                    mlp_only_layers: Vec::new(),
+                    ..moe_from_hf(&f)?
+                }),
                 _ => None,
             },
             rotary_dim: (head_dim as f64 * partial_rotary) as usize,
             linear_attention: match architecture {
-                Architecture::Qwen3Next | Architecture::Qwen35 => Some(linear_attention_from_hf(&f, num_layers)?),
+                Architecture::Qwen3Next | Architecture::Qwen35 | Architecture::Qwen35Moe => {
+                    Some(linear_attention_from_hf(&f, num_layers)?)
+                }
                 _ => None,
             },
         };
@@ -564,7 +610,10 @@ impl ModelConfig {
             rotary_dim: dim("rope.dimension_count")?.unwrap_or(cfg.head_dim),
             ..cfg
         };
-        if matches!(architecture, Architecture::Qwen3Next | Architecture::Qwen35) {
+        if matches!(
+            architecture,
+            Architecture::Qwen3Next | Architecture::Qwen35 | Architecture::Qwen35Moe
+        ) {
             // llama.cpp's converter rewrites Qwen3-Next's tensors (norms, A, the fused
             // projections); reading them back is not done yet.
             return Err(ConfigError::UnsupportedArchitecture {
@@ -721,6 +770,35 @@ mod tests {
     fn base() -> Value {
         json!({"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})
+    }
+
+    #[test]
+    fn a_multimodal_qwen3_5_config_serves_its_text_model() {
+        let text = json!({"model_type": "qwen3_5_moe_text", "vocab_size": 100, "hidden_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 12,
+            "num_experts": 12, "num_experts_per_tok": 4, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48});
+        let wrapper = json!({"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+            "text_config": text, "vision_config": {"depth": 1}, "tie_word_embeddings": true});
+        let c = ModelConfig::from_hf_value("t", &wrapper).unwrap();
+        assert_eq!(c.architecture, Architecture::Qwen35Moe);
+        assert!(
+            c.tie_word_embeddings,
+            "the wrapper's tie where the text config does not say"
+        );
+        let m = c.moe.as_ref().unwrap();
+        assert!(m.norm_topk_prob && m.is_sparse(0) && m.is_sparse(1));
+        assert_eq!((m.num_experts, c.intermediate_size), (12, 32));
+        // The text config's own tie wins; a wrapper of another family is not unwrapped.
+        let mut own = wrapper.clone();
+        own["text_config"]["tie_word_embeddings"] = json!(false);
+        assert!(!ModelConfig::from_hf_value("t", &own).unwrap().tie_word_embeddings);
+        let mut other = wrapper;
+        other["model_type"] = json!("qwen3_vl_moe");
+        let e = ModelConfig::from_hf_value("t", &other).unwrap_err().to_string();
+        assert!(e.contains("qwen3_vl_moe"), "{e}");
     }
 
     #[test]

@@ -4,13 +4,13 @@
 //! permutation.
 
 use crate::sampling::{SamplingDefaults, SamplingDefaultsError};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use crate::dtype::{DType, dequantize};
 use crate::gguf::{GgufError, GgufFile};
 use crate::model_config::{Architecture, ConfigError, ModelConfig};
-use crate::safetensors_dir::{SafetensorsDir, SafetensorsError};
+use crate::safetensors_dir::{SafetensorsDir, SafetensorsError, StTensorInfo};
 
 /// One weight tensor as a model architecture names it in both file formats, with the shape its
 /// config implies. Architecture modules (`baton_worker::model::arch`) build these; this module
@@ -152,9 +152,13 @@ impl ModelFiles {
             if !path.join("config.json").is_file() {
                 return Err(LoadError::NotAModel { path: path.into() });
             }
+            let mut weights = SafetensorsDir::open(path)?;
+            if qwen3_5_layout(&path.join("config.json")) {
+                text_model_names(&mut weights.tensors);
+            }
             Ok(Self::HfDir {
                 dir: path.into(),
-                weights: SafetensorsDir::open(path)?,
+                weights,
             })
         } else if path.is_file() {
             Ok(Self::Gguf(GgufFile::open(path)?))
@@ -371,8 +375,77 @@ fn move_rows<T: Copy + Default>(
     out
 }
 
+/// Whether `config` is a Qwen3.5 model's (text, MoE text, or the multimodal wrappers), whose
+/// published checkpoints keep the text model under `model.language_model.`.
+fn qwen3_5_layout(config: &Path) -> bool {
+    let Ok(text) = std::fs::read_to_string(config) else {
+        return false;
+    };
+    let Ok(json) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return false;
+    };
+    let model_type = json.get("model_type").and_then(|v| v.as_str()).unwrap_or("");
+    crate::model_config::MULTIMODAL_MODEL_TYPES.contains(&model_type)
+        || ["qwen3_5_text", "qwen3_5_moe_text"].contains(&model_type)
+}
+
+/// A Qwen3.5 checkpoint as published holds the multimodal model: the text model's tensors
+/// under `model.language_model.`, the vision tower under `model.visual.` and the multi-token
+/// prediction layers under `mtp.`. Baton serves the text model: its tensors take the names a
+/// text-only checkpoint gives them, and the others are set aside (as transformers' text model
+/// ignores them).
+fn text_model_names(tensors: &mut BTreeMap<String, StTensorInfo>) {
+    let names: Vec<String> = tensors
+        .keys()
+        .filter(|n| n.starts_with("model.language_model.") || n.starts_with("model.visual.") || n.starts_with("mtp."))
+        .cloned()
+        .collect();
+    for name in names {
+        let Some(t) = tensors.remove(&name) else { continue };
+        if let Some(rest) = name.strip_prefix("model.language_model.") {
+            tensors.insert(format!("model.{rest}"), t);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_published_qwen3_5_checkpoint_keeps_its_text_model_under_plain_names() {
+        let dir = std::env::temp_dir().join(format!("baton-qwen35-names-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let stored = [
+            "model.language_model.embed_tokens.weight",
+            "model.language_model.layers.0.mlp.gate.weight",
+            "model.visual.blocks.0.attn.qkv.weight",
+            "mtp.layers.0.mlp.gate.weight",
+            "lm_head.weight",
+        ];
+        let data = [0u8; 8];
+        let views = stored.map(|n| {
+            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2], &data).unwrap();
+            (n, view)
+        });
+        safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+        for (model_type, renamed) in [("qwen3_5_moe", true), ("qwen3_5_text", true), ("qwen3_moe", false)] {
+            std::fs::write(dir.join("config.json"), format!("{{\"model_type\": \"{model_type}\"}}")).unwrap();
+            let names = ModelFiles::open(&dir).unwrap().tensor_names();
+            let want: BTreeSet<String> = match renamed {
+                true => [
+                    "model.embed_tokens.weight",
+                    "model.layers.0.mlp.gate.weight",
+                    "lm_head.weight",
+                ]
+                .map(String::from)
+                .into(),
+                false => stored.map(String::from).into(),
+            };
+            assert_eq!(names, want, "{model_type}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     use super::*;
 
     #[test]

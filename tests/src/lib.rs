@@ -23,7 +23,13 @@ pub const TINY_MODELS: &[&str] = &[
 
 /// The tiny hybrid models (linear attention with recurrent state between full-attention
 /// layers), checked by tests/tests/hybrid.rs.
-pub const HYBRID_MODELS: &[&str] = &["qwen3_next", "qwen3_next_dense", "qwen3_5"];
+pub const HYBRID_MODELS: &[&str] = &[
+    "qwen3_next",
+    "qwen3_next_dense",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_5_moe_vl",
+];
 
 /// One stage, then every way to cut `layers` into 2 and into 3 stages (the cuts of each).
 pub fn every_split(layers: usize) -> Vec<Vec<usize>> {

@@ -50,6 +50,20 @@ fn the_fixtures_mix_linear_and_full_attention_as_their_configs_say() {
     let dense = engine("qwen3_next_dense");
     let kinds: Vec<LayerKind> = dense.weights.specs.iter().map(|s| s.kind).collect();
     assert_eq!(kinds, [F, L, L]);
+    // Qwen3.5-MoE, text model and (as published) the multimodal checkpoint: every layer sparse,
+    // each with its shared expert.
+    for (name, want) in [("qwen3_5_moe", vec![L, F, L]), ("qwen3_5_moe_vl", vec![F, L, L, F, L])] {
+        let e = engine(name);
+        let kinds: Vec<LayerKind> = e.weights.specs.iter().map(|s| s.kind).collect();
+        assert_eq!(kinds, want, "{name}");
+        let moe = e.weights.config.moe.as_ref().expect("experts");
+        assert_eq!((moe.num_experts, moe.experts_per_token), (12, 4), "{name}");
+        assert!(
+            moe.norm_topk_prob && (0..want.len()).all(|l| moe.is_sparse(l)),
+            "{name}"
+        );
+        assert_eq!(moe.shared_expert_intermediate_size, Some(48), "{name}");
+    }
 }
 
 #[test]

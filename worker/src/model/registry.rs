@@ -4,10 +4,10 @@
 
 use baton_shared::model_config::ModelConfig;
 
-use super::arch::{Architecture, Llama, Qwen2, Qwen3, Qwen3Moe, Qwen3Next, Qwen35};
+use super::arch::{Architecture, Llama, Qwen2, Qwen3, Qwen3Moe, Qwen3Next, Qwen35, Qwen35Moe};
 
 /// Every architecture this build runs.
-pub static ARCHITECTURES: &[&dyn Architecture] = &[&Llama, &Qwen2, &Qwen3, &Qwen3Moe, &Qwen3Next, &Qwen35];
+pub static ARCHITECTURES: &[&dyn Architecture] = &[&Llama, &Qwen2, &Qwen3, &Qwen3Moe, &Qwen3Next, &Qwen35, &Qwen35Moe];
 
 /// A model whose architecture no module serves.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -63,6 +63,7 @@ mod tests {
             ConfigArch::Qwen3Moe,
             ConfigArch::Qwen3Next,
             ConfigArch::Qwen35,
+            ConfigArch::Qwen35Moe,
         ] {
             let m = find(arch.model_type()).unwrap();
             assert!(m.hf_names().contains(&arch.hf_class()), "{arch:?}");

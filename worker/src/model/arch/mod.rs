@@ -18,7 +18,7 @@ mod qwen3_next;
 pub use llama::Llama;
 pub use qwen2::Qwen2;
 pub use qwen3::Qwen3;
-pub use qwen3_5::Qwen35;
+pub use qwen3_5::{Qwen35, Qwen35Moe};
 pub use qwen3_moe::Qwen3Moe;
 pub use qwen3_next::Qwen3Next;
 

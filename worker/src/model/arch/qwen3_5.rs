@@ -56,6 +56,33 @@ impl Architecture for Qwen35 {
     }
 }
 
+/// `Qwen3_5MoeForCausalLM` / `qwen3_5_moe_text`: Qwen3.5's layers with a sparse MoE and its
+/// sigmoid-gated shared expert in every layer (the config parser makes every layer sparse).
+#[derive(Debug)]
+pub struct Qwen35Moe;
+
+impl Architecture for Qwen35Moe {
+    fn name(&self) -> &'static str {
+        "qwen3_5_moe_text"
+    }
+
+    fn hf_names(&self) -> &'static [&'static str] {
+        &["Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"]
+    }
+
+    fn gguf_names(&self) -> &'static [&'static str] {
+        &["qwen35moe"]
+    }
+
+    fn layer(&self, c: &ModelConfig, l: usize) -> LayerPlan {
+        Qwen35.layer(c, l)
+    }
+
+    fn outer(&self, c: &ModelConfig) -> OuterPlan {
+        Qwen35.outer(c)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
