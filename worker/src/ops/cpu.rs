@@ -309,7 +309,7 @@ impl Ops for CpuOps {
         ws.conv_out.resize(rows * channels, 0.0);
         ws.beta.resize(rows * nv, 0.0);
         ws.decay.resize(rows * nv, 0.0);
-        ws.mem.resize(dv, 0.0);
+        ws.mem.resize(nv * dv, 0.0);
         for t in 0..rows {
             for h in 0..nv {
                 let i = t * nv + h;
@@ -336,24 +336,38 @@ impl Ops for CpuOps {
             );
             for t in row..row + n {
                 let c = &mut ws.conv_out[t * channels..(t + 1) * channels];
-                let (qk, v) = c.split_at_mut(2 * keys);
+                let (qk, _) = c.split_at_mut(2 * keys);
                 let (q, k) = qk.split_at_mut(keys);
                 la::l2norm_scaled(self.kernels, q, dk, 1e-6, q_scale);
                 la::l2norm_scaled(self.kernels, k, dk, 1e-6, 1.0);
-                for h in 0..nv {
-                    let g = h / per_k;
-                    la::delta_step(
-                        self.kernels,
-                        &q[g * dk..(g + 1) * dk],
-                        &k[g * dk..(g + 1) * dk],
-                        &v[h * dv..(h + 1) * dv],
-                        ws.decay[t * nv + h],
-                        ws.beta[t * nv + h],
-                        &mut rec[h * dk * dv..(h + 1) * dk * dv],
-                        &mut out[t * values + h * dv..t * values + (h + 1) * dv],
-                        &mut ws.mem,
+            }
+            // Each value head's recurrence is its own (its state, its output columns), so the
+            // heads run on the pool's threads, each over all of the sequence's rows in order:
+            // the same arithmetic whatever the thread count.
+            let (conv_out, decay, beta) = (&ws.conv_out, &ws.decay, &ws.beta);
+            let (rec, outs, mems) = (SharedMut::new(rec), SharedMut::new(out), SharedMut::new(&mut ws.mem));
+            let head = |h: usize| {
+                let g = h / per_k;
+                // SAFETY: head h alone touches its state block, its scratch and its columns.
+                let (state, mem) = unsafe { (rec.slice(h * dk * dv, dk * dv), mems.slice(h * dv, dv)) };
+                for t in row..row + n {
+                    let c = &conv_out[t * channels..(t + 1) * channels];
+                    let (q, k, v) = (
+                        &c[g * dk..(g + 1) * dk],
+                        &c[keys + g * dk..keys + (g + 1) * dk],
+                        &c[2 * keys..],
                     );
+                    // SAFETY: as above.
+                    let o = unsafe { outs.slice(t * values + h * dv, dv) };
+                    let (d, b) = (decay[t * nv + h], beta[t * nv + h]);
+                    la::delta_step(self.kernels, q, k, &v[h * dv..(h + 1) * dv], d, b, state, o, mem);
                 }
+            };
+            // A head's step is about 4·dk·dv flops: below ~64k flops a task, dispatch costs more.
+            if self.pool.threads() == 1 || nv < 2 || n * dk * dv < 16 * 1024 {
+                (0..nv).for_each(head);
+            } else {
+                self.pool.run(nv, &head);
             }
             row += n;
         }
@@ -522,6 +536,66 @@ mod tests {
                     assert_eq!(c.max_abs_diff, 0.0, "{threads} threads, {rows} rows: {c:?}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn linear_attention_gives_the_same_bits_on_one_thread_and_on_several() {
+        use crate::kv_cache::{AnyKv, BatchSeq, SequenceKv};
+        // Heads of 64 × 64 over 6 rows: enough work that the heads go to the pool.
+        let shape = LinearAttnShape {
+            key_heads: 2,
+            value_heads: 4,
+            key_head_dim: 64,
+            value_head_dim: 64,
+            conv_kernel: 4,
+        };
+        let (rows, nv, channels) = (6, shape.value_heads, shape.channels());
+        let wave =
+            |n: usize, seed: f32| -> Vec<f32> { (0..n).map(|i| ((i as f32 * 0.37 + seed).sin()) * 0.5).collect() };
+        let run = |threads: usize| {
+            let ops = CpuOps::new(threads, None);
+            let mut ws = CpuWorkspace::default();
+            let (mut qkv, mut b, mut a, mut out) = (
+                CpuBuf::default(),
+                CpuBuf::default(),
+                CpuBuf::default(),
+                CpuBuf::default(),
+            );
+            ops.upload(&wave(rows * channels, 0.1), &mut qkv);
+            ops.upload(&wave(rows * nv, 0.2), &mut b);
+            ops.upload(&wave(rows * nv, 0.3), &mut a);
+            let conv = wave(channels * shape.conv_kernel, 0.4);
+            let dt_bias = wave(nv, 0.5);
+            let a_rate: Vec<f32> = wave(nv, 0.6).iter().map(|v| -v.abs() - 0.1).collect();
+            let mut kv = SequenceKv::with_state(1, 8, rows, 1, shape.state_values());
+            let mut seqs = [BatchSeq {
+                pos0: 0,
+                len: rows,
+                kv: &mut kv,
+            }];
+            let mut batch = AnyKv(&mut seqs[..]);
+            ops.linear_attention(
+                &mut ws,
+                0,
+                &qkv,
+                &b,
+                &a,
+                [&conv, &dt_bias, &a_rate],
+                shape,
+                &mut batch,
+                &mut out,
+            );
+            let state = batch.state(0, 0).to_vec();
+            (out.to_vec(), state)
+        };
+        let one = run(1);
+        assert!(one.0.iter().any(|v| *v != 0.0), "the recurrence wrote its output");
+        for threads in [2, 3] {
+            let many = run(threads);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&many.0), bits(&one.0), "{threads} threads: output");
+            assert_eq!(bits(&many.1), bits(&one.1), "{threads} threads: state");
         }
     }
 
