@@ -332,6 +332,32 @@ async fn greedy_output_through_every_split_of_worker_processes_equals_one_stage(
     }
 }
 
+/// Greedy decoding of `max_tokens` with EOS ignored.
+fn greedy_params(max_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(max_tokens)
+    }
+}
+
+/// Sixteen prompts of 2 to 47 tokens and what one engine generates for each alone.
+fn sixteen_streams(name: &str, params: &SamplingParams) -> Workload {
+    let prompts: Vec<Vec<u32>> = (0..16u32)
+        .map(|s| (0..2 + 3 * s).map(|i| (s * 41 + i * 13 + 7) % 300).collect())
+        .collect();
+    let mut e = engine(name);
+    let want: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| e.generate(p, params, None, |_| {}).unwrap().tokens)
+        .collect();
+    let full = prompts
+        .iter()
+        .zip(&want)
+        .map(|(p, w)| [p.clone(), w.clone()].concat())
+        .collect();
+    Workload { prompts, want, full }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_sequences_with_preemption_equal_each_alone_through_three_stages() {
     // Sixteen prompts of different lengths at once through 3 worker processes, in a KV pool
@@ -341,18 +367,8 @@ async fn concurrent_sequences_with_preemption_equal_each_alone_through_three_sta
     let name = "qwen3_next";
     let dir = fixtures().join("tiny").join(name);
     let cfg = files(name).config().unwrap();
-    let params = SamplingParams {
-        ignore_eos: true,
-        ..SamplingParams::greedy(12)
-    };
-    let prompts: Vec<Vec<u32>> = (0..16u32)
-        .map(|s| (0..2 + 3 * s).map(|i| (s * 41 + i * 13 + 7) % 300).collect())
-        .collect();
-    let mut e = engine(name);
-    let want: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|p| e.generate(p, &params, None, |_| {}).unwrap().tokens)
-        .collect();
+    let params = greedy_params(12);
+    let Workload { prompts, want, .. } = sixteen_streams(name, &params);
     let limits = Limits {
         kv_max_blocks: Some(12),
         max_running: 16,
@@ -492,10 +508,7 @@ async fn speculative_decoding_rolls_the_recurrent_state_back_on_every_stage() {
     // Verify steps whose proposals are partly rejected, through 1, 2 and 3 worker processes:
     // each stage with linear-attention layers puts the state back and replays the accepted
     // rows, so the output is plain greedy decoding's, token for token.
-    let params = SamplingParams {
-        ignore_eos: true,
-        ..SamplingParams::greedy(16)
-    };
+    let params = greedy_params(16);
     for name in HYBRID_MODELS {
         let dir = fixtures().join("tiny").join(name);
         let cfg = files(name).config().unwrap();
@@ -566,23 +579,8 @@ async fn sixteen_speculative_streams_with_preemption_equal_plain_through_three_s
     let name = "qwen3_next";
     let dir = fixtures().join("tiny").join(name);
     let cfg = files(name).config().unwrap();
-    let params = SamplingParams {
-        ignore_eos: true,
-        ..SamplingParams::greedy(24)
-    };
-    let prompts: Vec<Vec<u32>> = (0..16u32)
-        .map(|s| (0..2 + 3 * s).map(|i| (s * 41 + i * 13 + 7) % 300).collect())
-        .collect();
-    let mut e = engine(name);
-    let want: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|p| e.generate(p, &params, None, |_| {}).unwrap().tokens)
-        .collect();
-    let full: Vec<Vec<u32>> = prompts
-        .iter()
-        .zip(&want)
-        .map(|(p, w)| [p.clone(), w.clone()].concat())
-        .collect();
+    let params = greedy_params(24);
+    let Workload { prompts, want, full } = sixteen_streams(name, &params);
     let limits = Limits {
         kv_max_blocks: Some(6),
         max_running: 16,
