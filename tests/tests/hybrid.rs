@@ -346,16 +346,7 @@ fn sixteen_streams(name: &str, params: &SamplingParams) -> Workload {
         .map(|s| (0..2 + 3 * s).map(|i| (s * 41 + i * 13 + 7) % 300).collect())
         .collect();
     let mut e = engine(name);
-    let want: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|p| e.generate(p, params, None, |_| {}).unwrap().tokens)
-        .collect();
-    let full = prompts
-        .iter()
-        .zip(&want)
-        .map(|(p, w)| [p.clone(), w.clone()].concat())
-        .collect();
-    Workload { prompts, want, full }
+    Workload::generated(&mut e, prompts, params)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -464,6 +455,22 @@ struct Workload {
     full: Vec<Vec<u32>>,
 }
 
+impl Workload {
+    /// `prompts` with what `e` generates for each alone.
+    fn generated(e: &mut Engine, prompts: Vec<Vec<u32>>, params: &SamplingParams) -> Self {
+        let want: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| e.generate(p, params, None, |_| {}).unwrap().tokens)
+            .collect();
+        let full = prompts
+            .iter()
+            .zip(&want)
+            .map(|(p, w)| [p.clone(), w.clone()].concat())
+            .collect();
+        Self { prompts, want, full }
+    }
+}
+
 /// Three prompts for `name`: one that quotes itself (a text, what the model wrote after it,
 /// the text again), so prompt lookup proposes what followed the text, and two that do not.
 fn workload(name: &str, params: &SamplingParams) -> Workload {
@@ -473,16 +480,7 @@ fn workload(name: &str, params: &SamplingParams) -> Workload {
     let after = e.generate(&text, params, None, |_| {}).unwrap().tokens;
     let quoting = [&text[..], &after[..8], &text[..]].concat();
     let prompts = vec![quoting, long[..17].to_vec(), long[5..8].to_vec()];
-    let want: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|p| e.generate(p, params, None, |_| {}).unwrap().tokens)
-        .collect();
-    let full = prompts
-        .iter()
-        .zip(&want)
-        .map(|(p, w)| [p.clone(), w.clone()].concat())
-        .collect();
-    Workload { prompts, want, full }
+    Workload::generated(&mut e, prompts, params)
 }
 
 /// Per worker: (first layer, recurrent-state slots, state replays its metrics count).
