@@ -301,6 +301,15 @@ fn rope_scaling_from(source_name: &str, obj: Option<&Value>) -> Result<RopeScali
 /// `model.language_model.`; see `model_files`).
 pub const MULTIMODAL_MODEL_TYPES: &[&str] = &["qwen3_5", "qwen3_5_moe"];
 
+/// Whether a config's `model_type` is of the Qwen3.5 family (its text models or the multimodal
+/// wrappers), whose published checkpoints keep the text model under `model.language_model.`.
+pub fn language_model_prefixed(model_type: &str) -> bool {
+    MULTIMODAL_MODEL_TYPES.contains(&model_type)
+        || [Architecture::Qwen35, Architecture::Qwen35Moe]
+            .iter()
+            .any(|a| a.model_type() == model_type)
+}
+
 /// The text model's config of a multimodal one ([`MULTIMODAL_MODEL_TYPES`]), with the
 /// wrapper's `tie_word_embeddings` where the text config does not say.
 fn multimodal_text_config(json: &Value) -> Option<Value> {

@@ -385,8 +385,7 @@ fn qwen3_5_layout(config: &Path) -> bool {
         return false;
     };
     let model_type = json.get("model_type").and_then(|v| v.as_str()).unwrap_or("");
-    crate::model_config::MULTIMODAL_MODEL_TYPES.contains(&model_type)
-        || ["qwen3_5_text", "qwen3_5_moe_text"].contains(&model_type)
+    crate::model_config::language_model_prefixed(model_type)
 }
 
 /// A Qwen3.5 checkpoint as published holds the multimodal model: the text model's tensors
