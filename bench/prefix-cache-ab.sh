@@ -8,6 +8,8 @@
 #
 #   ROUNDS=2 CONCURRENCY=4 REQUESTS=32 PROMPT_TOKENS=512 SHARED=448 MAX_TOKENS=32   load (defaults)
 #   WORKERS=2 WEIGHTS=q8_0 PORT=8292   how each server runs
+#   MODEL=DIR   serve this model instead of the embedded default (e.g. a hybrid from
+#               bench/make_hybrid.py, whose prefix hits start from recurrent-state snapshots)
 #   OUT=DIR   keep raw outputs and server logs there (default: a new directory under /tmp)
 set -euo pipefail
 
@@ -20,6 +22,9 @@ MAX_TOKENS=${MAX_TOKENS:-32}
 WORKERS=${WORKERS:-2}
 WEIGHTS=${WEIGHTS:-q8_0}
 PORT=${PORT:-8292}
+MODEL=${MODEL:-}
+MODEL_FLAGS=()
+[[ -n "$MODEL" ]] && MODEL_FLAGS=(--model "$MODEL")
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 BATON="$REPO/target/release/baton"
 BATON_BENCH="$REPO/target/release/baton-bench"
@@ -36,7 +41,7 @@ echo "prefix-cache-ab: $ROUNDS rounds, concurrency $CONCURRENCY, prompts of $PRO
 for ((r = 1; r <= ROUNDS; r++)); do
     for caching in false true; do
         label=$([[ $caching == true ]] && echo on || echo off)
-        "$BATON" serve --weights "$WEIGHTS" --workers "$WORKERS" --host 127.0.0.1 --port "$PORT" \
+        "$BATON" serve "${MODEL_FLAGS[@]}" --weights "$WEIGHTS" --workers "$WORKERS" --host 127.0.0.1 --port "$PORT" \
             --prefix-caching "$caching" >"$OUT/$label.$r.server.log" 2>&1 &
         PID=$!
         wait_ready "http://127.0.0.1:$PORT" "$OUT/$label.$r.server.log" prefix-cache-ab

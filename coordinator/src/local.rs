@@ -8,8 +8,9 @@ use std::sync::Arc;
 use baton_shared::model_files::{LoadError, ModelFiles};
 use baton_shared::proto::Dtype;
 use baton_worker::backend::{self, BackendError, BackendOptions, Device};
-use baton_worker::kv_cache::{KvDtype, PagedKv};
+use baton_worker::kv_cache::KvDtype;
 use baton_worker::model::WeightFormat;
+use baton_worker::model::spec::CacheBytes;
 use baton_worker::stage::Stage;
 
 use crate::pipeline::{PipelineConfig, PipelineGenerator, StageLoader};
@@ -35,6 +36,8 @@ pub struct LocalStageOptions {
     /// Recurrent-state slots (the running limit) for a model with linear-attention layers;
     /// 0: as many as the pool has blocks, at most 64.
     pub state_slots: usize,
+    /// Recurrent-state snapshots for a hybrid model's prefix cache (0: none).
+    pub state_snapshots: usize,
 }
 
 impl Default for LocalStageOptions {
@@ -51,6 +54,7 @@ impl Default for LocalStageOptions {
             kv_dtype: KvDtype::F32,
             draft_model: None,
             state_slots: 0,
+            state_snapshots: 0,
         }
     }
 }
@@ -63,15 +67,27 @@ pub enum LocalError {
     #[error("kv_block_size and kv_max_blocks must be at least 1")]
     ZeroKvGeometry,
     #[error(
-        "a KV budget of {budget} bytes is less than one block of {block_size} positions ({per_block} bytes): raise kv_cache_mib"
+        "a KV budget of {budget} bytes is less than one block of {block_size} positions ({per_block} bytes) beside \
+         {states} recurrent-state copies of {state_bytes} bytes: raise kv_cache_mib (or lower max_running or state_snapshots)"
     )]
     KvBudget {
         budget: u64,
         block_size: usize,
         per_block: usize,
+        states: usize,
+        state_bytes: usize,
     },
     #[error("loading {path}: {source}")]
     Backend { path: PathBuf, source: Box<BackendError> },
+}
+
+/// The state slots the in-process stage keeps (as [`BackendOptions::effective_state_slots`]
+/// decides once the block count is known: at most the blocks there are).
+fn effective_state_slots(opts: &LocalStageOptions) -> usize {
+    match opts.state_slots {
+        0 => baton_worker::backend::DEFAULT_STATE_SLOTS,
+        n => n,
+    }
 }
 
 /// Load every layer of the model at `path` with its embedding and head, and a KV pool of as
@@ -87,14 +103,25 @@ pub fn load_stage(path: &Path, opts: &LocalStageOptions) -> Result<Stage, LocalE
     if opts.kv_block_size == 0 || opts.kv_max_blocks == Some(0) {
         return Err(LocalError::ZeroKvGeometry);
     }
-    let per_block = PagedKv::bytes_per_block(config.num_layers, config.kv_dim(), opts.kv_block_size, opts.kv_dtype);
-    let fits = (opts.kv_budget_bytes / per_block.max(1) as u64) as usize;
+    // The budget holds the blocks and, for a model with linear-attention layers, the state
+    // slots and snapshots (as a worker's does).
+    let caches = crate::pipeline::layer_caches(&config);
+    let bytes = CacheBytes::of(caches, opts.kv_block_size, opts.kv_dtype.bytes());
+    let states = match bytes.per_state {
+        0 => 0,
+        _ => effective_state_slots(opts) + opts.state_snapshots,
+    };
+    let per_block = bytes.per_block.max(1);
+    let left = (opts.kv_budget_bytes as u128).saturating_sub(bytes.total(0, states));
+    let fits = (left / per_block as u128).min(usize::MAX as u128) as usize;
     let kv_blocks = fits.min(opts.kv_max_blocks.unwrap_or(usize::MAX));
     if kv_blocks == 0 {
         return Err(LocalError::KvBudget {
             budget: opts.kv_budget_bytes,
             block_size: opts.kv_block_size,
             per_block,
+            states,
+            state_bytes: bytes.per_state,
         });
     }
     let backend_opts = BackendOptions {
@@ -106,6 +133,7 @@ pub fn load_stage(path: &Path, opts: &LocalStageOptions) -> Result<Stage, LocalE
         kv_block_size: opts.kv_block_size,
         kv_dtype: opts.kv_dtype,
         state_slots: opts.state_slots,
+        state_snapshots: opts.state_snapshots,
     };
     let mut backend =
         backend::load(&files, &config, 0..config.num_layers, &backend_opts).map_err(|source| LocalError::Backend {

@@ -227,6 +227,8 @@ fn seq(seq_id: u64, tokens: Vec<u32>, pos0: u32, blocks: Vec<u32>, sampling: Opt
         draft: 0,
         taps: false,
         propose: 0,
+        restore_state: None,
+        save_state: None,
     }
 }
 
@@ -416,6 +418,7 @@ fn main() {
         staged: true,
         draft_model: "/models/smollm2-dflash".into(),
         state_slots: 16,
+        state_snapshots: 8,
     };
     let mut trace = HashMap::new();
     trace.insert(
@@ -452,6 +455,10 @@ fn main() {
                 draft: 0,
                 taps: false,
                 propose: 0,
+                // A hybrid model's prefix hit: the state starts from snapshot 5, and the chunk
+                // ends a block, so it snapshots the state there too.
+                restore_state: Some(5),
+                save_state: Some(6),
             },
             // A decode step carrying two proposals to verify (speculative decoding).
             SequenceChunk {
@@ -466,6 +473,8 @@ fn main() {
                 // DFlash: its rows carry taps, and the last stage drafts three more.
                 taps: true,
                 propose: 3,
+                restore_state: None,
+                save_state: None,
             },
         ],
         hidden: Some(hidden.clone()),
@@ -573,6 +582,7 @@ fn main() {
         kv_blocks_total: 64,
         state_slots_used: 3,
         state_slots_total: 16,
+        state_snapshots_total: 8,
     };
     put_proto(14, "health_response", &|| health.encode_to_vec());
     let points = |scale: f64| -> Vec<CostPoint> {

@@ -164,6 +164,7 @@ fn stage_options(format: WeightFormat, kv_blocks: usize, kv_block_size: usize, k
         kv_block_size,
         kv_dtype,
         state_slots: 0,
+        state_snapshots: 0,
     }
 }
 

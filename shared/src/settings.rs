@@ -199,6 +199,9 @@ pub struct Settings {
     pub worker: WorkerSettings,
 }
 
+/// Default [`PipelineSettings::state_snapshots`]: enough for the prompts of a few dozen
+/// sequences, at one sequence's recurrent state each.
+pub const DEFAULT_STATE_SNAPSHOTS: usize = 32;
 /// Default request body limit of the HTTP API (4 MiB).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 4 << 20;
 /// Default bound on the HTTP API's open connections.
@@ -239,6 +242,11 @@ pub struct PipelineSettings {
     /// Reuse the K/V of cached full blocks a new prompt starts with (a shared system prompt,
     /// an earlier turn of a chat), so only the rest is prefilled.
     pub prefix_caching: bool,
+    /// Recurrent-state snapshots each stage of a hybrid model (linear-attention layers) keeps
+    /// for the prefix cache: a cached prefix of such a model is reused only up to a block
+    /// whose state was snapshotted. Each takes one sequence's state memory. 0 turns prefix
+    /// caching off for hybrid models; other models keep none.
+    pub state_snapshots: usize,
     /// Largest request body in bytes (HTTP 413 beyond).
     pub max_body_bytes: usize,
     /// Open HTTP connections at once; one more is answered 503 with `Retry-After` and closed.
@@ -301,6 +309,7 @@ impl Default for PipelineSettings {
             kv_dtype: KvDtypeSetting::F32,
             split: SplitSetting::Measured,
             prefix_caching: true,
+            state_snapshots: DEFAULT_STATE_SNAPSHOTS,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_connections: DEFAULT_MAX_CONNECTIONS,
             header_timeout_secs: DEFAULT_HEADER_TIMEOUT_SECS,

@@ -39,6 +39,7 @@ fn load(files: &ModelFiles, layers: Range<usize>, device: Device) -> Box<dyn Bac
         kv_block_size: BLOCK,
         kv_dtype: KvDtype::F32,
         state_slots: 0,
+        state_snapshots: 0,
     };
     backend::load(files, &cfg, layers, &opts).unwrap()
 }

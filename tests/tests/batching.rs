@@ -181,6 +181,7 @@ fn backends_split_across_layers_give_each_sequence_its_solo_logits() {
                     kv_block_size: 4,
                     kv_dtype: KvDtype::F32,
                     state_slots: 0,
+                    state_snapshots: 0,
                 };
                 backend::load(&files, &cfg, layers, &o).unwrap()
             };

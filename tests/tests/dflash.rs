@@ -234,6 +234,7 @@ fn stages(f: &Fixture, splits: &[Range<usize>]) -> Vec<baton_worker::stage::Stag
                 kv_block_size: 16,
                 kv_dtype: baton_worker::kv_cache::KvDtype::F32,
                 state_slots: 0,
+                state_snapshots: 0,
             };
             let mut b = backend::load(&f.target, &f.cfg, range.clone(), &opts).unwrap();
             let runner = baton_worker::drafting::attach(&mut *b, &draft, &f.target, 1, None).unwrap();
@@ -286,6 +287,8 @@ fn the_last_stage_drafts_the_same_proposals_through_every_split() {
         draft: draft as u32,
         taps: true,
         propose: if sample { 3 } else { 0 },
+        restore_state: None,
+        save_state: None,
     };
     let batch = |c: SequenceChunk| MicroBatch {
         batch_id: 1,

@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 use baton_coordinator::generation::FinishReason;
 use baton_coordinator::speculative::{DraftMethod, Drafter, SpeculativeConfig};
 use baton_shared::model_files::ModelFiles;
-use baton_shared::proto::HealthRequest;
+use baton_shared::proto::{HealthRequest, HealthResponse};
 use baton_shared::sampling::SamplingParams;
 use baton_tests::cluster::{Limits, TestCluster};
 use baton_tests::{HYBRID_MODELS, every_split, f32s, fixtures, ids, max_abs_diff, read_json};
@@ -242,6 +242,7 @@ fn paged_backend(name: &str, blocks: usize, slots: usize) -> Box<dyn backend::Ba
         kv_block_size: 16,
         kv_dtype: KvDtype::F32,
         state_slots: slots,
+        state_snapshots: 0,
     };
     backend::load(&f, &cfg, 0..cfg.num_layers, &opts).unwrap()
 }
@@ -302,13 +303,71 @@ fn the_paged_backend_keeps_each_sequences_state_in_its_own_slot() {
     }
 }
 
-/// Limits of a hybrid pipeline: no prefix caching (the recurrent state is not cached with
-/// prefix blocks), small prefill chunks so prompts cross the stages in several pieces.
+/// Limits of a hybrid pipeline: prefix caching on (a cached prefix restarts from a
+/// recurrent-state snapshot; a preempted sequence from its own), small prefill chunks so
+/// prompts cross the stages in several pieces.
 fn hybrid_limits() -> Limits {
     Limits {
-        prefix_caching: false,
+        prefix_caching: true,
         max_batch_tokens: 24,
         ..Limits::default()
+    }
+}
+
+/// Worker flags that serve each worker's metrics on a port it picks.
+fn metrics_flags(workers: usize) -> Vec<Vec<String>> {
+    vec![vec!["--metrics-listen".to_string(), "127.0.0.1:0".to_string()]; workers]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_prefixes_restart_from_state_snapshots_on_every_stage() {
+    // A prompt, a second sharing its first 50 tokens, and the first's next turn (the prompt,
+    // its reply and more), one after another in this process and through 1 and 3 worker
+    // processes: the later two
+    // start from a recurrent-state snapshot of their cached prefix on every stage with
+    // linear-attention layers, and each equals one engine alone.
+    let params = greedy_params(8);
+    for name in HYBRID_MODELS {
+        let dir = fixtures().join("tiny").join(name);
+        let cfg = files(name).config().unwrap();
+        let long = long_prompt(name);
+        let mut e = engine(name);
+        let first = long[..70].to_vec();
+        let reply = e.generate(&first, &params, None, |_| {}).unwrap().tokens;
+        let prompts = vec![
+            first.clone(),
+            [&long[..50], &long[5..25]].concat(),
+            [&first[..], &reply[..], &long[70..80]].concat(),
+        ];
+        let Workload { prompts, want, .. } = Workload::generated(&mut e, prompts, &params);
+        let (got, hits) = in_process(&dir, &prompts, &params).await;
+        assert_eq!(got, want, "{name} in this process");
+        assert_eq!(hits, 48 + 64, "{name} in this process");
+        for cuts in [vec![], vec![1, cfg.num_layers - 1]] {
+            let stages = cuts.len() + 1;
+            let tc = TestCluster::start_full(&dir, &cfg, vec![], &cuts, &metrics_flags(stages), hybrid_limits()).await;
+            for (p, w) in prompts.iter().zip(&want) {
+                let (got, _) = tc.generate(p, params.clone()).await.unwrap();
+                assert_eq!(&got, w, "{name} with cuts {cuts:?}, prompt of {} tokens", p.len());
+            }
+            // Chunks end on block boundaries (16 positions), each snapshotting the state: the
+            // second prompt starts from the snapshot at 48 (its 4th block differs), the next
+            // turn from 64 (the first prompt's last full block; its reply filled no block).
+            let hits = tc.generator.status.prefix_hit_tokens.load(Ordering::Relaxed);
+            assert_eq!(hits, 48 + 64, "{name} with cuts {cuts:?}");
+            let counts = worker_counts(&tc, "baton_worker_state_snapshots_restored_total").await;
+            assert!(
+                counts.iter().any(|(_, h, _)| h.state_snapshots_total > 0),
+                "{name}: {cuts:?}"
+            );
+            for (start, h, restored) in counts {
+                let want = if h.state_snapshots_total > 0 { 2 } else { 0 };
+                assert_eq!(
+                    restored, want,
+                    "{name} with cuts {cuts:?}: the stage from layer {start}"
+                );
+            }
+        }
     }
 }
 
@@ -483,22 +542,72 @@ fn workload(name: &str, params: &SamplingParams) -> Workload {
     Workload::generated(&mut e, prompts, params)
 }
 
-/// Per worker: (first layer, recurrent-state slots, state replays its metrics count).
-async fn replays(tc: &TestCluster) -> Vec<(u32, u32, u64)> {
+/// `prompts` one after another through the in-process stage of `baton serve --workers 0`
+/// (prefix caching on, 24-token steps): each one's tokens, and the prompt tokens reused from
+/// the prefix cache.
+async fn in_process(dir: &std::path::Path, prompts: &[Vec<u32>], params: &SamplingParams) -> (Vec<Vec<u32>>, u64) {
+    use baton_coordinator::generation::{GenerationRequest, Generator, TokenEvent};
+    use baton_coordinator::local::{self, LocalStageOptions};
+    use baton_coordinator::pipeline::PipelineConfig;
+    let cfg = ModelFiles::open(dir).unwrap().config().unwrap();
+    let config = PipelineConfig {
+        max_batch_tokens: 24,
+        ..PipelineConfig::new(dir.display().to_string(), &cfg, vec![])
+    };
+    let opts = LocalStageOptions {
+        state_snapshots: config.state_snapshots,
+        ..LocalStageOptions::default()
+    };
+    let generator = local::start(config, dir, &opts).unwrap();
+    generator.wait_ready(baton_tests::PATIENCE).await.unwrap();
+    let mut out = Vec::new();
+    for p in prompts {
+        let request = GenerationRequest {
+            prompt: p.clone(),
+            params: params.clone(),
+            top_logprobs: 0,
+            logprobs: false,
+        };
+        let mut rx = generator.submit(request).unwrap();
+        let mut tokens = Vec::new();
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                TokenEvent::Token { id, .. } => tokens.push(id),
+                TokenEvent::Done { .. } => break,
+                TokenEvent::Failed { message, .. } => panic!("{message}"),
+                TokenEvent::PromptCached { .. } => {}
+            }
+        }
+        out.push(tokens);
+    }
+    (out, generator.status.prefix_hit_tokens.load(Ordering::Relaxed))
+}
+
+/// Per worker, by first layer: its health and the sum of the samples of its metric `name`.
+async fn worker_counts(tc: &TestCluster, name: &str) -> Vec<(u32, HealthResponse, u64)> {
     let mut out = Vec::new();
     for w in tc.cluster.alive() {
         let mut client = connect_worker(&w.address, &tc.peer).await.unwrap();
         let h = client.health(HealthRequest {}).await.unwrap().into_inner();
         let text = baton_tests::serve::http_request(&w.metrics_address, "GET", "/metrics", "").1;
-        let replays: u64 = text
+        let count: u64 = text
             .lines()
-            .filter(|l| l.starts_with("baton_spec_state_replays_total"))
+            .filter(|l| l.starts_with(name))
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum::<f64>() as u64;
-        out.push((h.stage.unwrap().layer_start, h.state_slots_total, replays));
+        out.push((h.stage.as_ref().unwrap().layer_start, h, count));
     }
-    out.sort();
+    out.sort_by_key(|(start, ..)| *start);
     out
+}
+
+/// Per worker: (first layer, recurrent-state slots, state replays its metrics count).
+async fn replays(tc: &TestCluster) -> Vec<(u32, u32, u64)> {
+    let counts = worker_counts(tc, "baton_spec_state_replays_total").await;
+    counts
+        .into_iter()
+        .map(|(start, h, n)| (start, h.state_slots_total, n))
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -465,6 +465,8 @@ async fn trim_keeps_a_prefix_and_a_cached_prefix_starts_a_sequence() {
         draft: 0,
         taps: false,
         propose: 0,
+        restore_state: None,
+        save_state: None,
     };
     let mut step = async |c: SequenceChunk| {
         tx.send(MicroBatch {

@@ -25,6 +25,7 @@ fn opts(format: WeightFormat) -> BackendOptions {
         kv_block_size: 16,
         kv_dtype: KvDtype::F32,
         state_slots: 0,
+        state_snapshots: 0,
     }
 }
 

@@ -278,6 +278,7 @@ fn an_f16_kv_cache_stays_close_to_f32_and_keeps_clear_greedy_tokens() {
         kv_block_size: 16,
         kv_dtype: KvDtype::F16,
         state_slots: 0,
+        state_snapshots: 0,
     };
     let mut stage = backend::load(&model.files, cfg, 0..cfg.num_layers, &opts).unwrap();
     assert_eq!(stage.kv().dtype, KvDtype::F16);

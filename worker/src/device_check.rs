@@ -316,6 +316,7 @@ fn options(device: Device, format: WeightFormat, kv_dtype: KvDtype, seqs: usize,
         kv_block_size: block,
         kv_dtype,
         state_slots: 0,
+        state_snapshots: 0,
     }
 }
 

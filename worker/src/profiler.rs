@@ -201,6 +201,7 @@ pub fn profile(
         kv_block_size: BLOCK,
         // A linear-attention layer's state for each timed sequence.
         state_slots: max_t,
+        state_snapshots: 0,
         ..opts.clone()
     };
     let need = opts.kv_bytes(config, 0..1);

@@ -159,6 +159,7 @@ impl WorkerState {
             kv_block_size: 0,
             kv_dtype: KvDtype::F32,
             state_slots: 0,
+            state_snapshots: 0,
         }
     }
 }
@@ -240,6 +241,7 @@ impl Worker for WorkerService {
                 kv_blocks: r.kv_blocks as usize,
                 kv_block_size: r.kv_block_size as usize,
                 kv_dtype: parse_kv_dtype(&r.kv_dtype)?,
+                state_snapshots: r.state_snapshots as usize,
                 state_slots: r.state_slots as usize,
                 ..state.backend_options(format)
             };

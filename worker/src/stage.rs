@@ -280,6 +280,7 @@ impl Stage {
         let (used, total) = self.state_slots();
         metrics::gauge!("baton_worker_state_slots_used").set(used as f64);
         metrics::gauge!("baton_worker_state_slots_total").set(total as f64);
+        metrics::gauge!("baton_worker_state_snapshots_total").set(self.backend.kv().state_snapshots as f64);
     }
 
     /// Recurrent-state slots held by live sequences, and the slots there are.
@@ -308,6 +309,7 @@ impl Stage {
             kv_blocks_total: blocks_total as u64,
             state_slots_used: slots_used as u32,
             state_slots_total: slots_total as u32,
+            state_snapshots_total: self.backend.kv().state_snapshots as u32,
             ..Default::default()
         }
     }
@@ -503,13 +505,17 @@ impl Stage {
                     seed: sampling.seed,
                     ..SamplingParams::default()
                 };
-                if self.recurrent && cached != 0 {
-                    return Err(self.err(format!(
-                        "sequence {}: a cached prefix cannot start a sequence on a stage with linear-attention \
-                         layers (their recurrent state is not cached)",
-                        chunk.seq_id
-                    )));
-                }
+                let restore = match (self.recurrent && cached != 0, chunk.restore_state) {
+                    (true, None) => {
+                        return Err(self.err(format!(
+                            "sequence {}: a cached prefix of {cached} positions needs a recurrent-state snapshot to \
+                             start from on a stage with linear-attention layers, and the chunk names none",
+                            chunk.seq_id
+                        )));
+                    }
+                    (true, Some(snapshot)) => Some(snapshot as usize),
+                    (false, _) => None,
+                };
                 // A restarted sequence keeps its slot; a new one takes a free one.
                 let state_slot = match self.seqs.get(&chunk.seq_id) {
                     Some(old) => old.state_slot,
@@ -525,6 +531,16 @@ impl Stage {
                         }
                     },
                 };
+                if let Some(snapshot) = restore {
+                    if let Err(e) = self.backend.load_snapshot(snapshot, state_slot) {
+                        if !self.seqs.contains_key(&chunk.seq_id) {
+                            self.free_state_slots.push(state_slot);
+                        }
+                        return Err(self.err(format!("sequence {}: {e}", chunk.seq_id)));
+                    }
+                    let label = [("stage", self.stage_index.to_string())];
+                    metrics::counter!("baton_worker_state_snapshots_restored_total", &label).increment(1);
+                }
                 let state = SeqState {
                     len: cached,
                     unverified: 0,
@@ -599,6 +615,25 @@ impl Stage {
                 seq.len = chunk.pos0 as usize + chunk.tokens.len();
                 seq.unverified = chunk.draft as usize;
             }
+        }
+        if self.recurrent {
+            self.save_snapshots(seqs)?;
+        }
+        Ok(())
+    }
+
+    /// After a micro-batch ran on a stage with recurrent state: copy the state of each
+    /// sequence whose chunk asks for it into that prefix-cache snapshot.
+    fn save_snapshots(&mut self, seqs: &[SequenceChunk]) -> Result<(), String> {
+        for chunk in seqs {
+            let (Some(snapshot), Some(seq)) = (chunk.save_state, self.seqs.get(&chunk.seq_id)) else {
+                continue;
+            };
+            if let Err(e) = self.backend.save_snapshot(seq.state_slot, snapshot as usize) {
+                return Err(self.err(format!("sequence {}: {e}", chunk.seq_id)));
+            }
+            let label = [("stage", self.stage_index.to_string())];
+            metrics::counter!("baton_worker_state_snapshots_saved_total", &label).increment(1);
         }
         Ok(())
     }

@@ -145,6 +145,7 @@ pub fn run(ctx: &Ctx, a: GenerateArgs) -> Result<()> {
         kv_max_blocks: Some((prompt.len() + params.max_tokens).div_ceil(block).max(1)),
         kv_dtype: KvDtype::F32,
         prefix_caching: false,
+        state_snapshots: 0,
         ..PipelineConfig::new(path.display().to_string(), &config, eos_ids)
     };
     let device: baton_worker::backend::Device = a.device.parse()?;
@@ -163,6 +164,7 @@ pub fn run(ctx: &Ctx, a: GenerateArgs) -> Result<()> {
         kv_dtype: KvDtype::F32,
         draft_model: pipeline.speculative.worker_draft().map(std::path::PathBuf::from),
         state_slots: 1,
+        state_snapshots: 0,
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -75,6 +75,11 @@ pub struct PipelineArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prefix_caching: Option<bool>,
+    /// Recurrent-state snapshots per stage for a hybrid model's prefix cache; 0 turns its
+    /// prefix caching off [default: 32].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state_snapshots: Option<usize>,
     /// Largest accepted request body in bytes (HTTP 413 beyond) [default: 4194304].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -252,14 +257,18 @@ pub(super) fn pipeline_config(
     anyhow::ensure!(p.kv_max_blocks != Some(0), "kv_max_blocks must be at least 1");
     anyhow::ensure!(p.queue_timeout_secs > 0, "queue_timeout_secs must be at least 1");
     weight_format(p.weights.as_str(), &model.files)?;
-    // A hybrid model's linear-attention layers keep a recurrent state per sequence, which is
-    // not cached with prefix blocks yet (verify steps roll it back by replay on each stage).
+    // A hybrid model's linear-attention layers keep a recurrent state per sequence: its prefix
+    // cache reuses a prefix only up to a block whose state every stage snapshotted, so the
+    // snapshots turn it on or off (verify steps roll the state back by replay on each stage).
     let hybrid = model.config.linear_attention.is_some();
     let speculative = speculative(p)?;
-    if hybrid && p.prefix_caching {
+    let state_snapshots = match hybrid && p.prefix_caching {
+        true => p.state_snapshots,
+        false => 0,
+    };
+    if hybrid && p.prefix_caching && state_snapshots == 0 {
         tracing::warn!(
-            "prefix caching is off for this model: its linear-attention layers' recurrent state is not cached with \
-             prefix blocks yet"
+            "prefix caching is off for this model: state_snapshots is 0, and its linear-attention layers need them"
         );
     }
     // Each stage keeps one recurrent-state slot per running sequence, allocated at load: the
@@ -288,7 +297,8 @@ pub(super) fn pipeline_config(
         kv_block_size: p.kv_block_size,
         kv_max_blocks: p.kv_max_blocks,
         kv_dtype: kv_dtype(p.kv_dtype),
-        prefix_caching: p.prefix_caching && !hybrid,
+        prefix_caching: p.prefix_caching && (!hybrid || state_snapshots > 0),
+        state_snapshots,
         max_migrations: p.max_migrations,
         queue_timeout: std::time::Duration::from_secs(p.queue_timeout_secs),
         live_replan: p.live_replan.then(Default::default),

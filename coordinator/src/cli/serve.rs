@@ -189,6 +189,7 @@ async fn build_generator(
             kv_dtype: config.kv_dtype,
             draft_model: config.speculative.worker_draft().map(std::path::PathBuf::from),
             state_slots: config.max_running,
+            state_snapshots: config.state_snapshots,
         };
         let generator = tokio::task::block_in_place(|| local::start(config, model_path, &opts))?;
         return Ok((Arc::new(generator), LocalWorkers::none()));

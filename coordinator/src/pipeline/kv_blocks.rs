@@ -8,6 +8,16 @@
 //! sequence holds stay indexed until a new allocation needs them, least recently released
 //! first. Only full blocks are shared, so a shared block is never written again: a sequence
 //! writes its own positions into blocks of its own.
+//!
+//! A hybrid model's linear-attention layers keep a recurrent state per sequence instead of
+//! K/V per position, so cached blocks alone cannot restart one: the state after them is needed
+//! too. For such a model the allocator also hands out state snapshot ids (each stage keeps
+//! that many copies of a sequence's state), a chunk ending on a block boundary may ask the
+//! stages to snapshot the state there, and the snapshot is attached to that block once the
+//! chunk is back. A prefix is then reused only up to its last block with a snapshot, and
+//! starts from it. Evicting a block frees its snapshot; when none is free, the snapshot of the
+//! least recently released idle block is taken (the block stays cached, reusable only as far
+//! as an earlier snapshot reaches).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -31,18 +41,20 @@ struct BlockState {
     key: Option<BlockKey>,
     /// Position in the eviction order while the block is indexed and held by no sequence.
     lru: Option<u64>,
+    /// The recurrent state after the block's last position, for a hybrid model.
+    snapshot: Option<u32>,
 }
 
 /// How far a sequence's blocks have been offered to the prefix index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) enum IndexProgress {
-    /// Blocks `0..n` of the table are indexed (by this sequence or before it).
-    #[default]
-    Start,
-    Indexed(usize),
-    /// A block's content was already indexed under another id: the rest of this table is
-    /// not reachable from the index, so it is not offered.
-    Stopped,
+pub(crate) struct IndexProgress {
+    /// Blocks `0..blocks` of the table are indexed: by this sequence, or as a twin, a block
+    /// of the same content (the same tokens after the same chain) indexed before it.
+    pub blocks: usize,
+    /// The indexed block (id, generation) the next block's key names as its parent: the last
+    /// of those blocks, or its twin. Blocks computed after a twin are thus indexed under the
+    /// chain a lookup follows, holding the same K/V as if they followed the twin itself.
+    parent: Option<(u32, u32)>,
 }
 
 /// What a prefix lookup found for a prompt.
@@ -66,6 +78,10 @@ pub(crate) struct BlockAllocator {
     clock: u64,
     block_size: usize,
     caching: bool,
+    /// State snapshots of a hybrid model (0: the model has no recurrent state).
+    snapshots: usize,
+    /// Snapshot ids attached to no block and reserved by no chunk.
+    free_snapshots: Vec<u32>,
 }
 
 impl BlockAllocator {
@@ -81,7 +97,66 @@ impl BlockAllocator {
             clock: 0,
             block_size: block_size.max(1),
             caching,
+            snapshots: 0,
+            free_snapshots: Vec::new(),
         }
+    }
+
+    /// The allocator of a hybrid model whose stages keep `snapshots` state snapshots: prefixes
+    /// are reused only up to a block with a snapshot (none at all when `snapshots` is 0).
+    pub fn with_snapshots(mut self, snapshots: usize) -> Self {
+        self.snapshots = snapshots;
+        self.free_snapshots = (0..snapshots as u32).rev().collect();
+        self.caching &= snapshots > 0;
+        self
+    }
+
+    /// Whether reusing a prefix needs a state snapshot (a hybrid model with prefix caching).
+    pub fn keeps_snapshots(&self) -> bool {
+        self.caching && self.snapshots > 0
+    }
+
+    /// State snapshots attached to blocks or reserved by chunks in flight, and all there are.
+    pub fn snapshots_used(&self) -> (usize, usize) {
+        (self.snapshots - self.free_snapshots.len(), self.snapshots)
+    }
+
+    /// A snapshot id for a chunk to fill: a free one, else the one of the least recently
+    /// released idle block that has one; None when every snapshot is on a held block.
+    pub fn reserve_snapshot(&mut self) -> Option<u32> {
+        if let Some(s) = self.free_snapshots.pop() {
+            return Some(s);
+        }
+        let id = self
+            .idle
+            .values()
+            .copied()
+            .find(|&id| self.blocks[id as usize].snapshot.is_some())?;
+        self.blocks[id as usize].snapshot.take()
+    }
+
+    /// A chunk that ended after the first `blocks` full blocks of `tokens` filled `snapshot`
+    /// with the state there: attach it to the indexed block those tokens end with (the
+    /// sequence's own, or its twin) if that block has none, else free it.
+    pub fn attach_snapshot(&mut self, tokens: &[u32], blocks: usize, snapshot: u32) {
+        let last = match blocks {
+            0 => None,
+            n => self.chain(tokens, n).nth(n - 1),
+        };
+        match last.map(|id| &mut self.blocks[id as usize]) {
+            Some(b) if b.snapshot.is_none() => b.snapshot = Some(snapshot),
+            _ => self.free_snapshots.push(snapshot),
+        }
+    }
+
+    /// Give back a snapshot a chunk reserved but did not fill (its micro-batch failed).
+    pub fn release_snapshot(&mut self, snapshot: u32) {
+        self.free_snapshots.push(snapshot);
+    }
+
+    /// The state snapshot after `block`, if it has one.
+    pub fn snapshot_of(&self, block: u32) -> Option<u32> {
+        self.blocks[block as usize].snapshot
     }
 
     /// Positions per block.
@@ -135,6 +210,9 @@ impl BlockAllocator {
         if let Some(key) = b.key.take() {
             self.index.remove(&key);
         }
+        if let Some(s) = b.snapshot.take() {
+            self.free_snapshots.push(s);
+        }
         b.generation = b.generation.wrapping_add(1);
         id
     }
@@ -186,10 +264,24 @@ impl BlockAllocator {
         len.saturating_sub(1) / self.block_size
     }
 
+    /// The indexed blocks `prompt` may reuse: the chain it starts with, for a hybrid model cut
+    /// after the last block with a state snapshot.
+    fn reusable(&self, prompt: &[u32]) -> Vec<u32> {
+        let mut found: Vec<u32> = self.chain(prompt, self.reusable_blocks(prompt.len())).collect();
+        if self.snapshots > 0 {
+            let keep = found
+                .iter()
+                .rposition(|&id| self.blocks[id as usize].snapshot.is_some())
+                .map_or(0, |i| i + 1);
+            found.truncate(keep);
+        }
+        found
+    }
+
     /// What `prompt` would reuse, without taking anything.
     pub fn peek_prefix(&self, prompt: &[u32]) -> PrefixHit {
         let mut hit = PrefixHit::default();
-        for id in self.chain(prompt, self.reusable_blocks(prompt.len())) {
+        for id in self.reusable(prompt) {
             hit.blocks += 1;
             hit.idle += usize::from(self.blocks[id as usize].refs == 0);
         }
@@ -200,7 +292,7 @@ impl BlockAllocator {
     /// positions they hold (0 when nothing is cached).
     pub fn take_prefix(&mut self, table: &mut Vec<u32>, prompt: &[u32]) -> usize {
         debug_assert!(table.is_empty(), "a prefix starts a table");
-        let found: Vec<u32> = self.chain(prompt, self.reusable_blocks(prompt.len())).collect();
+        let found = self.reusable(prompt);
         for &id in &found {
             let b = &mut self.blocks[id as usize];
             if let Some(t) = b.lru.take() {
@@ -212,33 +304,43 @@ impl BlockAllocator {
         found.len() * self.block_size
     }
 
+    /// The index progress of a table that starts with the blocks [`take_prefix`] gave it.
+    ///
+    /// [`take_prefix`]: Self::take_prefix
+    pub fn progress_after_prefix(&self, table: &[u32]) -> IndexProgress {
+        IndexProgress {
+            blocks: table.len(),
+            parent: table.last().map(|&id| (id, self.blocks[id as usize].generation)),
+        }
+    }
+
     /// Index a sequence's blocks that are full of computed K/V (`computed` positions of
-    /// `tokens`, written on every stage), so later prompts can reuse them.
+    /// `tokens`, written on every stage), so later prompts can reuse them. A block whose
+    /// content is already indexed under another id (two sequences computed the same prefix)
+    /// stays out, and the blocks after it are indexed as following that twin.
     pub fn index(&mut self, table: &[u32], tokens: &[u32], computed: usize, progress: &mut IndexProgress) {
         if !self.caching {
             return;
         }
-        let start = match *progress {
-            IndexProgress::Start => 0,
-            IndexProgress::Indexed(n) => n,
-            IndexProgress::Stopped => return,
-        };
         let full = (computed.min(tokens.len()) / self.block_size).min(table.len());
-        for j in start..full {
+        for j in progress.blocks..full {
             let id = table[j];
-            if self.blocks[id as usize].key.is_none() {
-                let key = BlockKey {
-                    parent: (j > 0).then(|| (table[j - 1], self.blocks[table[j - 1] as usize].generation)),
-                    tokens: tokens[j * self.block_size..(j + 1) * self.block_size].into(),
-                };
-                if self.index.contains_key(&key) {
-                    *progress = IndexProgress::Stopped;
-                    return;
+            let key = BlockKey {
+                parent: progress.parent,
+                tokens: tokens[j * self.block_size..(j + 1) * self.block_size].into(),
+            };
+            let indexed = match self.index.get(&key) {
+                Some(&twin) => twin,
+                None if self.blocks[id as usize].key.is_none() => {
+                    self.index.insert(key.clone(), id);
+                    self.blocks[id as usize].key = Some(key);
+                    id
                 }
-                self.index.insert(key.clone(), id);
-                self.blocks[id as usize].key = Some(key);
-            }
-            *progress = IndexProgress::Indexed(j + 1);
+                // Indexed under another chain (never expected): leave the rest out.
+                None => return,
+            };
+            progress.parent = Some((indexed, self.blocks[indexed as usize].generation));
+            progress.blocks = j + 1;
         }
     }
 }
@@ -350,13 +452,30 @@ mod tests {
         let (mut p1, mut p2) = (IndexProgress::default(), IndexProgress::default());
         a.index(&t1, &p, 12, &mut p1);
         a.index(&t2, &p, 12, &mut p2);
-        assert_eq!(p1, IndexProgress::Indexed(3));
-        assert_eq!(p2, IndexProgress::Stopped);
+        assert_eq!((p1.blocks, p2.blocks), (3, 3));
         assert_eq!(a.cached(), 3);
         a.release(&mut t2);
         assert_eq!(a.free(), 5, "the duplicate's blocks go straight back");
         a.release(&mut t1);
         assert_eq!(a.free(), 8);
+    }
+
+    #[test]
+    fn blocks_computed_after_a_duplicate_are_indexed_behind_its_twin() {
+        let mut a = BlockAllocator::new(8, 4, true);
+        let p = tokens(8, 2);
+        let q: Vec<u32> = p.iter().copied().chain([90, 91, 92, 93, 94]).collect();
+        // Both computed the first 8 tokens before either was indexed; q went on.
+        let (mut t1, mut t2) = (Vec::new(), Vec::new());
+        assert!(a.cover(&mut t1, 8) && a.cover(&mut t2, 13));
+        let (mut p1, mut p2) = (IndexProgress::default(), IndexProgress::default());
+        a.index(&t1, &p, 8, &mut p1);
+        a.index(&t2, &q, 13, &mut p2);
+        assert_eq!(a.cached(), 3, "p's two blocks, then q's third behind them");
+        let mut t3 = Vec::new();
+        let r: Vec<u32> = q.iter().copied().chain([7]).collect();
+        assert_eq!(a.take_prefix(&mut t3, &r), 12);
+        assert_eq!(t3, [t1[0], t1[1], t2[2]]);
     }
 
     #[test]
@@ -367,9 +486,9 @@ mod tests {
         assert!(a.cover(&mut t, 11));
         let mut progress = IndexProgress::default();
         a.index(&t, &p, 3, &mut progress);
-        assert_eq!((a.cached(), progress), (0, IndexProgress::Start));
+        assert_eq!((a.cached(), progress), (0, IndexProgress::default()));
         a.index(&t, &p, 9, &mut progress);
-        assert_eq!((a.cached(), progress), (2, IndexProgress::Indexed(2)));
+        assert_eq!((a.cached(), progress.blocks), (2, 2));
         a.index(&t, &p, 11, &mut progress);
         assert_eq!(a.cached(), 2, "the partial last block is never indexed");
     }
@@ -439,11 +558,12 @@ mod tests {
                             );
                         }
                     }
+                    let progress = a.progress_after_prefix(&table);
                     live.push(S {
                         prompt,
                         table,
                         computed: reused,
-                        progress: IndexProgress::Start,
+                        progress,
                     });
                 }
                 1 if !live.is_empty() => {
@@ -497,5 +617,179 @@ mod tests {
             reused_blocks >= 100 && reused_idle >= 10,
             "{reused_blocks} blocks reused, {reused_idle} of them idle"
         );
+    }
+
+    /// Cover and index `prompt` as computed, then attach a fresh snapshot after block `j`.
+    fn compute_with_snapshot(a: &mut BlockAllocator, prompt: &[u32], j: usize) -> (Vec<u32>, u32) {
+        let t = compute(a, prompt);
+        let s = a.reserve_snapshot().expect("a snapshot is free");
+        a.attach_snapshot(prompt, j + 1, s);
+        (t, s)
+    }
+
+    #[test]
+    fn a_hybrid_prefix_is_reused_only_as_far_as_its_last_state_snapshot() {
+        let mut a = BlockAllocator::new(8, 4, true).with_snapshots(2);
+        assert!(a.keeps_snapshots());
+        let p = tokens(14, 3);
+        let mut t = compute(&mut a, &p);
+        assert_eq!(a.cached(), 3, "three full blocks indexed");
+        assert_eq!(
+            a.peek_prefix(&p).blocks,
+            0,
+            "no snapshot, nothing to start the state from"
+        );
+        let s = a.reserve_snapshot().unwrap();
+        a.attach_snapshot(&p, 2, s);
+        assert_eq!(a.snapshots_used(), (1, 2));
+        assert_eq!(
+            a.peek_prefix(&p).blocks,
+            2,
+            "up to the block with the snapshot, not past it"
+        );
+        let mut t2 = Vec::new();
+        assert_eq!(a.take_prefix(&mut t2, &p), 8);
+        assert_eq!(a.snapshot_of(*t2.last().unwrap()), Some(s));
+        // A snapshot for a block that is not in the index (or already has one) goes back.
+        let mut plain = Vec::new();
+        assert!(a.cover(&mut plain, 4));
+        let s2 = a.reserve_snapshot().unwrap();
+        a.attach_snapshot(&tokens(4, 77), 1, s2);
+        assert_eq!(a.snapshot_of(plain[0]), None);
+        let s3 = a.reserve_snapshot().unwrap();
+        a.attach_snapshot(&p, 2, s3);
+        assert_eq!(a.snapshot_of(t[1]), Some(s), "the first snapshot stays");
+        assert_eq!(a.snapshots_used(), (1, 2));
+        // Every snapshot is on a held block: none can be taken.
+        let s4 = a.reserve_snapshot().unwrap();
+        assert_eq!(a.reserve_snapshot(), None);
+        a.release_snapshot(s4);
+        a.release(&mut t2);
+        a.release(&mut plain);
+        // Held by t still: nothing idle has a snapshot to give up.
+        assert_eq!(a.reserve_snapshot(), Some(s4));
+        a.release_snapshot(s4);
+        a.release(&mut t);
+        // Evicting the idle blocks frees the snapshot with them.
+        let mut big = Vec::new();
+        assert!(a.cover(&mut big, 32));
+        assert_eq!(a.cached(), 0);
+        assert_eq!(a.snapshots_used(), (0, 2));
+        // Without snapshots a hybrid model reuses nothing.
+        let mut off = BlockAllocator::new(8, 4, true).with_snapshots(0);
+        assert!(!off.keeps_snapshots());
+        let _ = compute(&mut off, &p);
+        assert_eq!(off.peek_prefix(&p).blocks, 0);
+    }
+
+    #[test]
+    fn with_every_snapshot_on_a_cached_block_the_least_recently_released_block_gives_its_snapshot_up() {
+        let mut a = BlockAllocator::new(16, 4, true).with_snapshots(2);
+        let (p, q) = (tokens(9, 1), tokens(9, 2));
+        let (mut tp, sp) = compute_with_snapshot(&mut a, &p, 1);
+        let (mut tq, sq) = compute_with_snapshot(&mut a, &q, 1);
+        a.release(&mut tp);
+        a.release(&mut tq);
+        assert_eq!((a.peek_prefix(&p).blocks, a.peek_prefix(&q).blocks), (2, 2));
+        // p was released first: its snapshot is taken, its blocks stay cached but unreachable
+        // without a state to start from.
+        assert_eq!(a.reserve_snapshot(), Some(sp));
+        assert_eq!((a.peek_prefix(&p).blocks, a.peek_prefix(&q).blocks), (0, 2));
+        assert_eq!(a.cached(), 4);
+        assert_eq!(a.reserve_snapshot(), Some(sq));
+        assert_eq!(a.reserve_snapshot(), None);
+    }
+
+    #[test]
+    fn random_hybrid_traffic_starts_every_reused_prefix_from_the_state_of_exactly_its_tokens() {
+        // Sequences from shared stems compute in chunks that end on block boundaries, each
+        // filling a snapshot with "the state after these tokens" (here: the tokens themselves),
+        // attached when the chunk is back. Every reuse must start from a snapshot of exactly
+        // the reused tokens, and every snapshot id must be in one place only.
+        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % n
+        };
+        let (bs, total, snaps) = (4, 24, 5);
+        let mut a = BlockAllocator::new(total, bs, true).with_snapshots(snaps);
+        // What each snapshot id was last filled with.
+        let mut filled: Vec<Option<Vec<u32>>> = vec![None; snaps];
+        struct S {
+            prompt: Vec<u32>,
+            table: Vec<u32>,
+            computed: usize,
+            progress: IndexProgress,
+        }
+        let mut live: Vec<S> = Vec::new();
+        let mut restored = 0;
+        for _ in 0..4000 {
+            match next(4) {
+                0 if live.len() < 5 => {
+                    let stem = next(3) as u32;
+                    let len = 1 + next(24) as usize;
+                    let prompt: Vec<u32> = (0..len as u32)
+                        .map(|i| if i < 14 { stem * 100 + i } else { next(2) as u32 })
+                        .collect();
+                    let mut table = Vec::new();
+                    let reused = a.take_prefix(&mut table, &prompt);
+                    if reused > 0 {
+                        let s = a
+                            .snapshot_of(*table.last().unwrap())
+                            .expect("a reused prefix ends with a snapshot");
+                        assert_eq!(filled[s as usize].as_deref(), Some(&prompt[..reused]));
+                        restored += 1;
+                    }
+                    let progress = a.progress_after_prefix(&table);
+                    live.push(S {
+                        prompt,
+                        table,
+                        computed: reused,
+                        progress,
+                    });
+                }
+                1 if !live.is_empty() => {
+                    // A chunk to the next block boundary (or the prompt's end), snapshotting
+                    // the state at a boundary when a snapshot can be had.
+                    let i = next(live.len() as u64) as usize;
+                    let s = &mut live[i];
+                    let upto = ((s.computed / bs + 1) * bs).min(s.prompt.len());
+                    if upto > s.computed && a.cover(&mut s.table, upto) {
+                        let snapshot = upto.is_multiple_of(bs).then(|| a.reserve_snapshot()).flatten();
+                        if let Some(sn) = snapshot {
+                            filled[sn as usize] = Some(s.prompt[..upto].to_vec());
+                        }
+                        s.computed = upto;
+                        a.index(&s.table, &s.prompt, s.computed, &mut s.progress);
+                        if let Some(sn) = snapshot {
+                            a.attach_snapshot(&s.prompt, upto / bs, sn);
+                        }
+                    }
+                }
+                2 if !live.is_empty() => {
+                    let i = next(live.len() as u64) as usize;
+                    let mut s = live.swap_remove(i);
+                    a.release(&mut s.table);
+                }
+                _ => {}
+            }
+            let mut seen = vec![0; snaps];
+            for &s in &a.free_snapshots {
+                seen[s as usize] += 1;
+            }
+            for b in &a.blocks {
+                if let Some(s) = b.snapshot {
+                    seen[s as usize] += 1;
+                    assert!(b.key.is_some(), "a snapshot sits on a cached block");
+                }
+            }
+            assert!(
+                seen.iter().all(|&n| n == 1),
+                "each snapshot in exactly one place: {seen:?}"
+            );
+        }
+        assert!(restored >= 100, "{restored} prefixes restored");
     }
 }

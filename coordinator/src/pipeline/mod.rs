@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use baton_shared::model_config::ModelConfig;
 use baton_shared::proto::Dtype;
 use baton_worker::kv_cache::KvDtype;
+use baton_worker::model::spec::{CacheBytes, CacheSpec};
 use baton_worker::stage::Stage;
 use tokio::sync::mpsc;
 
@@ -65,6 +66,9 @@ pub struct PipelineConfig {
     pub auto_limits: sizing::AutoLimits,
     /// Width of one position's keys (or values) per layer: `num_kv_heads × head_dim`.
     pub kv_dim: usize,
+    /// What each layer caches, as its architecture declares (K/V per position, or a
+    /// recurrent state per sequence); empty: every layer K/V of `kv_dim`.
+    pub layer_caches: Vec<CacheSpec>,
     /// Positions per KV block.
     pub kv_block_size: usize,
     /// At most this many KV blocks even if the workers' budgets allow more (tests and
@@ -74,6 +78,13 @@ pub struct PipelineConfig {
     pub kv_dtype: KvDtype,
     /// Reuse the K/V of full blocks whose tokens a new prompt starts with.
     pub prefix_caching: bool,
+    /// Recurrent-state snapshots every stage with linear-attention layers keeps for the prefix
+    /// cache (ids `0..state_snapshots`, allocated with the blocks); 0 for other models, and
+    /// for a hybrid one without prefix caching.
+    pub state_snapshots: usize,
+    /// The model has linear-attention layers (a recurrent state per sequence): its prefix
+    /// cache needs state snapshots.
+    pub recurrent_state: bool,
     /// Times a sequence may move to a rebuilt pipeline after a stage failed; one more failure
     /// ends it with a retriable error.
     pub max_migrations: u32,
@@ -102,7 +113,35 @@ pub fn layer_costs(config: &ModelConfig) -> Vec<f64> {
     }
 }
 
+/// What each layer of `config` caches, by the cache its architecture module declares.
+pub fn layer_caches(config: &ModelConfig) -> Vec<CacheSpec> {
+    let arch = baton_worker::model::registry::for_config(config);
+    (0..config.num_layers)
+        .map(|l| arch.layer(config, l).spec().cache)
+        .collect()
+}
+
 impl PipelineConfig {
+    /// Bytes one KV block and one copy of a sequence's recurrent state take on `layers`.
+    pub fn cache_bytes(&self, layers: std::ops::Range<usize>) -> CacheBytes {
+        let value_bytes = self.kv_dtype.bytes();
+        match self.layer_caches.get(layers.clone()) {
+            Some(caches) if !self.layer_caches.is_empty() => {
+                CacheBytes::of(caches.iter().copied(), self.kv_block_size, value_bytes)
+            }
+            _ => CacheBytes {
+                per_block: layers.len() * 2 * self.kv_block_size * self.kv_dim * value_bytes,
+                per_state: 0,
+            },
+        }
+    }
+
+    /// Recurrent-state copies a stage with linear-attention layers keeps: a slot per running
+    /// sequence and the prefix cache's snapshots.
+    pub fn state_copies(&self) -> usize {
+        self.max_running + self.state_snapshots
+    }
+
     /// A configuration for `model` (as workers should resolve it) with the defaults of
     /// `baton serve`: one stage per worker is set by the caller through `stages`; f32 weights,
     /// activations and KV, 64 queued and 8 running requests, 128 tokens a step, blocks of 16
@@ -127,10 +166,16 @@ impl PipelineConfig {
             max_batch_tokens: sizing::UNMEASURED_MAX_BATCH_TOKENS,
             auto_limits: sizing::AutoLimits::NONE,
             kv_dim: config.kv_dim(),
+            layer_caches: layer_caches(config),
             kv_block_size: 16,
             kv_max_blocks: None,
             kv_dtype: KvDtype::F32,
             prefix_caching: true,
+            state_snapshots: match config.linear_attention {
+                Some(_) => baton_shared::settings::DEFAULT_STATE_SNAPSHOTS,
+                None => 0,
+            },
+            recurrent_state: config.linear_attention.is_some(),
             max_migrations: DEFAULT_MAX_MIGRATIONS,
             queue_timeout: DEFAULT_QUEUE_TIMEOUT,
             live_replan: Some(replan::ReplanPolicy::default()),
@@ -218,6 +263,10 @@ pub struct PipelineStatus {
     pub kv_blocks_used: AtomicU64,
     /// Blocks in the prefix index (held by sequences or idle and reusable).
     pub kv_blocks_cached: AtomicU64,
+    /// Hybrid models: recurrent-state snapshots attached to cached blocks or being filled, and
+    /// how many every stage keeps.
+    pub state_snapshots_used: AtomicU64,
+    pub state_snapshots: AtomicU64,
     /// Prompt tokens looked up in the prefix cache, and how many of them were reused.
     pub prefix_queried_tokens: AtomicU64,
     pub prefix_hit_tokens: AtomicU64,
@@ -470,6 +519,8 @@ impl Generator for PipelineGenerator {
                 "cached_blocks": self.status.kv_blocks_cached.load(Ordering::Relaxed),
                 "queried_tokens_total": self.status.prefix_queried_tokens.load(Ordering::Relaxed),
                 "hit_tokens_total": self.status.prefix_hit_tokens.load(Ordering::Relaxed),
+                "state_snapshots": self.status.state_snapshots.load(Ordering::Relaxed),
+                "state_snapshots_used": self.status.state_snapshots_used.load(Ordering::Relaxed),
             },
             "speculative": {
                 "method": self.config.speculative.method.as_str(),

@@ -50,6 +50,7 @@ impl StageLive {
             "kv_blocks_total": h.kv_blocks_total,
             "state_slots_used": h.state_slots_used,
             "state_slots_total": h.state_slots_total,
+            "state_snapshots_total": h.state_snapshots_total,
             "forward_batches": h.forward_batches,
             "forward_tokens": h.forward_tokens,
             "forward_seconds": h.forward_seconds,

@@ -9,7 +9,6 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use baton_shared::proto::{ActivateStageRequest, LoadStageRequest};
-use baton_worker::kv_cache::PagedKv;
 use baton_worker::service::{AuthedWorkerClient, MAX_MESSAGE, connect_worker};
 use baton_worker::stage::Stage;
 use tokio::sync::mpsc;
@@ -43,7 +42,8 @@ pub(crate) struct Pipeline {
     pub limits: StepLimits,
 }
 
-/// The most KV blocks every stage's pool fits in its worker's budget (and the configured cap).
+/// The most KV blocks every stage's pool fits in its worker's budget (and the configured cap),
+/// after the recurrent-state slots and snapshots a stage with linear-attention layers keeps.
 pub(super) fn kv_blocks(
     config: &PipelineConfig,
     workers: &[WorkerEntry],
@@ -51,12 +51,25 @@ pub(super) fn kv_blocks(
 ) -> Result<usize, BuildError> {
     let mut blocks = config.kv_max_blocks.unwrap_or(usize::MAX);
     for (i, (w, layers)) in workers.iter().zip(ranges).enumerate() {
-        let per_block = PagedKv::bytes_per_block(layers.len(), config.kv_dim, config.kv_block_size, config.kv_dtype);
-        let fits = (w.kv_cache_bytes / per_block as u64) as usize;
+        let bytes = config.cache_bytes(layers.clone());
+        let states = match bytes.per_state {
+            0 => 0,
+            _ => config.state_copies(),
+        };
+        let state_bytes = bytes.total(0, states);
+        let left = (w.kv_cache_bytes as u128).saturating_sub(state_bytes);
+        // A stage of linear-attention layers only stores no K/V: any block count fits.
+        let fits = match bytes.per_block {
+            0 if state_bytes <= w.kv_cache_bytes as u128 => usize::MAX,
+            0 => 0,
+            per_block => (left / per_block as u128).min(usize::MAX as u128) as usize,
+        };
         if fits == 0 {
             let message = format!(
-                "worker {} ({}) has a KV budget of {} bytes, less than one block of {} positions for layers {:?} ({per_block} bytes): raise its kv_cache_mib",
-                w.id, w.address, w.kv_cache_bytes, config.kv_block_size, layers
+                "worker {} ({}) has a KV budget of {} bytes, less than one block of {} positions for layers {:?} ({} bytes) \
+                 beside {states} recurrent-state copies ({state_bytes} bytes: a slot per running sequence and the prefix \
+                 cache's snapshots): raise its kv_cache_mib, or lower max_running or state_snapshots",
+                w.id, w.address, w.kv_cache_bytes, config.kv_block_size, layers, bytes.per_block
             );
             return Err(BuildError {
                 message,
@@ -64,6 +77,10 @@ pub(super) fn kv_blocks(
             });
         }
         blocks = blocks.min(fits);
+    }
+    if blocks == usize::MAX {
+        // No stage stores K/V: enough blocks for every running sequence's whole context.
+        blocks = config.state_copies().max(1) * config.max_context.div_ceil(config.kv_block_size.max(1));
     }
     Ok(blocks)
 }
@@ -225,6 +242,7 @@ pub(super) async fn load_stages(
             // One recurrent-state slot per sequence that may run (a stage without
             // linear-attention layers keeps none).
             state_slots: config.max_running.min(u32::MAX as usize) as u32,
+            state_snapshots: config.state_snapshots.min(u32::MAX as usize) as u32,
         };
         let label = format!("stage {i} ({}, layers {:?})", a.address, a.layers);
         async move {
@@ -730,5 +748,74 @@ pub(crate) async fn run_local(
             EngineEnd::Shutdown => return,
             EngineEnd::Interrupted(failure) => pipeline_ended(&failure, &mut recovery, &status),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn worker(kv_cache_bytes: u64) -> WorkerEntry {
+        WorkerEntry {
+            id: "w".into(),
+            address: "127.0.0.1:1".into(),
+            device_kind: "cpu".into(),
+            cores: 1,
+            memory_bytes: 1 << 30,
+            features: Vec::new(),
+            kv_cache_bytes,
+            metrics_address: String::new(),
+            seq: 0,
+            last_seen: std::time::Instant::now(),
+        }
+    }
+
+    #[test]
+    fn recurrent_state_copies_come_out_of_the_kv_budget_before_blocks() {
+        // The tiny Qwen3-Next: layers L L F L L (linear attention, full attention).
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny/qwen3_next");
+        let cfg = baton_shared::model_files::ModelFiles::open(&dir)
+            .unwrap()
+            .config()
+            .unwrap();
+        let config = PipelineConfig {
+            max_running: 4,
+            state_snapshots: 4,
+            ..PipelineConfig::new("m", &cfg, vec![])
+        };
+        let all = 0..cfg.num_layers;
+        let bytes = config.cache_bytes(all.clone());
+        assert!(bytes.per_state > 0 && bytes.per_block > 0, "{bytes:?}");
+        assert_eq!(
+            bytes.per_block,
+            2 * 16 * cfg.kv_dim() * 4,
+            "one attention layer's f32 keys and values"
+        );
+        // Room for 10 blocks beside 4 slots and 4 snapshots.
+        let budget = bytes.total(10, 8) as u64;
+        assert_eq!(
+            kv_blocks(&config, &[worker(budget)], std::slice::from_ref(&all)).unwrap(),
+            10
+        );
+        // Without snapshots the same budget holds more blocks.
+        let fewer = PipelineConfig {
+            state_snapshots: 0,
+            ..config.clone()
+        };
+        let more = 10 + 4 * bytes.per_state / bytes.per_block;
+        assert_eq!(
+            kv_blocks(&fewer, &[worker(budget)], std::slice::from_ref(&all)).unwrap(),
+            more
+        );
+        // A budget the state copies alone fill holds no block: the error says why.
+        let e = kv_blocks(&config, &[worker(bytes.total(0, 8) as u64)], &[all]).unwrap_err();
+        assert!(e.message.contains("8 recurrent-state copies"), "{}", e.message);
+        // A stage of linear-attention layers only stores no K/V: the other stage bounds it.
+        let ranges = [0..2, 2..cfg.num_layers];
+        let linear = config.cache_bytes(ranges[0].clone());
+        assert_eq!(linear.per_block, 0);
+        let stage1 = config.cache_bytes(ranges[1].clone());
+        let workers = [worker(linear.total(0, 8) as u64), worker(stage1.total(7, 8) as u64)];
+        assert_eq!(kv_blocks(&config, &workers, &ranges).unwrap(), 7);
     }
 }

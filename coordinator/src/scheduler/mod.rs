@@ -58,6 +58,9 @@ struct Seq {
     reused: usize,
     /// How far `blocks` has been offered to the prefix index.
     indexed: IndexProgress,
+    /// Hybrid models: the state snapshot its reused prefix ends with, which its first chunk
+    /// starts the recurrent state from.
+    restore: Option<u32>,
     /// The request has been told how many prompt tokens came from the prefix cache.
     cached_reported: bool,
     /// Micro-batches holding a chunk of it that have not come back yet (more than one only
@@ -119,7 +122,8 @@ impl Seq {
         self.prefilled = 0;
         self.landed = 0;
         self.reused = 0;
-        self.indexed = IndexProgress::Start;
+        self.restore = None;
+        self.indexed = IndexProgress::default();
         self.prefill_len = self.tokens.len();
         self.drafted.clear();
     }
@@ -132,7 +136,11 @@ impl Seq {
         self.reused = reused;
         self.prefilled = reused;
         self.landed = reused;
-        self.indexed = IndexProgress::Indexed(reused / alloc.block_size());
+        self.indexed = alloc.progress_after_prefix(&self.blocks);
+        self.restore = match (reused, self.blocks.last()) {
+            (1.., Some(&last)) => alloc.snapshot_of(last),
+            _ => None,
+        };
         self.span.record("cached_tokens", reused);
         // Reported once per request (usage.prompt_tokens_details), not again after a preemption.
         if reused > 0 && !self.cached_reported {
@@ -159,6 +167,8 @@ impl Seq {
             draft: self.draft.len() as u32,
             taps: self.taps,
             propose: self.proposals_wanted(),
+            restore_state: None,
+            save_state: None,
         }
     }
 
@@ -198,6 +208,8 @@ impl Seq {
             sample,
             blocks: self.blocks.clone(),
             cached: if first { self.reused as u32 } else { 0 },
+            restore_state: if first { self.restore } else { None },
+            save_state: None,
             draft: 0,
             sampling: first.then_some(Sampling {
                 temperature: p.temperature,
@@ -236,6 +248,36 @@ struct Composed {
     /// cache, and positions reused from it.
     prefix_queried: usize,
     prefix_reused: usize,
+    /// State snapshots this step's prompt chunks fill (hybrid models).
+    snapshots: Vec<PendingSnapshot>,
+}
+
+/// A state snapshot a prompt chunk fills on every stage, attached to the indexed block the
+/// chunk ends with once the chunk is back.
+#[derive(Debug, Clone, Copy)]
+struct PendingSnapshot {
+    seq_id: u64,
+    /// Full blocks of the sequence's tokens the state covers.
+    blocks: usize,
+    snapshot: u32,
+}
+
+/// A hybrid prompt's chunk that finishes a prompt of at least this many full blocks first
+/// stops at its last full block, so the state there is snapshotted too (at the price of one
+/// short extra chunk; shorter prompts gain too little from the cache to pay it).
+const TAIL_SNAPSHOT_MIN_BLOCKS: usize = 4;
+
+/// How many of the `n` prompt tokens after `prefilled` a hybrid model's chunk takes, so that
+/// it ends on a block boundary where the recurrent state can be snapshotted: a chunk that
+/// does not finish the prompt ends on the last boundary it reaches (if it reaches one), and
+/// the one that finishes a long enough prompt stops at its last full block first.
+fn snapshot_aligned(prefilled: usize, n: usize, prefill_len: usize, block_size: usize) -> usize {
+    let end = prefilled + n;
+    let boundary = end / block_size * block_size;
+    let finishes = end == prefill_len;
+    let cut =
+        boundary > prefilled && boundary < end && (!finishes || boundary >= TAIL_SNAPSHOT_MIN_BLOCKS * block_size);
+    if cut { boundary - prefilled } else { n }
 }
 
 /// How many idle sequences the next micro-batch takes: the idle ones spread over the `free`
@@ -291,6 +333,7 @@ fn compose_step(
         stalled: None,
         prefix_queried: 0,
         prefix_reused: 0,
+        snapshots: Vec::new(),
     };
     let mut decoding = Vec::new();
     for (i, seq) in active.iter_mut().enumerate().filter(|(_, s)| s.decoding()) {
@@ -339,7 +382,10 @@ fn compose_step(
             }
         }
         let room = (seq.blocks.len() + alloc.free()) * alloc.block_size() - seq.prefilled;
-        let n = left.min(seq.prefill_len - seq.prefilled).min(room);
+        let mut n = left.min(seq.prefill_len - seq.prefilled).min(room);
+        if alloc.keeps_snapshots() {
+            n = snapshot_aligned(seq.prefilled, n, seq.prefill_len, alloc.block_size());
+        }
         if n == 0 {
             if left > 0 {
                 c.stalled = Some(seq.id);
@@ -352,7 +398,22 @@ fn compose_step(
         }
         let covered = alloc.cover(&mut seq.blocks, seq.prefilled + n);
         debug_assert!(covered, "room was counted from the free blocks");
-        c.chunks.push(seq.prefill_chunk(n));
+        let mut chunk = seq.prefill_chunk(n);
+        let end = seq.prefilled;
+        // A chunk that ends on a block boundary snapshots the state there for the prefix cache.
+        let snapshot = match alloc.keeps_snapshots() && end.is_multiple_of(alloc.block_size()) {
+            true => alloc.reserve_snapshot(),
+            false => None,
+        };
+        if let Some(snapshot) = snapshot {
+            chunk.save_state = Some(snapshot);
+            c.snapshots.push(PendingSnapshot {
+                seq_id: seq.id,
+                blocks: end / alloc.block_size(),
+                snapshot,
+            });
+        }
+        c.chunks.push(chunk);
         used += n;
     }
     c
@@ -439,7 +500,7 @@ pub(crate) struct Scheduler<'a> {
 impl<'a> Scheduler<'a> {
     /// A scheduler for a pipeline of `depth` stages holding `kv_blocks` KV blocks each.
     pub fn new(config: &'a PipelineConfig, status: &'a PipelineStatus, depth: usize, kv_blocks: usize) -> Self {
-        let alloc = BlockAllocator::new(kv_blocks, config.kv_block_size, config.prefix_caching);
+        let alloc = allocator(config, kv_blocks);
         status.kv_blocks_total.store(alloc.total() as u64, Ordering::Relaxed);
         metrics::gauge!("baton_kv_blocks_total").set(alloc.total() as f64);
         let sched = Self {
@@ -596,6 +657,7 @@ impl<'a> Scheduler<'a> {
                     stalled: stuck,
                     prefix_queried,
                     prefix_reused,
+                    snapshots,
                 } = compose_step(
                     &mut idle,
                     self.config.micro_batch_tokens(),
@@ -657,10 +719,12 @@ impl<'a> Scheduler<'a> {
                     sent_unix_nanos: baton_shared::wire::unix_nanos(),
                     draft_context: None,
                 });
+                metrics::counter!("baton_prefix_state_snapshots_taken_total").increment(snapshots.len() as u64);
                 self.in_flight.push_back(InFlight {
                     batch_id,
                     members,
                     ends,
+                    snapshots,
                     sent: Instant::now(),
                     span,
                 });
@@ -751,6 +815,9 @@ impl<'a> Scheduler<'a> {
         if !reply.error.is_empty() {
             // A bad batch (not a dead stage): fail its sequences, keep serving the others.
             tracing::warn!(error = %reply.error, "micro-batch failed");
+            for p in &done_batch.snapshots {
+                self.alloc.release_snapshot(p.snapshot);
+            }
             for s in self.active.iter_mut().filter(|s| done_batch.members.contains(&s.id)) {
                 if !s.failed {
                     s.failed = true;
@@ -851,6 +918,13 @@ impl<'a> Scheduler<'a> {
         {
             self.alloc.index(&s.blocks, &s.tokens, s.landed, &mut s.indexed);
         }
+        // Every stage has snapshotted the state at those blocks' ends.
+        for p in &done_batch.snapshots {
+            match self.active.iter().find(|s| s.id == p.seq_id && !s.failed) {
+                Some(s) => self.alloc.attach_snapshot(&s.tokens, p.blocks, p.snapshot),
+                None => self.alloc.release_snapshot(p.snapshot),
+            }
+        }
         for s in self.active.iter_mut().filter(|s| finished.contains(&s.id)) {
             self.alloc.release(&mut s.blocks);
         }
@@ -904,11 +978,7 @@ impl<'a> Scheduler<'a> {
         }
         moved.extend(waiting);
         self.in_flight.clear();
-        self.alloc = BlockAllocator::new(
-            self.alloc.total(),
-            self.config.kv_block_size,
-            self.config.prefix_caching,
-        );
+        self.alloc = allocator(self.config, self.alloc.total());
         self.publish_blocks();
         moved
     }
@@ -928,6 +998,22 @@ impl<'a> Scheduler<'a> {
             .store(alloc.cached() as u64, Ordering::Relaxed);
         metrics::gauge!("baton_kv_blocks_used").set(used as f64);
         metrics::gauge!("baton_kv_blocks_cached").set(alloc.cached() as f64);
+        let (snapshots_used, snapshots) = alloc.snapshots_used();
+        self.status
+            .state_snapshots_used
+            .store(snapshots_used as u64, Ordering::Relaxed);
+        self.status.state_snapshots.store(snapshots as u64, Ordering::Relaxed);
+        metrics::gauge!("baton_prefix_state_snapshots_used").set(snapshots_used as f64);
+    }
+}
+
+/// The block allocator of a pipeline of `kv_blocks` blocks under `config`: with state
+/// snapshots for a model with recurrent state.
+fn allocator(config: &PipelineConfig, kv_blocks: usize) -> BlockAllocator {
+    let alloc = BlockAllocator::new(kv_blocks, config.kv_block_size, config.prefix_caching);
+    match config.recurrent_state {
+        true => alloc.with_snapshots(config.state_snapshots),
+        false => alloc,
     }
 }
 
@@ -937,6 +1023,8 @@ struct InFlight {
     members: Vec<u64>,
     /// Where each member's chunk ends: its K/V up to there is on every stage once this is back.
     ends: Vec<usize>,
+    /// State snapshots its prompt chunks fill, attached to their blocks once this is back.
+    snapshots: Vec<PendingSnapshot>,
     sent: Instant,
     /// `pipeline.step`, from send until its tokens are handed out.
     span: tracing::Span,
@@ -1019,7 +1107,8 @@ fn new_seq(s: SeqRequest, speculative: &SpeculativeConfig) -> Seq {
         prefill_len: tokens.len(),
         blocks: Vec::new(),
         reused: 0,
-        indexed: IndexProgress::Start,
+        indexed: IndexProgress::default(),
+        restore: None,
         cached_reported: resume.cached_reported,
         tokens,
         spec_tokens,
@@ -1048,7 +1137,8 @@ mod tests {
             prefill_len: prompt,
             blocks: Vec::new(),
             reused: 0,
-            indexed: IndexProgress::Start,
+            indexed: IndexProgress::default(),
+            restore: None,
             cached_reported: false,
             id,
             submitted: Instant::now(),
@@ -1119,10 +1209,13 @@ mod tests {
             max_batch_tokens: 64,
             auto_limits: crate::pipeline::sizing::AutoLimits::NONE,
             kv_dim: 1,
+            layer_caches: Vec::new(),
             kv_block_size: 16,
             kv_max_blocks: None,
             kv_dtype: baton_worker::kv_cache::KvDtype::F32,
             prefix_caching: true,
+            state_snapshots: 0,
+            recurrent_state: false,
             max_migrations: 2,
             queue_timeout: std::time::Duration::from_secs(60),
             live_replan: None,
@@ -1741,7 +1834,7 @@ mod tests {
         let mut old = seq(1, 40, 0);
         old.tokens = (100..140).collect();
         assert!(alloc.cover(&mut old.blocks, 40));
-        let mut progress = IndexProgress::Start;
+        let mut progress = IndexProgress::default();
         alloc.index(&old.blocks, &old.tokens, 40, &mut progress);
         let mut new = seq(2, 50, 0);
         new.tokens[..36].copy_from_slice(&old.tokens[..36]);
@@ -1763,6 +1856,186 @@ mod tests {
         let c = compose_step(&mut all, 512, &mut alloc, None, &mut Outbox::default());
         assert_eq!((c.chunks[0].pos0, c.chunks[0].cached), (48, 48));
         assert_eq!(c.chunks[0].tokens, [tokens[48], tokens[49], 7]);
+    }
+
+    #[test]
+    fn hybrid_chunks_end_on_block_boundaries_where_the_state_can_be_snapshotted() {
+        // (prefilled, n, prefill_len, block 16) -> tokens taken.
+        assert_eq!(
+            snapshot_aligned(0, 25, 100, 16),
+            16,
+            "cut back to the boundary it reaches"
+        );
+        assert_eq!(snapshot_aligned(16, 25, 100, 16), 16);
+        assert_eq!(snapshot_aligned(0, 10, 100, 16), 10, "no boundary reached: as it is");
+        assert_eq!(snapshot_aligned(0, 32, 100, 16), 32, "already on one");
+        assert_eq!(
+            snapshot_aligned(48, 22, 70, 16),
+            16,
+            "a 4-block prompt's last full block first"
+        );
+        assert_eq!(snapshot_aligned(64, 6, 70, 16), 6, "then the tail");
+        assert_eq!(
+            snapshot_aligned(32, 18, 50, 16),
+            18,
+            "a shorter prompt ends in one piece"
+        );
+    }
+
+    /// A stage of a hybrid model reduced to what the protocol must keep right: each
+    /// sequence's recurrent state as the tokens it has absorbed, and the snapshots.
+    #[derive(Default)]
+    struct FakeRecurrentStage {
+        states: std::collections::HashMap<u64, Vec<u32>>,
+        snapshots: std::collections::HashMap<u32, Vec<u32>>,
+        restores: usize,
+    }
+
+    impl FakeRecurrentStage {
+        fn run(&mut self, batch: &MicroBatch) {
+            for c in &batch.seqs {
+                if c.pos0 == 0 || c.cached != 0 {
+                    let start = match c.restore_state {
+                        Some(s) => {
+                            self.restores += 1;
+                            self.snapshots[&s].clone()
+                        }
+                        None => Vec::new(),
+                    };
+                    assert_eq!(start.len(), c.cached as usize, "sequence {}: restored state", c.seq_id);
+                    self.states.insert(c.seq_id, start);
+                }
+                let state = self.states.get_mut(&c.seq_id).unwrap();
+                assert_eq!(
+                    state.len(),
+                    c.pos0 as usize,
+                    "sequence {}: state and position",
+                    c.seq_id
+                );
+                state.extend(&c.tokens);
+                if let Some(s) = c.save_state {
+                    assert_eq!(state.len() % 16, 0, "snapshots are taken on block boundaries");
+                    self.snapshots.insert(s, state.clone());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn hybrid_prefix_hits_start_from_a_snapshot_of_exactly_the_reused_tokens() {
+        // Three prompts that share 50 tokens and a fourth equal to the first, one after another
+        // through a 2-stage scheduler: every restored state must be the state of exactly the
+        // reused tokens, and every sequence's final state that of all its tokens.
+        let config = PipelineConfig {
+            max_context: 512,
+            max_batch_tokens: 50,
+            recurrent_state: true,
+            state_snapshots: 8,
+            ..pipeline_config(4, vec![])
+        };
+        let status = PipelineStatus::default();
+        let mut sched = Scheduler::new(&config, &status, 2, 64);
+        let mut out = Outbox::default();
+        let shared: Vec<u32> = (1..=50).collect();
+        let prompts = [
+            [&shared[..], &[60, 61, 62, 63, 64][..]].concat(),
+            [&shared[..], &[70; 30][..]].concat(),
+            [&shared[..], &[80, 81][..]].concat(),
+        ];
+        let mut stage = FakeRecurrentStage::default();
+        let token = |seq: u64, pos: u32| (seq as u32 * 7 + pos) % 50 + 200;
+        let mut all_events = Vec::new();
+        for (i, prompt) in prompts.iter().chain([&prompts[0]]).enumerate() {
+            let mut queue = vec![request(i as u64 + 1, prompt.clone(), 4)];
+            sched.admit(|| queue.pop(), &mut out);
+            let mut sent: VecDeque<MicroBatch> = VecDeque::new();
+            for _ in 0..100 {
+                sched.schedule(&mut out);
+                for b in out.batches.drain(..) {
+                    stage.run(&b);
+                    sent.push_back(b);
+                }
+                let Some(batch) = sent.pop_front() else { break };
+                sched.on_result(answer(&batch, token), &mut out).unwrap();
+                all_events.append(&mut out.events);
+            }
+            assert!(sched.is_idle());
+            let generated = tokens_of(&all_events, i as u64 + 1);
+            assert_eq!(generated.len(), 4);
+            // The last token is sampled, not yet absorbed.
+            let full = [&prompt[..], &generated[..3]].concat();
+            assert_eq!(stage.states[&(i as u64 + 1)], full, "sequence {}", i + 1);
+        }
+        // The first prompt's chunks end at 16 and 32 (the 25-token budget cut back to block
+        // boundaries), then at its end (55: a 3-block prompt is not cut before its tail), so
+        // the second starts from 32. It recomputes block 2 (positions 32..48) as a twin of the
+        // first's and snapshots its end there, so the third and the repeat start from 48.
+        assert_eq!(stage.restores, 3);
+        assert_eq!(status.prefix_hit_tokens.load(Ordering::Relaxed), 32 + 48 + 48);
+        let (used, total) = sched.alloc.snapshots_used();
+        assert!(used > 0 && used <= total);
+    }
+
+    #[test]
+    fn preempted_hybrid_sequences_resume_from_snapshots_of_their_own_tokens() {
+        // Eight 40-token prompts from two stems at once in a pool of 14 blocks: sequences are
+        // preempted, and restart from the snapshots their own chunks (or a twin's) left; every
+        // restored state is that of exactly the reused tokens and every final state that of
+        // all the sequence's tokens.
+        let config = PipelineConfig {
+            max_context: 512,
+            max_batch_tokens: 64,
+            recurrent_state: true,
+            state_snapshots: 16,
+            ..pipeline_config(8, vec![])
+        };
+        let status = PipelineStatus::default();
+        let mut sched = Scheduler::new(&config, &status, 2, 14);
+        let mut out = Outbox::default();
+        let prompts: Vec<Vec<u32>> = (0..8u32)
+            .map(|i| {
+                (0..40)
+                    .map(|p| if p < 24 { (i % 2) * 100 + p } else { i * 1000 + p })
+                    .collect()
+            })
+            .collect();
+        let mut queue: VecDeque<SeqRequest> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| request(i as u64 + 1, p.clone(), 20))
+            .collect();
+        let mut stage = FakeRecurrentStage::default();
+        let token = |seq: u64, pos: u32| (seq as u32 * 7 + pos) % 50 + 200;
+        let mut events = Vec::new();
+        let mut sent: VecDeque<MicroBatch> = VecDeque::new();
+        for _ in 0..2000 {
+            sched.admit(|| queue.pop_front(), &mut out);
+            sched.schedule(&mut out);
+            for b in out.batches.drain(..) {
+                stage.run(&b);
+                sent.push_back(b);
+            }
+            let Some(batch) = sent.pop_front() else { break };
+            sched.on_result(answer(&batch, token), &mut out).unwrap();
+            events.append(&mut out.events);
+        }
+        assert!(sched.is_idle() && queue.is_empty());
+        for (i, prompt) in prompts.iter().enumerate() {
+            let id = i as u64 + 1;
+            let generated = tokens_of(&events, id);
+            assert_eq!(generated.len(), 20, "sequence {id}");
+            assert_eq!(
+                stage.states[&id],
+                [&prompt[..], &generated[..19]].concat(),
+                "sequence {id}"
+            );
+        }
+        let preempted = status.preemptions.load(Ordering::Relaxed);
+        assert!(
+            preempted > 0 && stage.restores > 0,
+            "{preempted} preemptions, {} restores",
+            stage.restores
+        );
     }
 
     #[test]

@@ -54,6 +54,7 @@ impl CpuBackend {
                 c.state_layers,
                 c.state_values,
                 opts.effective_state_slots(),
+                opts.state_snapshots,
             ),
         )
     }
@@ -107,6 +108,7 @@ impl Backend for CpuBackend {
             bytes: self.kv.bytes(),
             dtype: self.kv.dtype(),
             state_slots: self.kv.state_slots(),
+            state_snapshots: self.kv.state_snapshots(),
         }
     }
 
@@ -148,6 +150,14 @@ impl Backend for CpuBackend {
         }
         dst.copy_from_slice(state);
         Ok(())
+    }
+
+    fn save_snapshot(&mut self, slot: usize, snapshot: usize) -> Result<(), ForwardError> {
+        self.kv.save_snapshot(slot, snapshot)
+    }
+
+    fn load_snapshot(&mut self, snapshot: usize, slot: usize) -> Result<(), ForwardError> {
+        self.kv.load_snapshot(snapshot, slot)
     }
 
     fn draft_argmax(&mut self, rows: &[f32], out: &mut Vec<u32>) -> Result<(), ForwardError> {

@@ -149,6 +149,7 @@ impl Backend for CudaBackend {
             bytes: self.kv.bytes(),
             dtype: self.kv.dtype(),
             state_slots: 0,
+            state_snapshots: 0,
         }
     }
 

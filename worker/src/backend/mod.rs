@@ -23,10 +23,10 @@ use std::str::FromStr;
 use baton_shared::model_config::ModelConfig;
 use baton_shared::model_files::{LoadError, ModelFiles};
 
+use crate::kv_cache::KvDtype;
 pub use crate::kv_cache::PagedSeq as SeqChunk;
-use crate::kv_cache::{KvDtype, PagedKv};
 use crate::model::dflash::{DflashError, DflashFiles};
-use crate::model::spec::LayerSpec;
+use crate::model::spec::{CacheBytes, LayerSpec};
 use crate::model::{ForwardError, PartBytes, WeightFormat, registry};
 pub use crate::ops::cpu::CpuOptions;
 use crate::sampler::Sampler;
@@ -134,6 +134,8 @@ pub struct KvGeometry {
     pub dtype: KvDtype,
     /// Recurrent-state slots, one per running sequence (0: no linear-attention layers here).
     pub state_slots: usize,
+    /// Recurrent-state snapshots for the prefix cache (0: none, or no such layers here).
+    pub state_snapshots: usize,
 }
 
 /// What a backend reports about itself (logs, metrics, the coordinator's cluster view).
@@ -245,6 +247,21 @@ pub trait Backend: Send {
     }
     /// Put back a state [`save_state`](Self::save_state) copied from `slot`.
     fn restore_state(&mut self, _slot: usize, _state: &[f32]) -> Result<(), ForwardError> {
+        Err(ForwardError::Device(format!(
+            "{} keeps no recurrent state (linear-attention layers run on the CPU backend)",
+            self.info().kernels
+        )))
+    }
+    /// Copy `slot`'s recurrent state into prefix-cache snapshot `snapshot` (see
+    /// [`KvGeometry::state_snapshots`]).
+    fn save_snapshot(&mut self, _slot: usize, _snapshot: usize) -> Result<(), ForwardError> {
+        Err(ForwardError::Device(format!(
+            "{} keeps no recurrent state (linear-attention layers run on the CPU backend)",
+            self.info().kernels
+        )))
+    }
+    /// Start `slot`'s recurrent state from snapshot `snapshot`.
+    fn load_snapshot(&mut self, _snapshot: usize, _slot: usize) -> Result<(), ForwardError> {
         Err(ForwardError::Device(format!(
             "{} keeps no recurrent state (linear-attention layers run on the CPU backend)",
             self.info().kernels
@@ -367,6 +384,8 @@ pub struct BackendOptions {
     /// linear-attention layers; 0: as many as the pool has blocks, at most
     /// [`DEFAULT_STATE_SLOTS`].
     pub state_slots: usize,
+    /// Recurrent-state snapshots the prefix cache of a hybrid model keeps on such a stage.
+    pub state_snapshots: usize,
 }
 
 /// Recurrent-state slots a stage keeps when nobody says how many.
@@ -397,14 +416,13 @@ impl BackendOptions {
     /// allocated).
     pub fn kv_bytes(&self, config: &ModelConfig, layers: Range<usize>) -> u128 {
         let arch = registry::for_config(config);
-        let (mut per_block, mut per_slot) = (0usize, 0usize);
-        for l in layers {
-            let cache = arch.layer(config, l).spec().cache;
-            per_block += PagedKv::bytes_per_block(1, cache.kv_dim(), self.kv_block_size, self.kv_dtype);
-            per_slot += cache.state_values() * size_of::<f32>();
-        }
-        let slots = if per_slot > 0 { self.effective_state_slots() } else { 0 };
-        per_block as u128 * self.kv_blocks as u128 + per_slot as u128 * slots as u128
+        let caches = layers.map(|l| arch.layer(config, l).spec().cache);
+        let bytes = CacheBytes::of(caches, self.kv_block_size, self.kv_dtype.bytes());
+        let states = match bytes.per_state {
+            0 => 0,
+            _ => self.effective_state_slots() + self.state_snapshots,
+        };
+        bytes.total(self.kv_blocks, states)
     }
 }
 

@@ -7,7 +7,10 @@
 //!
 //! Beside the blocks, a stage with linear-attention layers keeps a fixed number of recurrent
 //! state slots (f32), one per running sequence: a slot holds that sequence's state for every
-//! such layer of the stage, and is zeroed when the sequence starts at position 0.
+//! such layer of the stage, and is zeroed when the sequence starts at position 0. After them
+//! come the state snapshots of the prefix cache: copies of a slot taken where a chunk ended on
+//! a block boundary, which a later sequence with the same tokens starts from. The coordinator
+//! allocates snapshot ids, as it does block ids.
 
 use super::{BatchKv, KvDtype, KvSpans};
 use crate::kernels::cpu::attention::{KvData, Rows};
@@ -63,11 +66,13 @@ pub struct PagedKv {
     block_size: usize,
     blocks: usize,
     dtype: KvDtype,
-    /// `state_slots × state_layers × state_values` f32s.
+    /// `(state_slots + state_snapshots) × state_layers × state_values` f32s: the slots, then
+    /// the snapshots.
     states: Vec<f32>,
     state_layers: usize,
     state_values: usize,
     state_slots: usize,
+    state_snapshots: usize,
 }
 
 impl PagedKv {
@@ -97,17 +102,20 @@ impl PagedKv {
             state_layers: 0,
             state_values: 0,
             state_slots: 0,
+            state_snapshots: 0,
         }
     }
 
-    /// The pool with `slots` recurrent-state slots for `state_layers` layers of `state_values`
-    /// f32s each.
-    pub fn with_states(self, state_layers: usize, state_values: usize, slots: usize) -> Self {
+    /// The pool with `slots` recurrent-state slots and `snapshots` state snapshots for
+    /// `state_layers` layers of `state_values` f32s each.
+    pub fn with_states(self, state_layers: usize, state_values: usize, slots: usize, snapshots: usize) -> Self {
+        let (slots, snapshots) = if state_layers == 0 { (0, 0) } else { (slots, snapshots) };
         Self {
-            states: vec![0.0; slots * state_layers * state_values],
+            states: vec![0.0; (slots + snapshots) * state_layers * state_values],
             state_layers,
             state_values,
-            state_slots: if state_layers == 0 { 0 } else { slots },
+            state_slots: slots,
+            state_snapshots: snapshots,
             ..self
         }
     }
@@ -115,6 +123,42 @@ impl PagedKv {
     /// Recurrent-state slots (0 for a stage without linear-attention layers).
     pub fn state_slots(&self) -> usize {
         self.state_slots
+    }
+
+    /// State snapshots kept for the prefix cache (0 for a stage without linear-attention
+    /// layers).
+    pub fn state_snapshots(&self) -> usize {
+        self.state_snapshots
+    }
+
+    /// Copy `slot`'s state into snapshot `snapshot`.
+    pub fn save_snapshot(&mut self, slot: usize, snapshot: usize) -> Result<(), ForwardError> {
+        let from = self.slot_range(slot)?;
+        let to = self.snapshot_range(snapshot)?;
+        self.states.copy_within(from, to.start);
+        Ok(())
+    }
+
+    /// Start `slot`'s state from snapshot `snapshot`.
+    pub fn load_snapshot(&mut self, snapshot: usize, slot: usize) -> Result<(), ForwardError> {
+        let from = self.snapshot_range(snapshot)?;
+        let to = self.slot_range(slot)?;
+        self.states.copy_within(from, to.start);
+        Ok(())
+    }
+
+    /// Where snapshot `snapshot` lies in `states` (after the slots), or `StateSnapshot` if the
+    /// pool has no such snapshot.
+    fn snapshot_range(&self, snapshot: usize) -> Result<std::ops::Range<usize>, ForwardError> {
+        if snapshot >= self.state_snapshots {
+            return Err(ForwardError::StateSnapshot {
+                snapshot,
+                snapshots: self.state_snapshots,
+            });
+        }
+        let per_slot = self.state_layers * self.state_values;
+        let at = (self.state_slots + snapshot) * per_slot;
+        Ok(at..at + per_slot)
     }
 
     /// Where `slot`'s recurrent state (every linear-attention layer of the stage, back to back)
@@ -166,7 +210,7 @@ impl PagedKv {
         self.block_size
     }
 
-    /// Bytes the pool reserves (blocks and state slots).
+    /// Bytes the pool reserves (blocks, state slots and snapshots).
     pub fn bytes(&self) -> usize {
         Self::bytes_per_block(self.layers.len(), self.kv_dim, self.block_size, self.dtype) * self.blocks
             + self.states.len() * size_of::<f32>()

@@ -27,6 +27,8 @@ pub enum ForwardError {
     KvBlockId { id: u32, blocks: usize },
     #[error("recurrent-state slot {slot} is outside the stage's {slots} slots")]
     StateSlot { slot: usize, slots: usize },
+    #[error("recurrent-state snapshot {snapshot} is outside the stage's {snapshots} snapshots")]
+    StateSnapshot { snapshot: usize, snapshots: usize },
     #[error("a saved recurrent state of {got} values does not fit a slot of {want}")]
     StateSize { got: usize, want: usize },
 }

@@ -66,6 +66,31 @@ impl CacheSpec {
     }
 }
 
+/// Bytes a stage's caches take: per KV block (every attention layer's keys and values) and per
+/// copy of one sequence's recurrent state (every linear-attention layer's, f32). The same
+/// arithmetic sizes a worker's pool at load and the coordinator's block count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CacheBytes {
+    pub per_block: usize,
+    pub per_state: usize,
+}
+
+impl CacheBytes {
+    /// The bytes of layers caching as `caches` say, in blocks of `block_size` positions whose
+    /// values take `value_bytes` each.
+    pub fn of(caches: impl IntoIterator<Item = CacheSpec>, block_size: usize, value_bytes: usize) -> Self {
+        caches.into_iter().fold(Self::default(), |acc, c| Self {
+            per_block: acc.per_block + 2 * block_size * c.kv_dim() * value_bytes,
+            per_state: acc.per_state + c.state_values() * size_of::<f32>(),
+        })
+    }
+
+    /// Bytes of `blocks` blocks and `states` state copies (slots and snapshots).
+    pub fn total(self, blocks: usize, states: usize) -> u128 {
+        self.per_block as u128 * blocks as u128 + self.per_state as u128 * states as u128
+    }
+}
+
 /// Where each of a stage's layers keeps its cache: attention layers number their K/V slots
 /// from 0, recurrent layers their state slots from 0, so neither pool holds room for the
 /// other kind's layers.
