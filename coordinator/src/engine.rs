@@ -166,8 +166,10 @@ async fn carry_out<E: Executor>(
     let undelivered = requests.deliver(out);
     let stopped = sched.abort(&undelivered, out);
     requests.forget(&stopped);
+    out.free_in_band.extend_from_slice(&out.free);
     exec.free(std::mem::take(&mut out.free));
-    for batch in out.batches.drain(..) {
+    for mut batch in out.batches.drain(..) {
+        batch.free = std::mem::take(&mut out.free_in_band);
         exec.submit(batch).await?;
     }
     Ok(())

@@ -481,6 +481,7 @@ fn main() {
         trace_context: trace,
         sent_unix_nanos: 1_700_000_000_000_000_000,
         draft_context: Some(hidden.clone()),
+        free: vec![4, 9],
     };
     put_proto(0, "load_stage", &|| load.encode_to_vec());
     put_proto(1, "micro_batch", &|| mb.encode_to_vec());

@@ -316,6 +316,10 @@ impl Stage {
 
     /// Run one micro-batch through this stage's layers.
     pub fn run(&mut self, mut batch: MicroBatch) -> Result<StageOutput, String> {
+        if !batch.free.is_empty() {
+            // Freed before this batch was sent: their Free RPC may not have arrived yet.
+            self.free(&batch.free);
+        }
         let shape = self.backend.shape();
         let (h, first, last) = (shape.config.hidden_size, shape.first, shape.last);
         let total: usize = batch.seqs.iter().map(|s| s.tokens.len()).sum();

@@ -31,6 +31,9 @@ pub(crate) struct Outbox {
     pub events: Vec<(u64, TokenEvent)>,
     /// Sequences whose KV every stage should drop.
     pub free: Vec<u64>,
+    /// Those freed since the last micro-batch was sent: the next one carries them, so every
+    /// stage drops them before it runs a chunk that may need their slots.
+    pub free_in_band: Vec<u64>,
     /// Micro-batches to send into the first stage, in order.
     pub batches: Vec<MicroBatch>,
 }
@@ -718,6 +721,8 @@ impl<'a> Scheduler<'a> {
                     trace_context: baton_shared::trace_context::inject(&span),
                     sent_unix_nanos: baton_shared::wire::unix_nanos(),
                     draft_context: None,
+                    // The engine adds the sequences freed since the last batch.
+                    free: Vec::new(),
                 });
                 metrics::counter!("baton_prefix_state_snapshots_taken_total").increment(snapshots.len() as u64);
                 self.in_flight.push_back(InFlight {
