@@ -314,6 +314,52 @@ fn hybrid_limits() -> Limits {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sized_running_limit_gives_every_stage_that_many_state_slots() {
+    // Limits left to the sizing on two workers with 1 MiB of KV budget each: the running
+    // limit comes from the profiles, the KV pool and the state slots that fit (not a fixed 64),
+    // every stage with linear-attention layers allocates that many slots, and output is each
+    // prompt's own.
+    use baton_coordinator::generation::Generator;
+    use baton_coordinator::pipeline::sizing::AutoLimits;
+    let name = "qwen3_next";
+    let dir = fixtures().join("tiny").join(name);
+    let cfg = files(name).config().unwrap();
+    let params = greedy_params(6);
+    let Workload { prompts, want, .. } = sixteen_streams(name, &params);
+    let limits = Limits {
+        auto_limits: AutoLimits {
+            max_running: true,
+            max_batch_tokens: true,
+        },
+        max_running: 64,
+        ..hybrid_limits()
+    };
+    let flags = vec![vec!["--kv-cache-mib".to_string(), "1".to_string()]; 2];
+    let tc = TestCluster::start_full(&dir, &cfg, vec![], &[2], &flags, limits).await;
+    let got = futures::future::join_all(prompts.iter().map(|p| tc.generate(p, params.clone()))).await;
+    for ((p, w), g) in prompts.iter().zip(&want).zip(got) {
+        assert_eq!(&g.unwrap().0, w, "prompt of {} tokens", p.len());
+    }
+    let view = tc.generator.describe();
+    let running = view["limits"]["max_running"].as_u64().unwrap();
+    let bound = view["limits"]["max_running_bound"].as_str().unwrap();
+    // Sequences end and start all the time with every slot in use: each stage drops the ended
+    // ones before the batch that starts new ones (MicroBatch.free), so no batch fails for want
+    // of a slot and the pipeline never breaks.
+    assert_eq!(view["migrations_total"], 0, "{view}");
+    assert!(
+        running < 64 && ["state_memory", "kv_pool", "step_cost"].contains(&bound),
+        "{view}"
+    );
+    for w in tc.cluster.alive() {
+        let mut client = connect_worker(&w.address, &tc.peer).await.unwrap();
+        let h = client.health(HealthRequest {}).await.unwrap().into_inner();
+        // Both stages hold linear-attention layers (L L | F L L).
+        assert!(u64::from(h.state_slots_total) >= running, "{h:?} for {running} running");
+    }
+}
+
 /// Worker flags that serve each worker's metrics on a port it picks.
 fn metrics_flags(workers: usize) -> Vec<Vec<String>> {
     vec![vec!["--metrics-listen".to_string(), "127.0.0.1:0".to_string()]; workers]

@@ -271,8 +271,9 @@ pub(super) fn pipeline_config(
             "prefix caching is off for this model: state_snapshots is 0, and its linear-attention layers need them"
         );
     }
-    // Each stage keeps one recurrent-state slot per running sequence, allocated at load: the
-    // running limit is fixed (not sized from measurement) so the slots cover it.
+    // Each stage keeps one recurrent-state slot per running sequence, allocated at load: an
+    // unset limit is sized (within the slots that fit each stage's budget), and where nothing
+    // is measured a hybrid keeps as many as a stage's default slots.
     let max_running = match (hybrid, p.max_running) {
         (_, Some(n)) => n,
         (true, None) => HYBRID_MAX_RUNNING,
@@ -291,7 +292,7 @@ pub(super) fn pipeline_config(
             .unwrap_or(UNMEASURED_MAX_BATCH_TOKENS)
             .max(p.max_running.unwrap_or(1)),
         auto_limits: AutoLimits {
-            max_running: p.max_running.is_none() && !hybrid,
+            max_running: p.max_running.is_none(),
             max_batch_tokens: p.max_batch_tokens.is_none(),
         },
         kv_block_size: p.kv_block_size,

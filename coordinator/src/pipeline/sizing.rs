@@ -18,7 +18,10 @@
 //!   too), times the stages (one micro-batch per stage in flight); at most what the KV pool
 //!   holds at [`PLANNED_POSITIONS`] positions a sequence, and at most [`MAX_RUNNING`].
 //!   Admission still reserves each prompt's blocks and preemption still makes room, as vLLM
-//!   does beneath its `max_num_seqs`.
+//!   does beneath its `max_num_seqs`. For a model with linear-attention layers, also at most
+//!   the sequences whose recurrent-state slot fits beside their planned K/V on every stage
+//!   (after the prefix cache's state snapshots): every stage allocates a slot per running
+//!   sequence when it loads.
 
 use std::ops::Range;
 
@@ -38,9 +41,9 @@ pub const PLANNED_POSITIONS: usize = 1024;
 pub const MAX_RUNNING: usize = 256;
 /// Running sequences where nothing is measured (the in-process stage), within the KV bound.
 pub const UNMEASURED_MAX_RUNNING: usize = 8;
-/// The running limit of a model with linear-attention layers when none is set: fixed, since
-/// every stage allocates that many recurrent-state slots when it loads (as many as
-/// [`baton_worker::backend::DEFAULT_STATE_SLOTS`], what a stage keeps unless told).
+/// The running limit of a model with linear-attention layers where nothing is measured (the
+/// in-process stage): as many recurrent-state slots as a stage keeps unless told
+/// ([`baton_worker::backend::DEFAULT_STATE_SLOTS`]).
 pub const HYBRID_MAX_RUNNING: usize = baton_worker::backend::DEFAULT_STATE_SLOTS;
 /// Tokens per step where nothing is measured.
 pub const UNMEASURED_MAX_BATCH_TOKENS: usize = 128;
@@ -71,7 +74,7 @@ pub struct StepLimits {
     pub max_running: usize,
     /// Tokens per step over all stages (each micro-batch in flight takes an equal part).
     pub max_batch_tokens: usize,
-    /// `set` (by the user), `kv_pool`, `step_cost`, `cap` or `unmeasured`.
+    /// `set` (by the user), `kv_pool`, `state_memory`, `step_cost`, `cap` or `unmeasured`.
     pub running_bound: &'static str,
     /// `set`, `amortized`, `step_seconds`, `decode_rows` or `unmeasured`.
     pub tokens_bound: &'static str,
@@ -87,6 +90,16 @@ impl StepLimits {
         if auto.max_running && bound < self.max_running {
             self.max_running = bound;
             self.running_bound = "kv_pool";
+        }
+        self
+    }
+
+    /// These limits with a running limit left to the sizing at most `state_sequences`: the
+    /// sequences whose recurrent state fits on every stage (None: no stage keeps any).
+    pub fn within_state(mut self, auto: AutoLimits, state_sequences: Option<usize>) -> Self {
+        if let Some(bound) = state_sequences.filter(|&b| auto.max_running && b < self.max_running) {
+            self.max_running = bound.max(1);
+            self.running_bound = "state_memory";
         }
         self
     }
@@ -318,5 +331,29 @@ mod tests {
         assert_eq!(s.clone().within_pool(auto, 50 * 512, 512), s);
         let set = size(AutoLimits::NONE, 8, 128, 2, None, 1 << 20, 8192);
         assert_eq!(set.clone().within_pool(AutoLimits::NONE, 512, 512), set);
+    }
+
+    #[test]
+    fn a_sized_running_limit_comes_down_to_the_state_slots_that_fit() {
+        let auto = AutoLimits {
+            max_running: true,
+            max_batch_tokens: false,
+        };
+        let s = size(auto, 64, 128, 2, None, 1 << 20, 8192);
+        let lowered = s.clone().within_state(auto, Some(5));
+        assert_eq!((lowered.max_running, lowered.running_bound), (5, "state_memory"));
+        assert_eq!(s.clone().within_state(auto, None), s, "no stage keeps state");
+        assert_eq!(
+            s.clone().within_state(auto, Some(1000)),
+            s,
+            "a looser bound changes nothing"
+        );
+        assert_eq!(s.clone().within_state(auto, Some(0)).max_running, 1, "at least one");
+        let set = size(AutoLimits::NONE, 64, 128, 2, None, 1 << 20, 8192);
+        assert_eq!(
+            set.clone().within_state(AutoLimits::NONE, Some(5)),
+            set,
+            "a set limit is kept"
+        );
     }
 }

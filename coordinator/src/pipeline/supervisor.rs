@@ -188,8 +188,30 @@ async fn size_limits(
         costs.as_ref(),
         kv_positions,
         config.max_context,
-    );
+    )
+    .within_state(config.auto_limits, state_bound(config, workers, &even));
     (with_limits(config, &limits), limits)
+}
+
+/// The most sequences whose recurrent-state slot fits in every stage's KV budget beside the
+/// prefix cache's snapshots and the K/V blocks a sequence is planned to hold
+/// ([`sizing::PLANNED_POSITIONS`], the model's context if shorter); None when no stage of
+/// `ranges` keeps recurrent state.
+pub(super) fn state_bound(config: &PipelineConfig, workers: &[WorkerEntry], ranges: &[Range<usize>]) -> Option<usize> {
+    let planned = sizing::PLANNED_POSITIONS.min(config.max_context.max(1));
+    let blocks = planned.div_ceil(config.kv_block_size.max(1));
+    let mut bound: Option<usize> = None;
+    for (w, layers) in workers.iter().zip(ranges) {
+        let bytes = config.cache_bytes(layers.clone());
+        if bytes.per_state == 0 {
+            continue;
+        }
+        let left = (w.kv_cache_bytes as u128).saturating_sub(bytes.total(0, config.state_snapshots));
+        let per_sequence = bytes.total(blocks, 1);
+        let fits = (left / per_sequence).min(usize::MAX as u128) as usize;
+        bound = Some(bound.map_or(fits, |b| b.min(fits)));
+    }
+    bound
 }
 
 /// `config` running with `limits`.
@@ -754,6 +776,7 @@ pub(crate) async fn run_local(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use baton_worker::model::spec::CacheBytes;
 
     fn worker(kv_cache_bytes: u64) -> WorkerEntry {
         WorkerEntry {
@@ -817,5 +840,36 @@ mod tests {
         let stage1 = config.cache_bytes(ranges[1].clone());
         let workers = [worker(linear.total(0, 8) as u64), worker(stage1.total(7, 8) as u64)];
         assert_eq!(kv_blocks(&config, &workers, &ranges).unwrap(), 7);
+    }
+
+    #[test]
+    fn the_state_bound_counts_a_slot_and_the_planned_blocks_per_sequence() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny/qwen3_next");
+        let cfg = baton_shared::model_files::ModelFiles::open(&dir)
+            .unwrap()
+            .config()
+            .unwrap();
+        let config = PipelineConfig {
+            state_snapshots: 4,
+            ..PipelineConfig::new("m", &cfg, vec![])
+        };
+        let ranges = [0..2, 2..cfg.num_layers];
+        // The tiny model's context (256 positions) is what a sequence is planned to hold.
+        let blocks = cfg.max_position_embeddings.min(sizing::PLANNED_POSITIONS).div_ceil(16);
+        let (s0, s1) = (
+            config.cache_bytes(ranges[0].clone()),
+            config.cache_bytes(ranges[1].clone()),
+        );
+        let budget = |b: CacheBytes, n: usize| (b.total(0, 4) + n as u128 * b.total(blocks, 1)) as u64;
+        let workers = [worker(budget(s0, 9)), worker(budget(s1, 6))];
+        assert_eq!(state_bound(&config, &workers, &ranges), Some(6));
+        let workers = [worker(budget(s0, 3)), worker(budget(s1, 6))];
+        assert_eq!(state_bound(&config, &workers, &ranges), Some(3));
+        // A model without recurrent state is not bounded by it.
+        let plain = PipelineConfig {
+            layer_caches: Vec::new(),
+            ..config.clone()
+        };
+        assert_eq!(state_bound(&plain, &workers, &ranges), None);
     }
 }
