@@ -181,6 +181,31 @@ fn start_worker_in(
         .expect("starting baton worker")
 }
 
+/// Generate on `generator` and collect every token; Err carries a `Failed` event's message.
+pub async fn generate_on(
+    generator: &impl Generator,
+    prompt: &[u32],
+    params: SamplingParams,
+) -> Result<(Vec<u32>, FinishReason), String> {
+    let req = GenerationRequest {
+        prompt: prompt.to_vec(),
+        params,
+        top_logprobs: 0,
+        logprobs: false,
+    };
+    let mut rx = generator.submit(req).map_err(|e| e.to_string())?;
+    let mut tokens = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            TokenEvent::PromptCached { .. } => {}
+            TokenEvent::Token { id, .. } => tokens.push(id),
+            TokenEvent::Done { reason } => return Ok((tokens, reason)),
+            TokenEvent::Failed { message, .. } => return Err(message),
+        }
+    }
+    Err("event stream ended without Done".into())
+}
+
 impl TestCluster {
     /// Registry + pipeline over `model`, split at `cuts` (empty: one stage), with as many workers.
     pub async fn start(model: &Path, cfg: &ModelConfig, eos_ids: Vec<u32>, cuts: &[usize]) -> Self {
@@ -369,23 +394,7 @@ impl TestCluster {
 
     /// Generate and collect every token; Err carries a `Failed` event's message.
     pub async fn generate(&self, prompt: &[u32], params: SamplingParams) -> Result<(Vec<u32>, FinishReason), String> {
-        let req = GenerationRequest {
-            prompt: prompt.to_vec(),
-            params,
-            top_logprobs: 0,
-            logprobs: false,
-        };
-        let mut rx = self.generator.submit(req).map_err(|e| e.to_string())?;
-        let mut tokens = Vec::new();
-        while let Some(ev) = rx.recv().await {
-            match ev {
-                TokenEvent::PromptCached { .. } => {}
-                TokenEvent::Token { id, .. } => tokens.push(id),
-                TokenEvent::Done { reason } => return Ok((tokens, reason)),
-                TokenEvent::Failed { message, .. } => return Err(message),
-            }
-        }
-        Err("event stream ended without Done".into())
+        generate_on(&*self.generator, prompt, params).await
     }
 
     /// Sequences each stage holds KV for, in stage order (asked over gRPC Health).

@@ -592,9 +592,9 @@ fn workload(name: &str, params: &SamplingParams) -> Workload {
 /// (prefix caching on, 24-token steps): each one's tokens, and the prompt tokens reused from
 /// the prefix cache.
 async fn in_process(dir: &std::path::Path, prompts: &[Vec<u32>], params: &SamplingParams) -> (Vec<Vec<u32>>, u64) {
-    use baton_coordinator::generation::{GenerationRequest, Generator, TokenEvent};
     use baton_coordinator::local::{self, LocalStageOptions};
     use baton_coordinator::pipeline::PipelineConfig;
+    use baton_tests::cluster::generate_on;
     let cfg = ModelFiles::open(dir).unwrap().config().unwrap();
     let config = PipelineConfig {
         max_batch_tokens: 24,
@@ -608,23 +608,7 @@ async fn in_process(dir: &std::path::Path, prompts: &[Vec<u32>], params: &Sampli
     generator.wait_ready(baton_tests::PATIENCE).await.unwrap();
     let mut out = Vec::new();
     for p in prompts {
-        let request = GenerationRequest {
-            prompt: p.clone(),
-            params: params.clone(),
-            top_logprobs: 0,
-            logprobs: false,
-        };
-        let mut rx = generator.submit(request).unwrap();
-        let mut tokens = Vec::new();
-        while let Some(ev) = rx.recv().await {
-            match ev {
-                TokenEvent::Token { id, .. } => tokens.push(id),
-                TokenEvent::Done { .. } => break,
-                TokenEvent::Failed { message, .. } => panic!("{message}"),
-                TokenEvent::PromptCached { .. } => {}
-            }
-        }
-        out.push(tokens);
+        out.push(generate_on(&generator, p, params.clone()).await.unwrap().0);
     }
     (out, generator.status.prefix_hit_tokens.load(Ordering::Relaxed))
 }

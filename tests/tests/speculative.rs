@@ -277,9 +277,9 @@ async fn sample_many(
     speculative: SpeculativeConfig,
     seeds: std::ops::Range<u64>,
 ) -> (Vec<Vec<u32>>, (u64, u64, u64)) {
-    use baton_coordinator::generation::{GenerationRequest, Generator, TokenEvent};
     use baton_coordinator::local::{self, LocalStageOptions};
     use baton_coordinator::pipeline::PipelineConfig;
+    use baton_tests::cluster::generate_on;
     let cfg = ModelFiles::open(dir).unwrap().config().unwrap();
     let config = PipelineConfig {
         max_running: 16,
@@ -289,27 +289,10 @@ async fn sample_many(
     };
     let generator = local::start(config, dir, &LocalStageOptions::default()).unwrap();
     generator.wait_ready(PATIENCE).await.unwrap();
+    let generator = &generator;
     let runs = seeds.map(|seed| {
-        let mut rx = generator
-            .submit(GenerationRequest {
-                prompt: prompt.to_vec(),
-                params: params(seed),
-                top_logprobs: 0,
-                logprobs: false,
-            })
-            .unwrap();
-        async move {
-            let mut tokens = Vec::new();
-            while let Some(ev) = rx.recv().await {
-                match ev {
-                    TokenEvent::Token { id, .. } => tokens.push(id),
-                    TokenEvent::Done { .. } => break,
-                    TokenEvent::Failed { message, .. } => panic!("{message}"),
-                    TokenEvent::PromptCached { .. } => {}
-                }
-            }
-            tokens
-        }
+        let params = params(seed);
+        async move { generate_on(generator, prompt, params).await.unwrap().0 }
     });
     let out = futures::future::join_all(runs).await;
     (out, spec_counts(&generator.status))

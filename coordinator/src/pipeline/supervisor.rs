@@ -793,14 +793,17 @@ mod tests {
         }
     }
 
+    /// The tiny Qwen3-Next fixture's configuration: layers L L F L L (linear attention, full
+    /// attention).
+    fn tiny_qwen3_next() -> baton_shared::model_config::ModelConfig {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny/qwen3_next");
+        let files = baton_shared::model_files::ModelFiles::open(&dir).unwrap();
+        files.config().unwrap()
+    }
+
     #[test]
     fn recurrent_state_copies_come_out_of_the_kv_budget_before_blocks() {
-        // The tiny Qwen3-Next: layers L L F L L (linear attention, full attention).
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny/qwen3_next");
-        let cfg = baton_shared::model_files::ModelFiles::open(&dir)
-            .unwrap()
-            .config()
-            .unwrap();
+        let cfg = tiny_qwen3_next();
         let config = PipelineConfig {
             max_running: 4,
             state_snapshots: 4,
@@ -844,11 +847,7 @@ mod tests {
 
     #[test]
     fn the_state_bound_counts_a_slot_and_the_planned_blocks_per_sequence() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny/qwen3_next");
-        let cfg = baton_shared::model_files::ModelFiles::open(&dir)
-            .unwrap()
-            .config()
-            .unwrap();
+        let cfg = tiny_qwen3_next();
         let config = PipelineConfig {
             state_snapshots: 4,
             ..PipelineConfig::new("m", &cfg, vec![])

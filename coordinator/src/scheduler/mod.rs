@@ -1896,7 +1896,42 @@ mod tests {
         restores: usize,
     }
 
+    /// A 2-stage pipeline's configuration for a hybrid model with `snapshots` state snapshots.
+    fn hybrid_config(max_running: usize, max_batch_tokens: usize, snapshots: usize) -> PipelineConfig {
+        PipelineConfig {
+            max_context: 512,
+            max_batch_tokens,
+            recurrent_state: true,
+            state_snapshots: snapshots,
+            ..pipeline_config(max_running, vec![])
+        }
+    }
+
     impl FakeRecurrentStage {
+        /// Admit from `queue`, schedule and answer micro-batches in order (each run through
+        /// this stage when sent) until nothing is in flight; the events.
+        fn drive(
+            &mut self,
+            sched: &mut Scheduler<'_>,
+            queue: &mut VecDeque<SeqRequest>,
+            out: &mut Outbox,
+        ) -> Vec<(u64, TokenEvent)> {
+            let token = |seq: u64, pos: u32| (seq as u32 * 7 + pos) % 50 + 200;
+            let (mut events, mut sent) = (Vec::new(), VecDeque::new());
+            for _ in 0..2000 {
+                sched.admit(|| queue.pop_front(), out);
+                sched.schedule(out);
+                for b in out.batches.drain(..) {
+                    self.run(&b);
+                    sent.push_back(b);
+                }
+                let Some(batch) = sent.pop_front() else { break };
+                sched.on_result(answer(&batch, token), out).unwrap();
+                events.append(&mut out.events);
+            }
+            events
+        }
+
         fn run(&mut self, batch: &MicroBatch) {
             for c in &batch.seqs {
                 if c.pos0 == 0 || c.cached != 0 {
@@ -1931,13 +1966,7 @@ mod tests {
         // Three prompts that share 50 tokens and a fourth equal to the first, one after another
         // through a 2-stage scheduler: every restored state must be the state of exactly the
         // reused tokens, and every sequence's final state that of all its tokens.
-        let config = PipelineConfig {
-            max_context: 512,
-            max_batch_tokens: 50,
-            recurrent_state: true,
-            state_snapshots: 8,
-            ..pipeline_config(4, vec![])
-        };
+        let config = hybrid_config(4, 50, 8);
         let status = PipelineStatus::default();
         let mut sched = Scheduler::new(&config, &status, 2, 64);
         let mut out = Outbox::default();
@@ -1948,24 +1977,11 @@ mod tests {
             [&shared[..], &[80, 81][..]].concat(),
         ];
         let mut stage = FakeRecurrentStage::default();
-        let token = |seq: u64, pos: u32| (seq as u32 * 7 + pos) % 50 + 200;
-        let mut all_events = Vec::new();
         for (i, prompt) in prompts.iter().chain([&prompts[0]]).enumerate() {
-            let mut queue = vec![request(i as u64 + 1, prompt.clone(), 4)];
-            sched.admit(|| queue.pop(), &mut out);
-            let mut sent: VecDeque<MicroBatch> = VecDeque::new();
-            for _ in 0..100 {
-                sched.schedule(&mut out);
-                for b in out.batches.drain(..) {
-                    stage.run(&b);
-                    sent.push_back(b);
-                }
-                let Some(batch) = sent.pop_front() else { break };
-                sched.on_result(answer(&batch, token), &mut out).unwrap();
-                all_events.append(&mut out.events);
-            }
+            let mut queue = VecDeque::from([request(i as u64 + 1, prompt.clone(), 4)]);
+            let events = stage.drive(&mut sched, &mut queue, &mut out);
             assert!(sched.is_idle());
-            let generated = tokens_of(&all_events, i as u64 + 1);
+            let generated = tokens_of(&events, i as u64 + 1);
             assert_eq!(generated.len(), 4);
             // The last token is sampled, not yet absorbed.
             let full = [&prompt[..], &generated[..3]].concat();
@@ -1987,13 +2003,7 @@ mod tests {
         // preempted, and restart from the snapshots their own chunks (or a twin's) left; every
         // restored state is that of exactly the reused tokens and every final state that of
         // all the sequence's tokens.
-        let config = PipelineConfig {
-            max_context: 512,
-            max_batch_tokens: 64,
-            recurrent_state: true,
-            state_snapshots: 16,
-            ..pipeline_config(8, vec![])
-        };
+        let config = hybrid_config(8, 64, 16);
         let status = PipelineStatus::default();
         let mut sched = Scheduler::new(&config, &status, 2, 14);
         let mut out = Outbox::default();
@@ -2010,20 +2020,7 @@ mod tests {
             .map(|(i, p)| request(i as u64 + 1, p.clone(), 20))
             .collect();
         let mut stage = FakeRecurrentStage::default();
-        let token = |seq: u64, pos: u32| (seq as u32 * 7 + pos) % 50 + 200;
-        let mut events = Vec::new();
-        let mut sent: VecDeque<MicroBatch> = VecDeque::new();
-        for _ in 0..2000 {
-            sched.admit(|| queue.pop_front(), &mut out);
-            sched.schedule(&mut out);
-            for b in out.batches.drain(..) {
-                stage.run(&b);
-                sent.push_back(b);
-            }
-            let Some(batch) = sent.pop_front() else { break };
-            sched.on_result(answer(&batch, token), &mut out).unwrap();
-            events.append(&mut out.events);
-        }
+        let events = stage.drive(&mut sched, &mut queue, &mut out);
         assert!(sched.is_idle() && queue.is_empty());
         for (i, prompt) in prompts.iter().enumerate() {
             let id = i as u64 + 1;
