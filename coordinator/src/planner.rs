@@ -103,11 +103,24 @@ impl CostCurve {
     }
 }
 
+/// One layer of a class as a worker measured it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClassCosts {
+    /// The class, as [`LayerTable`] names it.
+    pub name: String,
+    /// The model's first layer of the class.
+    pub layer: CostCurve,
+    /// That layer's weight bytes (every expert included).
+    pub bytes: u64,
+}
+
 /// What the planner knows about one worker.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WorkerCosts {
-    /// One decoder layer.
+    /// The model's layer 0 (what every layer is scaled from when `classes` lacks its class).
     pub layer: CostCurve,
+    /// Each layer class the worker timed on its own.
+    pub classes: Vec<ClassCosts>,
     /// The embedding, paid by the first stage.
     pub embed: CostCurve,
     /// Final norm, head and sampling, paid by the last stage.
@@ -126,11 +139,166 @@ impl WorkerCosts {
     pub fn slowed(&self, factor: f64) -> Self {
         Self {
             layer: self.layer.slowed(factor),
+            classes: self
+                .classes
+                .iter()
+                .map(|c| ClassCosts {
+                    layer: c.layer.slowed(factor),
+                    ..c.clone()
+                })
+                .collect(),
             embed: self.embed.slowed(factor),
             head: self.head.slowed(factor),
             ..self.clone()
         }
     }
+}
+
+/// A class of layers in a [`LayerTable`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct TableClass {
+    /// As profiles name it (`linear_attention+moe`); a worker whose profile has no curve of
+    /// this name is planned from its layer-0 curve.
+    pub name: String,
+    /// The model's first layer of the class against layer 0, by declared weights: its time
+    /// (weights a position reads) and its weight bytes. What layer 0's curve and bytes are
+    /// scaled by for a worker without this class's own.
+    pub time: f64,
+    pub bytes: f64,
+}
+
+/// One layer in a [`LayerTable`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TableLayer {
+    /// Index into the table's classes.
+    pub class: usize,
+    /// Time and weight bytes against its class's first layer (1.0 for layers alike).
+    pub time: f64,
+    pub bytes: f64,
+}
+
+/// What the planner knows of a model's layers: which class each is (profiles time one layer
+/// of each class) and how it weighs against that class's first layer.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LayerTable {
+    pub classes: Vec<TableClass>,
+    pub layers: Vec<TableLayer>,
+}
+
+impl LayerTable {
+    /// `n` layers alike, costed from each worker's layer-0 curve.
+    pub fn uniform(n: usize) -> Self {
+        Self::relative(&vec![1.0; n])
+    }
+
+    /// One unnamed class whose layers weigh `costs` against layer 0, in time and bytes alike.
+    pub fn relative(costs: &[f64]) -> Self {
+        Self {
+            classes: vec![TableClass {
+                name: String::new(),
+                time: 1.0,
+                bytes: 1.0,
+            }],
+            layers: costs
+                .iter()
+                .map(|&c| TableLayer {
+                    class: 0,
+                    time: c,
+                    bytes: c,
+                })
+                .collect(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.layers.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.layers.is_empty()
+    }
+
+    /// Each class's summed time and bytes over layers `0..l`, for every `l`: a stage's layers
+    /// by class in O(classes).
+    fn prefix(&self) -> Prefix {
+        let k = self.classes.len();
+        let mut time = vec![0.0; (self.layers.len() + 1) * k];
+        let mut bytes = time.clone();
+        for (l, layer) in self.layers.iter().enumerate() {
+            for c in 0..k {
+                time[(l + 1) * k + c] = time[l * k + c];
+                bytes[(l + 1) * k + c] = bytes[l * k + c];
+            }
+            time[(l + 1) * k + layer.class] += layer.time;
+            bytes[(l + 1) * k + layer.class] += layer.bytes;
+        }
+        Prefix {
+            classes: k,
+            time,
+            bytes,
+        }
+    }
+}
+
+/// [`LayerTable::prefix`]: `time[l * classes + c]`, class `c`'s layers among `0..l`.
+struct Prefix {
+    classes: usize,
+    time: Vec<f64>,
+    bytes: Vec<f64>,
+}
+
+impl Prefix {
+    /// Class `c`'s summed time and bytes over layers `a..b`.
+    fn span(&self, c: usize, a: usize, b: usize) -> (f64, f64) {
+        let (i, j) = (a * self.classes + c, b * self.classes + c);
+        (self.time[j] - self.time[i], self.bytes[j] - self.bytes[i])
+    }
+}
+
+/// A worker's cost of one layer of each class of a table: its own curve for the class, or its
+/// layer-0 curve scaled by the class's declared weights.
+struct ClassRates {
+    /// Seconds of one such layer at the planned micro-batch, and its weight bytes.
+    seconds: Vec<f64>,
+    bytes: Vec<f64>,
+}
+
+impl ClassRates {
+    fn new(w: &WorkerCosts, table: &LayerTable, tokens: usize) -> Self {
+        let (seconds, bytes) = table
+            .classes
+            .iter()
+            .map(
+                |c| match w.classes.iter().find(|m| m.name == c.name && !c.name.is_empty()) {
+                    Some(m) => (m.layer.at(tokens), m.bytes as f64),
+                    None => (c.time * w.layer.at(tokens), c.bytes * w.layer_bytes as f64),
+                },
+            )
+            .unzip();
+        Self { seconds, bytes }
+    }
+}
+
+/// Seconds of one layer of each class of `table` on worker `w` for a micro-batch of `tokens`
+/// rows (the class's first layer), by class name (`layer` for an unnamed class): what a plan
+/// costs the classes at.
+pub fn class_seconds(w: &WorkerCosts, table: &LayerTable, tokens: usize) -> Vec<(String, f64)> {
+    let rates = ClassRates::new(w, table, tokens);
+    table
+        .classes
+        .iter()
+        .zip(rates.seconds)
+        .map(|(c, s)| {
+            (
+                if c.name.is_empty() {
+                    "layer".to_string()
+                } else {
+                    c.name.clone()
+                },
+                s,
+            )
+        })
+        .collect()
 }
 
 /// The micro-batch a plan is made for: `tokens` rows through every layer, of which `sampled`
@@ -168,12 +336,25 @@ pub enum PlanError {
     Costs(String),
 }
 
-/// Seconds and weight bytes of stage `i` of `n` holding `layers` layers on worker `w`.
-pub(crate) fn stage_cost(w: &WorkerCosts, i: usize, n: usize, layers: f64, load: Workload) -> (f64, u64) {
+/// Seconds and weight bytes of stage `i` of `n` holding layers `a..b` on worker `w`, whose
+/// cost per class is `rates`.
+fn span_cost(
+    w: &WorkerCosts,
+    rates: &ClassRates,
+    prefix: &Prefix,
+    (i, n): (usize, usize),
+    (a, b): (usize, usize),
+    load: Workload,
+) -> (f64, u64) {
+    let (mut secs, mut layer_bytes) = (0.0, 0.0);
+    for c in 0..prefix.classes {
+        let (time, bytes) = prefix.span(c, a, b);
+        secs += time * rates.seconds[c];
+        layer_bytes += bytes * rates.bytes[c];
+    }
     // Bytes come from the network: saturate rather than wrap past a budget (a float-to-integer
     // cast saturates too).
-    let mut secs = layers * w.layer.at(load.tokens);
-    let mut bytes = (layers * w.layer_bytes as f64) as u64;
+    let mut bytes = layer_bytes as u64;
     if i == 0 {
         secs += w.embed.at(load.tokens);
         bytes = bytes.saturating_add(w.embed_bytes);
@@ -185,27 +366,35 @@ pub(crate) fn stage_cost(w: &WorkerCosts, i: usize, n: usize, layers: f64, load:
     (secs, bytes)
 }
 
+/// Seconds and weight bytes of stage `i` of `n` holding `layers` of `table` on worker `w`, for
+/// a micro-batch of `load`.
+pub fn stage_cost(
+    w: &WorkerCosts,
+    table: &LayerTable,
+    (i, n): (usize, usize),
+    layers: Range<usize>,
+    load: Workload,
+) -> (f64, u64) {
+    let rates = ClassRates::new(w, table, load.tokens);
+    span_cost(w, &rates, &table.prefix(), (i, n), (layers.start, layers.end), load)
+}
+
 /// Contiguous layer ranges for `workers`, in order, that minimize the slowest stage's time for
 /// micro-batches of `workload`, each stage's weights within its worker's budget; among equally
 /// slow splits, the one with the least total time (latency). Exact: two dynamic programs over
 /// (stage, layers so far), O(stages × layers²).
 pub fn plan(num_layers: usize, workers: &[WorkerCosts], workload: Workload) -> Result<Plan, PlanError> {
-    plan_layers(&vec![1.0; num_layers], workers, workload)
+    plan_layers(&LayerTable::uniform(num_layers), workers, workload)
 }
 
-/// [`plan`] for layers that differ: `layer_costs[l]` is layer `l`'s time and weight bytes
-/// relative to the profiled layer (the model's declared weights, see
-/// `baton_worker::model::spec::relative_costs`), so 1.0 for every layer of a uniform model.
-pub fn plan_layers(layer_costs: &[f64], workers: &[WorkerCosts], workload: Workload) -> Result<Plan, PlanError> {
-    let num_layers = layer_costs.len();
-    // prefix[b] - prefix[a]: the layers a..b in units of the profiled layer (exact integers
-    // for a uniform model, so its plans are what they were).
-    let mut prefix = Vec::with_capacity(num_layers + 1);
-    prefix.push(0.0);
-    for c in layer_costs {
-        prefix.push(prefix[prefix.len() - 1] + c);
-    }
-    let weight = |a: usize, b: usize| prefix[b] - prefix[a];
+/// [`plan`] for layers that differ: each layer costs what its class costs on each worker
+/// (the worker's own curve for the class, or its layer-0 curve scaled by declared weights),
+/// scaled by how it weighs against the class's first layer.
+pub fn plan_layers(table: &LayerTable, workers: &[WorkerCosts], workload: Workload) -> Result<Plan, PlanError> {
+    let num_layers = table.len();
+    // Sums per class over layers 0..l (exact integers for a uniform model, so its plans are
+    // what they were).
+    let prefix = table.prefix();
     let n = workers.len();
     if n == 0 || n > num_layers {
         return Err(PlanError::Shape {
@@ -217,9 +406,14 @@ pub fn plan_layers(layer_costs: &[f64], workers: &[WorkerCosts], workload: Workl
         tokens: workload.tokens.max(1),
         sampled: workload.sampled.max(1).min(workload.tokens.max(1)),
     };
+    let rates: Vec<ClassRates> = workers
+        .iter()
+        .map(|w| ClassRates::new(w, table, batch.tokens))
+        .collect();
+    let span = |i: usize, a: usize, b: usize| span_cost(&workers[i], &rates[i], &prefix, (i, n), (a, b), batch);
     // cost(i, a, b): stage i holding layers a..b, or None when its weights do not fit.
     let cost = |i: usize, a: usize, b: usize| {
-        let (secs, bytes) = stage_cost(&workers[i], i, n, weight(a, b), batch);
+        let (secs, bytes) = span(i, a, b);
         let fits = workers[i].weight_budget.is_none_or(|budget| bytes <= budget);
         fits.then_some(secs)
     };
@@ -290,7 +484,7 @@ pub fn plan_layers(layer_costs: &[f64], workers: &[WorkerCosts], workload: Workl
     let stage_seconds = ranges
         .iter()
         .enumerate()
-        .map(|(i, r)| stage_cost(&workers[i], i, n, weight(r.start, r.end), batch).0)
+        .map(|(i, r)| span(i, r.start, r.end).0)
         .collect();
     Ok(Plan {
         ranges,
@@ -349,7 +543,7 @@ pub struct Drift {
 /// Each stage's predicted seconds for one micro-batch of `workload` when worker `i` holds
 /// `ranges[i]`.
 pub fn stage_times(
-    layer_costs: &[f64],
+    table: &LayerTable,
     workers: &[WorkerCosts],
     ranges: &[Range<usize>],
     workload: Workload,
@@ -360,8 +554,8 @@ pub fn stage_times(
         .zip(workers)
         .enumerate()
         .map(|(i, (r, w))| {
-            let layers = layer_costs.get(r.clone()).map_or(0.0, |c| c.iter().sum());
-            stage_cost(w, i, n, layers, workload).0
+            let r = r.start.min(table.len())..r.end.min(table.len());
+            stage_cost(w, table, (i, n), r, workload).0
         })
         .collect()
 }
@@ -373,7 +567,7 @@ pub fn stage_times(
 /// when the current split's slowest stage is at least `threshold` times the new plan's and the
 /// ranges differ.
 pub fn drift(
-    layer_costs: &[f64],
+    table: &LayerTable,
     costs: &[WorkerCosts],
     current: &[Range<usize>],
     measured: &[f64],
@@ -384,7 +578,7 @@ pub fn drift(
     if n < 2 || current.len() != n || measured.len() != n {
         return None;
     }
-    let predicted = stage_times(layer_costs, costs, current, workload);
+    let predicted = stage_times(table, costs, current, workload);
     let ratios: Vec<f64> = predicted
         .iter()
         .zip(measured)
@@ -403,7 +597,7 @@ pub fn drift(
     let scales: Vec<f64> = ratios.iter().map(|r| r / least).collect();
     let slowed: Vec<WorkerCosts> = costs.iter().zip(&scales).map(|(c, &f)| c.slowed(f)).collect();
     let current_bottleneck = predicted.iter().zip(&scales).map(|(p, f)| p * f).fold(0.0, f64::max);
-    let better = plan_layers(layer_costs, &slowed, workload).ok()?;
+    let better = plan_layers(table, &slowed, workload).ok()?;
     (better.ranges != current && current_bottleneck >= threshold * better.bottleneck()).then_some(Drift {
         scales,
         predicted,
@@ -422,6 +616,7 @@ mod tests {
         let curve = |s: f64| CostCurve::new(vec![(1, s), (64, 64.0 * s)]).unwrap();
         WorkerCosts {
             layer: curve(layer),
+            classes: Vec::new(),
             embed: curve(embed),
             head: curve(head),
             layer_bytes: 100,
@@ -431,11 +626,11 @@ mod tests {
         }
     }
 
-    /// Every split of `layers` into `workers.len()` non-empty contiguous ranges: the least
+    /// Every split of `table` into `workers.len()` non-empty contiguous ranges: the least
     /// bottleneck, and the least total time among splits within it.
-    fn exhaustive(layers: usize, workers: &[WorkerCosts], batch: Workload) -> Option<(f64, f64)> {
+    fn exhaustive(table: &LayerTable, workers: &[WorkerCosts], batch: Workload) -> Option<(f64, f64)> {
         fn go(
-            layers: usize,
+            table: &LayerTable,
             workers: &[WorkerCosts],
             batch: Workload,
             i: usize,
@@ -443,7 +638,7 @@ mod tests {
             acc: &mut Vec<(f64, f64)>,
             cur: (f64, f64),
         ) {
-            let n = workers.len();
+            let (n, layers) = (workers.len(), table.len());
             if i == n {
                 if start == layers {
                     acc.push(cur);
@@ -455,15 +650,15 @@ mod tests {
                 if i + 1 == n && end != layers {
                     continue;
                 }
-                let (secs, bytes) = stage_cost(&workers[i], i, n, (end - start) as f64, batch);
+                let (secs, bytes) = stage_cost(&workers[i], table, (i, n), start..end, batch);
                 if workers[i].weight_budget.is_some_and(|b| bytes > b) {
                     continue;
                 }
-                go(layers, workers, batch, i + 1, end, acc, (cur.0.max(secs), cur.1 + secs));
+                go(table, workers, batch, i + 1, end, acc, (cur.0.max(secs), cur.1 + secs));
             }
         }
         let mut all = Vec::new();
-        go(layers, workers, batch, 0, 0, &mut all, (0.0, 0.0));
+        go(table, workers, batch, 0, 0, &mut all, (0.0, 0.0));
         let m = all.iter().map(|c| c.0).fold(f64::INFINITY, f64::min);
         let s = all
             .iter()
@@ -501,8 +696,47 @@ mod tests {
                 tokens,
                 sampled: 1 + (next() * tokens as f64) as usize % tokens,
             };
-            let expected = exhaustive(layers, &workers, batch);
-            match plan(layers, &workers, batch) {
+            // Half the cases: a hybrid of two classes, some workers with their own curve for
+            // the second (the others scale layer 0's), layers weighing unlike within a class.
+            let table = match case % 2 {
+                0 => LayerTable::uniform(layers),
+                _ => LayerTable {
+                    classes: vec![
+                        TableClass {
+                            name: "linear_attention+moe".into(),
+                            time: 1.0,
+                            bytes: 1.0,
+                        },
+                        TableClass {
+                            name: "attention+moe".into(),
+                            time: 0.5 + next(),
+                            bytes: 0.5 + next(),
+                        },
+                    ],
+                    layers: (0..layers)
+                        .map(|l| TableLayer {
+                            class: usize::from(l % 3 == 2),
+                            time: 0.5 + next(),
+                            bytes: 0.5 + next(),
+                        })
+                        .collect(),
+                },
+            };
+            let workers: Vec<WorkerCosts> = workers
+                .into_iter()
+                .map(|mut w| {
+                    if case % 2 == 1 && next() < 0.5 {
+                        w.classes.push(ClassCosts {
+                            name: "attention+moe".into(),
+                            layer: CostCurve::new(vec![(1, next()), (64, 64.0 * next())]).unwrap(),
+                            bytes: (next() * 200.0) as u64,
+                        });
+                    }
+                    w
+                })
+                .collect();
+            let expected = exhaustive(&table, &workers, batch);
+            match plan_layers(&table, &workers, batch) {
                 Ok(p) => {
                     let (m, s) =
                         expected.unwrap_or_else(|| panic!("case {case}: planned {p:?}, exhaustive found none"));
@@ -608,14 +842,124 @@ mod tests {
     fn layers_that_cost_more_go_to_fewer_per_stage() {
         let same = [linear(1.0, 0.0, 0.0), linear(1.0, 0.0, 0.0)];
         let one = Workload { tokens: 1, sampled: 1 };
-        let uniform = plan_layers(&[1.0; 6], &same, one).unwrap();
+        let uniform = plan_layers(&LayerTable::uniform(6), &same, one).unwrap();
         assert_eq!(uniform, plan(6, &same, one).unwrap());
         assert_eq!(uniform.ranges, vec![0..3, 3..6]);
         // The last two layers weigh three times as much: an even split would be 3 against 7;
         // 1+1+1+1 against 3+3 is the best there is.
-        let p = plan_layers(&[1.0, 1.0, 1.0, 1.0, 3.0, 3.0], &same, one).unwrap();
+        let p = plan_layers(&LayerTable::relative(&[1.0, 1.0, 1.0, 1.0, 3.0, 3.0]), &same, one).unwrap();
         assert_eq!(p.ranges, vec![0..4, 4..6]);
         assert!((p.bottleneck() - 6.0).abs() < 1e-9, "{p:?}");
+    }
+
+    /// Qwen3-Next's pattern over `n` layers: three linear-attention layers, then one of full
+    /// attention, every layer a mixture of experts.
+    fn hybrid(n: usize, full_vs_linear: f64) -> LayerTable {
+        let class = |name: &str, w: f64| TableClass {
+            name: name.into(),
+            time: w,
+            bytes: w,
+        };
+        LayerTable {
+            classes: vec![
+                class("linear_attention+moe", 1.0),
+                class("attention+moe", full_vs_linear),
+            ],
+            layers: (0..n)
+                .map(|l| TableLayer {
+                    class: usize::from(l % 4 == 3),
+                    time: 1.0,
+                    bytes: 1.0,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn mixed_layers_are_balanced_by_each_class_measured_cost() {
+        let one = Workload { tokens: 1, sampled: 1 };
+        // Declared weights make a full-attention layer cost what a linear one does, and so
+        // does a worker that timed no class of its own: 16 layers split 8 / 8.
+        let table = hybrid(16, 1.0);
+        let plain = [linear(1.0, 0.0, 0.0), linear(1.0, 0.0, 0.0)];
+        assert_eq!(plan_layers(&table, &plain, one).unwrap().ranges, vec![0..8, 8..16]);
+        // Measured, a linear-attention layer costs 3 and a full-attention one 1 (a state per
+        // sequence against a short K/V): stage 0 takes a full-attention layer more.
+        let timed = |linear_secs: f64, full_secs: f64| {
+            let mut w = linear(1.0, 0.0, 0.0);
+            let curve = |s: f64| CostCurve::new(vec![(1, s), (64, 64.0 * s)]).unwrap();
+            w.classes = vec![
+                ClassCosts {
+                    name: "linear_attention+moe".into(),
+                    layer: curve(linear_secs),
+                    bytes: 100,
+                },
+                ClassCosts {
+                    name: "attention+moe".into(),
+                    layer: curve(full_secs),
+                    bytes: 100,
+                },
+            ];
+            w
+        };
+        let p = plan_layers(&table, &[timed(3.0, 1.0), timed(3.0, 1.0)], one).unwrap();
+        // Layers 0..16 cost 3,3,3,1 ×4 = 40; the best cut leaves 20 a side: 0..8 holds 3,3,3,1,3,3,3,1.
+        assert_eq!(p.ranges, vec![0..8, 8..16]);
+        assert_eq!(p.stage_seconds, vec![20.0, 20.0]);
+        // One worker is slow at linear attention only (a GPU without its kernel, say): it
+        // gets the stage with fewer linear layers, where layer-0 scaling would not see it.
+        let table = hybrid(12, 1.0);
+        let p = plan_layers(&table, &[timed(1.0, 1.0), timed(4.0, 1.0)], one).unwrap();
+        let linear_layers = |r: &Range<usize>| r.clone().filter(|l| l % 4 != 3).count();
+        assert!(
+            linear_layers(&p.ranges[1]) < linear_layers(&p.ranges[0]),
+            "{:?} {:?}",
+            p.ranges,
+            p.stage_seconds
+        );
+        let blind = plan_layers(&table, &[linear(1.0, 0.0, 0.0), linear(1.0, 0.0, 0.0)], one).unwrap();
+        assert_eq!(blind.ranges, vec![0..6, 6..12]);
+        assert!(p.bottleneck() < stage_times(&table, &[timed(1.0, 1.0), timed(4.0, 1.0)], &blind.ranges, one)[1]);
+    }
+
+    #[test]
+    fn memory_counts_every_expert_while_time_counts_the_active_ones() {
+        let one = Workload { tokens: 1, sampled: 1 };
+        // A mixture of experts reads 1/8 of its weights per position: its curve is cheap, its
+        // bytes are all the experts'.
+        let moe = |budget| {
+            let mut w = linear(1.0, 0.0, 0.0);
+            w.embed_bytes = 0;
+            w.head_bytes = 0;
+            w.classes = vec![ClassCosts {
+                name: "attention+moe".into(),
+                layer: CostCurve::new(vec![(1, 1.0)]).unwrap(),
+                bytes: 800,
+            }];
+            w.weight_budget = Some(budget);
+            w
+        };
+        let table = LayerTable {
+            classes: vec![TableClass {
+                name: "attention+moe".into(),
+                time: 1.0,
+                bytes: 8.0,
+            }],
+            layers: vec![
+                TableLayer {
+                    class: 0,
+                    time: 1.0,
+                    bytes: 1.0,
+                };
+                8
+            ],
+        };
+        // 6 layers' experts fit the first worker, 2 the second: time alone would split 4 / 4.
+        let p = plan_layers(&table, &[moe(6 * 800), moe(2 * 800)], one).unwrap();
+        assert_eq!(p.ranges, vec![0..6, 6..8]);
+        assert_eq!(stage_cost(&moe(0), &table, (0, 2), 0..6, one).1, 6 * 800);
+        let e = plan_layers(&table, &[moe(3 * 800), moe(3 * 800)], one).unwrap_err();
+        assert!(matches!(e, PlanError::DoesNotFit { .. }), "{e}");
     }
 
     #[test]
@@ -645,7 +989,7 @@ mod tests {
     fn a_worker_slowed_against_its_profile_gets_fewer_layers() {
         let workers = [linear(1e-3, 1e-4, 2e-3), linear(1e-3, 1e-4, 2e-3)];
         let load = Workload { tokens: 8, sampled: 4 };
-        let costs = vec![1.0; 30];
+        let costs = LayerTable::uniform(30);
         let plan = plan_layers(&costs, &workers, load).unwrap();
         assert_eq!(stage_times(&costs, &workers, &plan.ranges, load), plan.stage_seconds);
         let drifted = |measured: &[f64], load| drift(&costs, &workers, &plan.ranges, measured, load, 1.15);

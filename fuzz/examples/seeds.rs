@@ -604,6 +604,18 @@ fn main() {
         head_weight_bytes: 1 << 22,
         kernels: "avx2".into(),
         threads: 8,
+        classes: vec![
+            LayerClassCost {
+                class: "linear_attention+moe".into(),
+                layer: points(2e-3),
+                weight_bytes: 1 << 24,
+            },
+            LayerClassCost {
+                class: "attention+moe".into(),
+                layer: points(1e-3),
+                weight_bytes: 1 << 24,
+            },
+        ],
     };
     put_proto(15, "profile_response", &|| profile.encode_to_vec());
     let reg_resp = RegisterResponse {

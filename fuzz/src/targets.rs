@@ -7,7 +7,8 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::Request;
 use baton_coordinator::api::chat::compile_chat_template;
-use baton_coordinator::planner::{self, CostCurve, WorkerCosts, Workload};
+use baton_coordinator::pipeline::split::costs_from_profile;
+use baton_coordinator::planner::{self, LayerTable, TableClass, TableLayer, Workload};
 use baton_coordinator::registry::{Cluster, RegistryService};
 use baton_shared::chat_template::{ChatMessage, ChatTemplate};
 use baton_shared::dtype::dequantize;
@@ -322,8 +323,24 @@ fn check_load_stage(r: &proto::LoadStageRequest) {
 }
 
 /// A cost curve the way the coordinator builds one from a profile (`pipeline::split::curve`).
-fn curve(points: &[proto::CostPoint]) -> Option<CostCurve> {
-    CostCurve::new(points.iter().map(|p| (p.tokens as usize, p.seconds)).collect()).ok()
+/// Qwen3-Next's layer pattern over `n` layers (three linear-attention layers, then full
+/// attention), as the coordinator's table for it reads.
+fn hybrid_table(n: usize) -> LayerTable {
+    let class = |name: &str, w: f64| TableClass {
+        name: name.into(),
+        time: w,
+        bytes: w,
+    };
+    LayerTable {
+        classes: vec![class("linear_attention+moe", 1.0), class("attention+moe", 1.3)],
+        layers: (0..n)
+            .map(|l| TableLayer {
+                class: usize::from(l % 4 == 3),
+                time: 1.0,
+                bytes: 1.0,
+            })
+            .collect(),
+    }
 }
 
 /// Every protobuf message a worker or the coordinator accepts (requests, and the responses
@@ -386,22 +403,16 @@ pub fn proto_decode(data: &[u8]) {
         14 => drop(roundtrip::<HealthResponse>(bytes)),
         15 => {
             if let Some(p) = roundtrip::<ProfileResponse>(bytes)
-                && let (Some(layer), Some(embed), Some(head)) = (curve(&p.layer), curve(&p.embed), curve(&p.head))
+                && let Ok(costs) = costs_from_profile(&p, Some(1 << 40))
             {
-                let costs = WorkerCosts {
-                    layer,
-                    embed,
-                    head,
-                    layer_bytes: p.layer_weight_bytes,
-                    embed_bytes: p.embed_weight_bytes,
-                    head_bytes: p.head_weight_bytes,
-                    weight_budget: Some(1 << 40),
-                };
                 for t in [1, 7, 64, 4096] {
                     let _ = (costs.layer.at(t), costs.embed.at(t), costs.head.at(t));
                 }
                 let workers = [costs.clone(), costs.slowed(1.5)];
-                let _ = planner::plan(12, &workers, Workload { tokens: 16, sampled: 4 });
+                let load = Workload { tokens: 16, sampled: 4 };
+                let _ = planner::plan(12, &workers, load);
+                // A hybrid's table: the profile's own class curves where its names match.
+                let _ = planner::plan_layers(&hybrid_table(12), &workers, load);
             }
         }
         // What a worker decodes from the coordinator.

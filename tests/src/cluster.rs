@@ -319,7 +319,7 @@ impl TestCluster {
         let config = PipelineConfig {
             model: model.display().to_string(),
             num_layers: cfg.num_layers,
-            layer_costs: baton_coordinator::pipeline::layer_costs(cfg),
+            layer_table: baton_coordinator::pipeline::layer_table(cfg),
             vocab_size: cfg.vocab_size,
             max_context: cfg.max_position_embeddings,
             eos_ids,

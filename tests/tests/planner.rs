@@ -104,6 +104,54 @@ fn the_profile_times_every_part_and_its_bytes_match_real_stages() {
 }
 
 #[test]
+fn each_layer_class_is_profiled_from_its_own_layers() {
+    // A dense model has one class; a mix of dense and sparse layers two; the hybrids linear
+    // and full attention (with or without experts). Each class the model has gets its own
+    // curve, for its first layer, with that layer's bytes as a stage of it alone holds them.
+    let spec = ProfileSpec {
+        token_counts: vec![1, 4],
+        context: 24,
+        reps: 1,
+        min_seconds: 0.0,
+    };
+    let cases = [
+        ("qwen3", vec!["attention+dense"]),
+        ("qwen3_moe_dense_mix", vec!["attention+dense", "attention+moe"]),
+        (
+            "qwen3_next",
+            vec!["attention+moe", "linear_attention+dense", "linear_attention+moe"],
+        ),
+        ("qwen3_next_dense", vec!["attention+dense", "linear_attention+dense"]),
+        ("qwen3_5_moe", vec!["attention+moe", "linear_attention+moe"]),
+    ];
+    for (name, classes) in cases {
+        let dir = fixtures().join("tiny").join(name);
+        let files = ModelFiles::open(&dir).unwrap();
+        let cfg = files.config().unwrap();
+        let mut o = opts(WeightFormat::Q8_0);
+        o.state_slots = 4;
+        let p = profiler::profile(&files, &cfg, &o, &spec, 1 << 30).unwrap();
+        let mut got: Vec<&str> = p.classes.iter().map(|c| c.class.name()).collect();
+        got.sort_unstable();
+        assert_eq!(got, classes, "{name}");
+        let arch = baton_worker::model::registry::for_config(&cfg);
+        for c in &p.classes {
+            let tokens: Vec<usize> = c.layer.iter().map(|pt| pt.tokens).collect();
+            assert_eq!(tokens, spec.token_counts, "{name}: {}", c.class.name());
+            assert!(
+                c.layer.iter().all(|pt| pt.seconds.is_finite() && pt.seconds > 0.0),
+                "{name}: {c:?}"
+            );
+            let first = (0..cfg.num_layers)
+                .find(|&l| arch.layer(&cfg, l).spec().class() == c.class)
+                .unwrap();
+            let alone = backend::load(&files, &cfg, first..first + 1, &o).unwrap().info();
+            assert_eq!(c.bytes, alone.part_bytes.layers, "{name}: {} bytes", c.class.name());
+        }
+    }
+}
+
+#[test]
 fn bad_profile_requests_are_refused_by_name() {
     let files = ModelFiles::open(&fixtures().join("tiny/llama_untied")).unwrap();
     let cfg = files.config().unwrap();
@@ -164,6 +212,9 @@ async fn measured_splits_serve_what_one_process_computes() {
     let loaded = LoadedModel::open(&model).unwrap();
     let tiny = fixtures().join("tiny/qwen3");
     let tiny_cfg = ModelFiles::open(&tiny).unwrap().config().unwrap();
+    // A hybrid: each stage worker's linear- and full-attention layers are costed apart.
+    let hybrid = fixtures().join("tiny/qwen3_next");
+    let hybrid_cfg = ModelFiles::open(&hybrid).unwrap().config().unwrap();
     let cases = [
         (
             &model,
@@ -172,6 +223,7 @@ async fn measured_splits_serve_what_one_process_computes() {
             loaded.tokenizer.encode("The capital of France is", true).unwrap(),
         ),
         (&tiny, &tiny_cfg, 2, vec![5, 17, 200, 3, 99]),
+        (&hybrid, &hybrid_cfg, 2, vec![5, 17, 200, 3, 99]),
     ];
     for (path, cfg, stages, prompt) in cases {
         let files = ModelFiles::open(path).unwrap();
@@ -216,6 +268,28 @@ async fn measured_splits_serve_what_one_process_computes() {
             let ms = s["predicted_ms"].as_f64().unwrap_or(0.0);
             assert!(ms > 0.0 && ms.is_finite(), "every stage has a predicted time: {s}");
         }
+        // Every stage worker's cost of one layer of each of the model's classes, measured.
+        let arch = baton_worker::model::registry::for_config(cfg);
+        let mut classes: Vec<&str> = (0..cfg.num_layers)
+            .map(|l| arch.layer(cfg, l).spec().class().name())
+            .collect();
+        classes.sort_unstable();
+        classes.dedup();
+        let per_stage = split["layer_class_ms"].as_array().unwrap();
+        assert_eq!(per_stage.len(), stages, "{view}");
+        for costs in per_stage {
+            let mut names: Vec<&str> = costs.as_object().unwrap().keys().map(|k| k.as_str()).collect();
+            names.sort_unstable();
+            assert_eq!(names, classes, "{view}");
+            assert!(
+                costs
+                    .as_object()
+                    .unwrap()
+                    .values()
+                    .all(|ms| ms.as_f64().is_some_and(|ms| ms > 0.0)),
+                "{view}"
+            );
+        }
     }
 }
 
@@ -239,6 +313,11 @@ async fn the_profile_rpc_answers_and_refuses_bad_requests() {
     assert_eq!(p.layer.iter().map(|c| c.tokens).collect::<Vec<_>>(), [1, 8]);
     assert!(p.head.iter().chain(&p.embed).all(|c| c.seconds > 0.0));
     assert!(p.layer_weight_bytes > 0 && p.head_weight_bytes > 0 && p.embed_weight_bytes > 0);
+    // The model's one layer class, timed layer by layer.
+    let classes: Vec<&str> = p.classes.iter().map(|c| c.class.as_str()).collect();
+    assert_eq!(classes, ["attention+dense"]);
+    assert_eq!(p.classes[0].weight_bytes, p.layer_weight_bytes);
+    assert!(p.classes[0].layer.iter().all(|c| c.seconds > 0.0));
     // Attention timed over an f16 KV pool, as a pipeline with kv_dtype = "f16" runs it.
     let f16 = ProfileRequest {
         kv_dtype: "f16".into(),

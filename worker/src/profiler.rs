@@ -17,6 +17,8 @@ use baton_shared::model_config::ModelConfig;
 use baton_shared::model_files::ModelFiles;
 
 use crate::backend::{self, BackendError, BackendOptions, SeqChunk, StageShape};
+use crate::model::registry;
+use crate::model::spec::{LayerClass, LayerSpec};
 use crate::model::{ForwardError, PartBytes};
 
 /// Largest batch a profile times.
@@ -74,12 +76,27 @@ pub struct CostPoint {
     pub seconds: f64,
 }
 
+/// What one layer of a class costs on this worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClassCost {
+    pub class: LayerClass,
+    /// The model's first layer of this class, per batch size: the class's layers in the timed
+    /// pass, each timed on its own and scaled to that layer by declared weights.
+    pub layer: Vec<CostPoint>,
+    /// Weight bytes of that layer (every expert of a mixture included).
+    pub bytes: usize,
+}
+
 /// A worker's measured costs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Profile {
     /// The model's layer 0, attention over the context included (other layers scale by their
     /// declared weights).
     pub layer: Vec<CostPoint>,
+    /// Each layer class the timed pass held, by [`LayerClass::index`]: the planner costs a
+    /// model's layers by class, so a hybrid's linear-attention layers are not assumed to cost
+    /// what its full-attention layers do per weight.
+    pub classes: Vec<ClassCost>,
     /// Final norm, head and a greedy pick per row (what only the last stage does).
     pub head: Vec<CostPoint>,
     /// Token embedding (what only the first stage does).
@@ -169,12 +186,46 @@ fn mean_seconds<const N: usize>(
 }
 
 /// How many layers the timed pass runs: enough for [`STREAM_BYTES`] of weights of
-/// `layer_bytes` each, at most the model's `num_layers`, and as many as `kv_budget` has room
-/// for at `kv_per_layer` bytes each (at least one).
-fn pass_layers(num_layers: usize, layer_bytes: usize, kv_per_layer: u128, kv_budget: u64) -> usize {
-    let streamed = STREAM_BYTES.div_ceil(layer_bytes.max(1));
+/// `layer_bytes` each and to reach layer `reach - 1` (the first of the model's last-seen
+/// class), at most the model's `num_layers`, and as many as `kv_budget` has room for at
+/// `kv_per_layer` bytes each (at least one).
+fn pass_layers(num_layers: usize, layer_bytes: usize, reach: usize, kv_per_layer: u128, kv_budget: u64) -> usize {
+    let streamed = STREAM_BYTES.div_ceil(layer_bytes.max(1)).max(reach);
     let fits = (kv_budget as u128 / kv_per_layer.max(1)).min(usize::MAX as u128) as usize;
     streamed.min(num_layers).min(fits).max(1)
+}
+
+/// The layers needed to hold one layer of every class among `specs`: one past the first layer
+/// of the class that appears last.
+fn class_reach(specs: &[LayerSpec]) -> usize {
+    let mut seen = [false; LayerClass::ALL.len()];
+    let mut reach = 0;
+    for (l, s) in specs.iter().enumerate() {
+        let c = s.class().index();
+        if !seen[c] {
+            seen[c] = true;
+            reach = l + 1;
+        }
+    }
+    reach
+}
+
+/// Seconds of one layer of each class among `specs` (the timed pass's layers) from each
+/// layer's `seconds`: the class's layers' time over their weights relative to `reference[c]`,
+/// the class's first layer in the model. `None` for a class the pass does not hold.
+fn class_seconds(
+    specs: &[LayerSpec],
+    seconds: &[f64],
+    reference: &[usize; LayerClass::ALL.len()],
+) -> [Option<f64>; LayerClass::ALL.len()] {
+    let mut time = [0f64; LayerClass::ALL.len()];
+    let mut weight = [0f64; LayerClass::ALL.len()];
+    for (s, &t) in specs.iter().zip(seconds) {
+        let c = s.class().index();
+        time[c] += t;
+        weight[c] += s.active_params as f64 / reference[c].max(1) as f64;
+    }
+    std::array::from_fn(|c| (weight[c] > 0.0).then(|| time[c] / weight[c]))
 }
 
 /// Time one layer, the head and the embedding of the model in `files` on the backend `opts`
@@ -221,8 +272,18 @@ pub fn profile(
         last: false,
     };
     let layer_bytes = backend::load_shape(files, &one, &opts)?.info().part_bytes.layers;
+    let arch = registry::for_config(config);
+    let model_specs: Vec<LayerSpec> = (0..config.num_layers).map(|l| arch.layer(config, l).spec()).collect();
+    // Each class's first layer in the model: what its cost is reported for.
+    let mut reference = [0usize; LayerClass::ALL.len()];
+    let mut reference_layer = [usize::MAX; LayerClass::ALL.len()];
+    for (l, s) in model_specs.iter().enumerate().rev() {
+        reference[s.class().index()] = s.active_params;
+        reference_layer[s.class().index()] = l;
+    }
+    let reach = class_reach(&model_specs);
     let shape = StageShape {
-        layers: 0..pass_layers(config.num_layers, layer_bytes, need, kv_budget),
+        layers: 0..pass_layers(config.num_layers, layer_bytes, reach, need, kv_budget),
         first: true,
         last: true,
         ..one
@@ -238,11 +299,24 @@ pub fn profile(
     let info = b.info();
     // Layer 0's share of the pass, by weights: the pass is `timed / first` layer-0s (exactly
     // the layer count for a uniform model, so its profile is what it was).
-    let specs = b.layer_specs();
+    let specs = b.layer_specs().to_vec();
     let first = specs[0].active_params.max(1);
     let timed = specs.iter().map(|s| s.active_params).sum::<usize>().max(1);
+    let pass_bytes = info.layer_bytes.clone();
     let mut out = Profile {
         layer: Vec::new(),
+        classes: LayerClass::ALL
+            .into_iter()
+            .filter_map(|class| {
+                // Bytes of the class's first layer, when the pass holds it.
+                let bytes = *pass_bytes.get(reference_layer[class.index()])?;
+                Some(ClassCost {
+                    class,
+                    layer: Vec::new(),
+                    bytes,
+                })
+            })
+            .collect(),
         head: Vec::new(),
         embed: Vec::new(),
         bytes: info.part_bytes,
@@ -265,7 +339,9 @@ pub fn profile(
         let (embedded, hidden, logits) = (&mut embedded[..t * h], &mut hidden[..t * h], &mut logits[..t * vocab]);
         // One pass as a one-stage pipeline runs it, each part timed: the embedding, every
         // layer (weights streamed from memory), then the head (evicted by the layers).
-        let [embed, layers, head] = mean_seconds(spec.reps, spec.min_seconds, || {
+        // The whole pass is timed untouched; each layer's time (which waits for the device
+        // after every layer) in a second pass of the same tokens.
+        let [embed, layers, head, per_layer @ ..] = mean_seconds(spec.reps, spec.min_seconds, || {
             let start = Instant::now();
             b.embed(&tokens, embedded)?;
             let embed = start.elapsed().as_secs_f64();
@@ -277,8 +353,30 @@ pub fn profile(
             b.logits(hidden, logits)?;
             let picked: usize = logits.chunks_exact(vocab).map(argmax).sum();
             std::hint::black_box(picked);
-            Ok([embed, layers, start.elapsed().as_secs_f64()])
+            let head = start.elapsed().as_secs_f64();
+            // The same rows again, timing each layer: the caches hold what the first pass
+            // wrote, which a pass over the same positions overwrites alike.
+            hidden.copy_from_slice(embedded);
+            b.layer_times(true);
+            b.forward(hidden, &seqs)?;
+            let times = b.layer_times(false);
+            let classes = class_seconds(&specs, &times, &reference);
+            Ok([
+                embed,
+                layers,
+                head,
+                classes[0].unwrap_or(0.0),
+                classes[1].unwrap_or(0.0),
+                classes[2].unwrap_or(0.0),
+                classes[3].unwrap_or(0.0),
+            ])
         })?;
+        for c in &mut out.classes {
+            c.layer.push(CostPoint {
+                tokens: t,
+                seconds: per_layer[c.class.index()],
+            });
+        }
         let layer = layers / (timed as f64 / first as f64);
         out.embed.push(CostPoint {
             tokens: t,
@@ -310,21 +408,67 @@ fn argmax(row: &[f32]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::spec::{CacheSpec, FfnKind, LayerKind};
 
     #[test]
     fn the_timed_pass_streams_enough_layers_within_the_model_and_the_kv_budget() {
         const MIB: usize = 1 << 20;
         // SmolLM2-135M in Q8_0: 3.7 MiB a layer, so every one of its 30 layers.
-        assert_eq!(pass_layers(30, 3_700_000, 1000, u64::MAX), 30);
+        assert_eq!(pass_layers(30, 3_700_000, 1, 1000, u64::MAX), 30);
         // Small layers of a deep model: just enough for STREAM_BYTES.
-        assert_eq!(pass_layers(1000, MIB, 1000, u64::MAX), STREAM_BYTES / MIB);
-        assert_eq!(pass_layers(1000, MIB + 1, 1000, u64::MAX), STREAM_BYTES / MIB);
+        assert_eq!(pass_layers(1000, MIB, 1, 1000, u64::MAX), STREAM_BYTES / MIB);
+        assert_eq!(pass_layers(1000, MIB + 1, 1, 1000, u64::MAX), STREAM_BYTES / MIB);
+        // ...or to the first layer of every class, if that is further.
+        assert_eq!(pass_layers(1000, MIB, 200, 1000, u64::MAX), 200);
         // A layer larger than STREAM_BYTES streams on its own.
-        assert_eq!(pass_layers(80, 2 * STREAM_BYTES, 1000, u64::MAX), 1);
+        assert_eq!(pass_layers(80, 2 * STREAM_BYTES, 1, 1000, u64::MAX), 1);
+        assert_eq!(pass_layers(80, 2 * STREAM_BYTES, 4, 1000, u64::MAX), 4);
         // The KV budget caps the layers, but one is always timed (the caller refuses a budget
         // without room for one).
-        assert_eq!(pass_layers(30, MIB, 1000, 4500), 4);
-        assert_eq!(pass_layers(30, MIB, 1000, 10), 1);
-        assert_eq!(pass_layers(30, 0, 0, 0), 1);
+        assert_eq!(pass_layers(30, MIB, 1, 1000, 4500), 4);
+        assert_eq!(pass_layers(30, MIB, 20, 1000, 4500), 4);
+        assert_eq!(pass_layers(30, MIB, 1, 1000, 10), 1);
+        assert_eq!(pass_layers(30, 0, 0, 0, 0), 1);
+    }
+
+    fn layer(kind: LayerKind, moe: bool, active_params: usize) -> LayerSpec {
+        LayerSpec {
+            kind,
+            ffn: if moe {
+                FfnKind::Moe { experts: 8, active: 2 }
+            } else {
+                FfnKind::Dense
+            },
+            cache: CacheSpec::Recurrent { values: 1 },
+            weight_params: 4 * active_params,
+            active_params,
+        }
+    }
+
+    #[test]
+    fn each_class_is_timed_from_its_own_layers_scaled_to_its_first() {
+        use LayerKind::{Attention as F, LinearAttention as L};
+        // Qwen3-Next's pattern: three linear-attention layers, then full attention.
+        let specs = [
+            layer(L, true, 100),
+            layer(L, true, 100),
+            layer(L, true, 100),
+            layer(F, true, 120),
+        ];
+        assert_eq!(class_reach(&specs), 4);
+        assert_eq!(class_reach(&specs[..3]), 1);
+        assert_eq!(
+            class_reach(&[layer(F, false, 1), layer(F, true, 1), layer(F, false, 1)]),
+            2
+        );
+        let mut reference = [0; 4];
+        reference[LayerClass { kind: L, moe: true }.index()] = 100;
+        reference[LayerClass { kind: F, moe: true }.index()] = 60;
+        let secs = class_seconds(&specs, &[1.0, 2.0, 3.0, 4.0], &reference);
+        // The linear layers' mean; the full-attention layer read twice its class's first
+        // layer's weights, so that layer costs half.
+        assert_eq!(secs[LayerClass { kind: L, moe: true }.index()], Some(2.0));
+        assert_eq!(secs[LayerClass { kind: F, moe: true }.index()], Some(2.0));
+        assert_eq!(secs[LayerClass { kind: F, moe: false }.index()], None);
     }
 }

@@ -13,7 +13,8 @@ use baton_shared::proto::worker_client::WorkerClient;
 use baton_shared::proto::worker_server::Worker;
 use baton_shared::proto::{
     ActivateStageRequest, BatchResult, CostPoint, Dtype, FreeRequest, FreeResponse, HealthRequest, HealthResponse,
-    LoadStageRequest, LoadStageResponse, MicroBatch, ProfileRequest, ProfileResponse, TrimRequest, TrimResponse,
+    LayerClassCost, LoadStageRequest, LoadStageResponse, MicroBatch, ProfileRequest, ProfileResponse, TrimRequest,
+    TrimResponse,
 };
 use futures::StreamExt;
 use tokio::sync::mpsc;
@@ -465,7 +466,7 @@ impl Worker for WorkerService {
                 .collect()
         };
         tracing::info!(kernels = %profile.kernels, threads = profile.threads,
-            layer = ?profile.layer, head = ?profile.head, "profiled");
+            layer = ?profile.layer, head = ?profile.head, classes = ?profile.classes, "profiled");
         Ok(Response::new(ProfileResponse {
             layer: points(&profile.layer),
             head: points(&profile.head),
@@ -473,6 +474,15 @@ impl Worker for WorkerService {
             layer_weight_bytes: profile.bytes.layers as u64,
             embed_weight_bytes: profile.bytes.embedding as u64,
             head_weight_bytes: profile.bytes.head as u64,
+            classes: profile
+                .classes
+                .iter()
+                .map(|c| LayerClassCost {
+                    class: c.class.name().to_string(),
+                    layer: points(&c.layer),
+                    weight_bytes: c.bytes as u64,
+                })
+                .collect(),
             kernels: profile.kernels,
             threads: profile.threads as u32,
         }))

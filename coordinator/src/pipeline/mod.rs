@@ -15,12 +15,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use baton_shared::model_config::ModelConfig;
 use baton_shared::proto::Dtype;
 use baton_worker::kv_cache::KvDtype;
-use baton_worker::model::spec::{CacheBytes, CacheSpec};
+use baton_worker::model::spec::{CacheBytes, CacheSpec, LayerClass, LayerSpec};
 use baton_worker::stage::Stage;
 use tokio::sync::mpsc;
 
 use crate::generation::{GenerationRequest, Generator, SubmitError, TokenEvent};
-use crate::planner::SplitPolicy;
+use crate::planner::{LayerTable, SplitPolicy, TableClass, TableLayer};
 use crate::registry::Cluster;
 use crate::speculative::SpeculativeConfig;
 
@@ -34,9 +34,9 @@ pub struct PipelineConfig {
     /// Model as workers should resolve it (path or known name).
     pub model: String,
     pub num_layers: usize,
-    /// Each layer's cost relative to layer 0 (what a worker's profile times), from the
-    /// layers the model declares; empty: every layer alike.
-    pub layer_costs: Vec<f64>,
+    /// Each layer's class and weight, from the layers the model declares (what the planner
+    /// costs each layer by); empty: every layer alike.
+    pub layer_table: LayerTable,
     pub vocab_size: usize,
     pub max_context: usize,
     pub eos_ids: Vec<u32>,
@@ -103,14 +103,39 @@ pub const DEFAULT_MAX_MIGRATIONS: u32 = 3;
 /// Default [`PipelineConfig::queue_timeout`].
 pub const DEFAULT_QUEUE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// Each layer's cost relative to layer 0, by the weights its architecture module declares.
-pub fn layer_costs(config: &ModelConfig) -> Vec<f64> {
+/// Each layer's class and its weight against its class's first layer, and each class's first
+/// layer against layer 0, by the weights the architecture module declares: the time by the
+/// weights a position reads, the bytes by all of them (every expert).
+pub fn layer_table(config: &ModelConfig) -> LayerTable {
     let arch = baton_worker::model::registry::for_config(config);
-    let specs: Vec<_> = (0..config.num_layers).map(|l| arch.layer(config, l).spec()).collect();
-    match specs.first() {
-        Some(first) => baton_worker::model::spec::relative_costs(&specs, first),
-        None => Vec::new(),
+    let specs: Vec<LayerSpec> = (0..config.num_layers).map(|l| arch.layer(config, l).spec()).collect();
+    let Some(layer0) = specs.first() else {
+        return LayerTable::default();
+    };
+    let ratio = |a: usize, b: usize| a as f64 / b.max(1) as f64;
+    let mut table = LayerTable::default();
+    let mut firsts: Vec<(LayerClass, LayerSpec)> = Vec::new();
+    for s in &specs {
+        let class = match firsts.iter().position(|(c, _)| *c == s.class()) {
+            Some(c) => c,
+            None => {
+                firsts.push((s.class(), *s));
+                table.classes.push(TableClass {
+                    name: s.class().name().to_string(),
+                    time: ratio(s.active_params, layer0.active_params),
+                    bytes: ratio(s.weight_params, layer0.weight_params),
+                });
+                firsts.len() - 1
+            }
+        };
+        let first = &firsts[class].1;
+        table.layers.push(TableLayer {
+            class,
+            time: ratio(s.active_params, first.active_params),
+            bytes: ratio(s.weight_params, first.weight_params),
+        });
     }
+    table
 }
 
 /// What each layer of `config` caches, by the cache its architecture module declares.
@@ -122,6 +147,15 @@ pub fn layer_caches(config: &ModelConfig) -> Vec<CacheSpec> {
 }
 
 impl PipelineConfig {
+    /// The layers as the planner costs them: the model's table, or every layer alike when
+    /// there is none for this layer count.
+    pub fn planned_layers(&self) -> LayerTable {
+        match self.layer_table.len() == self.num_layers {
+            true => self.layer_table.clone(),
+            false => LayerTable::uniform(self.num_layers),
+        }
+    }
+
     /// Bytes one KV block and one copy of a sequence's recurrent state take on `layers`.
     pub fn cache_bytes(&self, layers: std::ops::Range<usize>) -> CacheBytes {
         let value_bytes = self.kv_dtype.bytes();
@@ -151,7 +185,7 @@ impl PipelineConfig {
         Self {
             model: model.into(),
             num_layers: config.num_layers,
-            layer_costs: layer_costs(config),
+            layer_table: layer_table(config),
             vocab_size: config.vocab_size,
             max_context: config.max_position_embeddings,
             eos_ids,

@@ -16,7 +16,7 @@ use baton_worker::service::AuthedWorkerClient;
 
 use super::supervisor::{self, Pipeline, StageAssignment};
 use super::{PipelineConfig, PipelineStatus};
-use crate::planner::{self, WorkerCosts, Workload};
+use crate::planner::{self, LayerTable, WorkerCosts, Workload};
 use crate::registry::WorkerEntry;
 
 /// When stage times drifting from the plan trigger a new split.
@@ -51,7 +51,7 @@ impl Default for ReplanPolicy {
 
 /// What the watch compares: the plan the pipeline was built from.
 pub(crate) struct PlanInputs {
-    pub layer_costs: Vec<f64>,
+    pub layers: LayerTable,
     /// The stage workers' costs the plan was made from (their cached profiles).
     pub costs: Vec<WorkerCosts>,
     pub ranges: Vec<Range<usize>>,
@@ -209,7 +209,7 @@ pub(crate) fn watch(
                 metrics::gauge!("baton_stage_measured_seconds", "stage" => i.to_string()).set(*m);
             }
             let found = planner::drift(
-                &plan.layer_costs,
+                &plan.layers,
                 &plan.costs,
                 &plan.ranges,
                 &measured,

@@ -25,7 +25,7 @@
 
 use std::ops::Range;
 
-use crate::planner::{WorkerCosts, Workload, stage_cost};
+use crate::planner::{LayerTable, WorkerCosts, Workload, stage_cost};
 
 /// Sizes tried for a micro-batch (rows).
 pub const CANDIDATE_ROWS: [usize; 10] = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512];
@@ -119,8 +119,8 @@ impl StepLimits {
 pub struct StageCosts<'a> {
     pub workers: &'a [WorkerCosts],
     pub ranges: &'a [Range<usize>],
-    /// Each layer's cost relative to the profiled layer (empty: all alike).
-    pub layer_costs: &'a [f64],
+    /// The model's layers as the planner costs them.
+    pub layers: &'a LayerTable,
 }
 
 impl StageCosts<'_> {
@@ -131,12 +131,8 @@ impl StageCosts<'_> {
         let load = Workload { tokens: rows, sampled };
         let mut slowest: f64 = 0.0;
         for (i, (w, r)) in self.workers.iter().zip(self.ranges).enumerate() {
-            let layers: f64 = if self.layer_costs.len() >= r.end {
-                self.layer_costs[r.clone()].iter().sum()
-            } else {
-                r.len() as f64
-            };
-            slowest = slowest.max(stage_cost(w, i, n, layers, load).0);
+            let r = r.start.min(self.layers.len())..r.end.min(self.layers.len());
+            slowest = slowest.max(stage_cost(w, self.layers, (i, n), r, load).0);
         }
         slowest
     }
@@ -246,6 +242,7 @@ mod tests {
         };
         WorkerCosts {
             layer: pts(fixed, per_row),
+            classes: Vec::new(),
             embed: pts(0.0, 1e-9),
             head: pts(0.0, 1e-9),
             layer_bytes: 1,
@@ -259,7 +256,7 @@ mod tests {
         let c = StageCosts {
             workers,
             ranges,
-            layer_costs: &[],
+            layers: &LayerTable::uniform(ranges.last().map_or(0, |r| r.end)),
         };
         let auto = AutoLimits {
             max_running: true,
@@ -295,7 +292,7 @@ mod tests {
         let costs = StageCosts {
             workers: &c,
             ranges: &[0..1],
-            layer_costs: &[],
+            layers: &LayerTable::uniform(1),
         };
         let auto = AutoLimits {
             max_running: false,

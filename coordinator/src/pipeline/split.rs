@@ -9,7 +9,7 @@ use baton_shared::proto::{CostPoint, ProfileRequest, ProfileResponse};
 use baton_worker::service::AuthedWorkerClient;
 
 use super::{PipelineConfig, PipelineStatus};
-use crate::planner::{self, CostCurve, Plan, SplitPolicy, WorkerCosts, Workload};
+use crate::planner::{self, ClassCosts, CostCurve, Plan, SplitPolicy, WorkerCosts, Workload};
 use crate::registry::WorkerEntry;
 
 /// Decode batch sizes each worker is profiled at.
@@ -29,6 +29,9 @@ pub struct SplitInfo {
     pub workload: Option<(Workload, f64)>,
     /// Predicted seconds per stage at that size (measured plans only).
     pub predicted_seconds: Vec<f64>,
+    /// Each stage worker's seconds for one layer of each class at that size, by class name
+    /// (measured plans only): what the plan balanced.
+    pub class_seconds: Vec<Vec<(String, f64)>>,
     /// Why a measured plan was not used, when it was asked for.
     pub note: Option<String>,
 }
@@ -100,15 +103,33 @@ fn curve(points: &[CostPoint], what: &str) -> Result<CostCurve, String> {
 
 /// The planner's view of a worker from its profile.
 fn worker_costs(w: &WorkerEntry, p: &ProfileResponse) -> Result<WorkerCosts, String> {
+    // Unknown memory (0) sets no limit; the KV budget comes out of the rest.
+    let budget = (w.memory_bytes > 0).then(|| w.memory_bytes.saturating_sub(w.kv_cache_bytes));
+    costs_from_profile(p, budget)
+}
+
+/// A worker's costs from the profile it sent, with `weight_budget` bytes for weights (`None`:
+/// no limit known); an error names the curve that cannot describe a cost.
+pub fn costs_from_profile(p: &ProfileResponse, weight_budget: Option<u64>) -> Result<WorkerCosts, String> {
     Ok(WorkerCosts {
         layer: curve(&p.layer, "layer")?,
+        classes: p
+            .classes
+            .iter()
+            .map(|c| {
+                Ok(ClassCosts {
+                    name: c.class.clone(),
+                    layer: curve(&c.layer, &c.class)?,
+                    bytes: c.weight_bytes,
+                })
+            })
+            .collect::<Result<_, String>>()?,
         embed: curve(&p.embed, "embed")?,
         head: curve(&p.head, "head")?,
         layer_bytes: p.layer_weight_bytes,
         embed_bytes: p.embed_weight_bytes,
         head_bytes: p.head_weight_bytes,
-        // Unknown memory (0) sets no limit; the KV budget comes out of the rest.
-        weight_budget: (w.memory_bytes > 0).then(|| w.memory_bytes.saturating_sub(w.kv_cache_bytes)),
+        weight_budget,
     })
 }
 
@@ -177,13 +198,15 @@ async fn measured(
     clients: &[AuthedWorkerClient],
     cache: &mut ProfileCache,
     workload: Workload,
-) -> Result<Plan, String> {
+) -> Result<(Plan, Vec<Vec<(String, f64)>>), String> {
     let costs = profiles(config, workers, clients, cache).await?;
-    let planned = match config.layer_costs.len() == config.num_layers {
-        true => planner::plan_layers(&config.layer_costs, &costs, workload),
-        false => planner::plan(config.num_layers, &costs, workload),
-    };
-    planned.map_err(|e| e.to_string())
+    let table = config.planned_layers();
+    let plan = planner::plan_layers(&table, &costs, workload).map_err(|e| e.to_string())?;
+    let classes = costs
+        .iter()
+        .map(|w| planner::class_seconds(w, &table, plan.workload.tokens))
+        .collect();
+    Ok((plan, classes))
 }
 
 /// The layer ranges for `workers` (one stage each, in order) and how they were chosen; the
@@ -211,13 +234,14 @@ pub async fn choose(
         status.generated_tokens.load(Ordering::Relaxed),
     );
     match measured(config, workers, clients, cache, workload).await {
-        Ok(plan) => {
-            tracing::info!(ranges = ?plan.ranges, predicted_seconds = ?plan.stage_seconds,
+        Ok((plan, class_seconds)) => {
+            tracing::info!(ranges = ?plan.ranges, predicted_seconds = ?plan.stage_seconds, class_seconds = ?class_seconds,
                 tokens = workload.tokens, sampled = workload.sampled, prompt_share = share, "measured split planned");
             let info = SplitInfo {
                 policy: "measured",
                 workload: Some((plan.workload, share)),
                 predicted_seconds: plan.stage_seconds.clone(),
+                class_seconds,
                 note: None,
             };
             Ok((plan.ranges, info))
@@ -237,6 +261,7 @@ impl SplitInfo {
             policy,
             workload: None,
             predicted_seconds: Vec::new(),
+            class_seconds: Vec::new(),
             note,
         }
     }
@@ -249,6 +274,10 @@ impl SplitInfo {
             "sampled_rows": self.workload.map(|w| w.0.sampled),
             "prompt_share": self.workload.map(|w| w.1),
             "predicted_stage_ms": self.predicted_seconds.iter().map(|s| s * 1e3).collect::<Vec<_>>(),
+            // Per stage worker: milliseconds of one layer of each class at the planned size.
+            "layer_class_ms": self.class_seconds.iter().map(|classes| {
+                classes.iter().map(|(name, s)| (name.clone(), serde_json::json!(s * 1e3))).collect::<serde_json::Map<_, _>>()
+            }).collect::<Vec<_>>(),
             "note": self.note,
         })
     }
@@ -262,7 +291,7 @@ mod tests {
         PipelineConfig {
             model: String::new(),
             num_layers: 30,
-            layer_costs: Vec::new(),
+            layer_table: Default::default(),
             vocab_size: 10,
             max_context: 100,
             eos_ids: vec![],

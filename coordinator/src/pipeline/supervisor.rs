@@ -175,10 +175,11 @@ async fn size_limits(
             .ok(),
         false => None,
     };
+    let table = config.planned_layers();
     let costs = measured.as_ref().map(|w| StageCosts {
         workers: w,
         ranges: &even,
-        layer_costs: &config.layer_costs,
+        layers: &table,
     });
     let limits = sizing::size(
         config.auto_limits,
@@ -613,6 +614,7 @@ async fn activate(
         policy: "measured",
         workload: Some((staged.plan.workload, share)),
         predicted_seconds: staged.plan.stage_seconds.clone(),
+        class_seconds: Vec::new(),
         note: Some("re-planned while serving: stages loaded beside the old ones, then activated".into()),
     };
     if let Some(last) = status.last_replan.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
@@ -643,12 +645,8 @@ fn watch_drift(
     if split.policy != "measured" || pipeline.stages.len() < 2 {
         return None;
     }
-    let layer_costs = match config.layer_costs.len() == config.num_layers {
-        true => config.layer_costs.clone(),
-        false => vec![1.0; config.num_layers],
-    };
     let plan = PlanInputs {
-        layer_costs,
+        layers: config.planned_layers(),
         costs: profiles.costs_for(workers)?,
         ranges: pipeline.stages.iter().map(|(a, _)| a.layers.clone()).collect(),
     };

@@ -1199,7 +1199,7 @@ mod tests {
         PipelineConfig {
             model: String::new(),
             num_layers: 2,
-            layer_costs: Vec::new(),
+            layer_table: Default::default(),
             vocab_size: 100,
             max_context: 64,
             eos_ids: eos,

@@ -184,4 +184,10 @@ impl Backend for CpuBackend {
     fn layer_specs(&self) -> &[LayerSpec] {
         &self.model.specs
     }
+
+    fn layer_times(&mut self, on: bool) -> Vec<f64> {
+        let times = self.scratch.layer_seconds.take().unwrap_or_default();
+        self.scratch.layer_seconds = on.then(Vec::new);
+        times
+    }
 }

@@ -239,4 +239,10 @@ impl Backend for CudaBackend {
             .map(|t| (t.kernel.to_string(), t.launches, t.ms))
             .collect()
     }
+
+    fn layer_times(&mut self, on: bool) -> Vec<f64> {
+        let times = self.scratch.layer_seconds.take().unwrap_or_default();
+        self.scratch.layer_seconds = on.then(Vec::new);
+        times
+    }
 }

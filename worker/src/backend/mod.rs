@@ -151,6 +151,8 @@ pub struct BackendInfo {
     pub weight_bytes: usize,
     /// What the layers, the embedding and the head each need on their own.
     pub part_bytes: PartBytes,
+    /// Each held layer's weight bytes, in order (every expert of a mixture included).
+    pub layer_bytes: Vec<usize>,
     /// Bytes of matrix weights one decode step reads (the streaming-read floor).
     pub matrix_bytes: usize,
 }
@@ -278,6 +280,10 @@ pub trait Backend: Send {
     fn device_free_bytes(&self) -> Option<u64> {
         None
     }
+    /// Start (`true`) or stop timing each of the stage's layers, returning each layer's seconds
+    /// summed over the passes timed so far (empty when timing was off). Timing waits for the
+    /// device after every layer, so it is for the profiler, not for serving.
+    fn layer_times(&mut self, on: bool) -> Vec<f64>;
 }
 
 /// [`Backend::sample`] for a device whose logits are in host memory: each slot's sampler on
@@ -330,6 +336,7 @@ pub fn model_info<O: crate::ops::Ops>(m: &crate::model::StageModel<O>, device: D
         weights: m.format,
         weight_bytes: m.weight_bytes(),
         part_bytes: m.part_bytes(),
+        layer_bytes: m.layer_bytes(),
         matrix_bytes: m.matrix_bytes(),
     }
 }

@@ -38,6 +38,9 @@ pub struct Scratch<O: Ops = CpuOps> {
     pub ws: O::Workspace,
     /// Host-side per-batch tables (kept to reuse their memory).
     pub batch: Batch,
+    /// Each layer's seconds, summed over the passes since timing was turned on (the
+    /// profiler's cost per layer class); `None` while not timing.
+    pub layer_seconds: Option<Vec<f64>>,
 }
 
 impl<O: Ops> Default for Scratch<O> {
@@ -63,6 +66,7 @@ impl<O: Ops> Default for Scratch<O> {
             tapping: false,
             ws: O::Workspace::default(),
             batch: Batch::default(),
+            layer_seconds: None,
         }
     }
 }

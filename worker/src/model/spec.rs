@@ -132,6 +132,58 @@ impl CacheLayout {
     }
 }
 
+/// What the profiler times separately and the planner costs separately: layers of one class
+/// cost alike per weight they read, layers of two classes need not (a linear-attention layer
+/// updates a state per sequence where a full-attention layer reads its K/V; a mixture of
+/// experts reads only the experts a batch touches).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerClass {
+    pub kind: LayerKind,
+    pub moe: bool,
+}
+
+impl LayerClass {
+    /// Every class, in [`index`](Self::index) order.
+    pub const ALL: [LayerClass; 4] = [
+        LayerClass {
+            kind: LayerKind::Attention,
+            moe: false,
+        },
+        LayerClass {
+            kind: LayerKind::Attention,
+            moe: true,
+        },
+        LayerClass {
+            kind: LayerKind::LinearAttention,
+            moe: false,
+        },
+        LayerClass {
+            kind: LayerKind::LinearAttention,
+            moe: true,
+        },
+    ];
+
+    /// This class's place in [`ALL`](Self::ALL).
+    pub fn index(self) -> usize {
+        2 * usize::from(self.kind == LayerKind::LinearAttention) + usize::from(self.moe)
+    }
+
+    /// The class named `name` (as [`name`](Self::name) writes it).
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|c| c.name() == name)
+    }
+
+    /// The name profiles and the cluster view use, e.g. `linear_attention+moe`.
+    pub fn name(self) -> &'static str {
+        match (self.kind, self.moe) {
+            (LayerKind::Attention, false) => "attention+dense",
+            (LayerKind::Attention, true) => "attention+moe",
+            (LayerKind::LinearAttention, false) => "linear_attention+dense",
+            (LayerKind::LinearAttention, true) => "linear_attention+moe",
+        }
+    }
+}
+
 /// One layer as the model declares it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LayerSpec {
@@ -145,6 +197,16 @@ pub struct LayerSpec {
     pub active_params: usize,
 }
 
+impl LayerSpec {
+    /// The class this layer is profiled and planned as.
+    pub fn class(&self) -> LayerClass {
+        LayerClass {
+            kind: self.kind,
+            moe: matches!(self.ffn, FfnKind::Moe { .. }),
+        }
+    }
+}
+
 /// The K/V width every layer of `specs` shares, or the two widths that differ (the paged pool
 /// stores one width per stage).
 pub fn uniform_kv_dim(specs: &[LayerSpec]) -> Result<usize, (usize, usize)> {
@@ -154,13 +216,6 @@ pub fn uniform_kv_dim(specs: &[LayerSpec]) -> Result<usize, (usize, usize)> {
         Some(other) => Err((first, other)),
         None => Ok(first),
     }
-}
-
-/// Each layer's cost relative to `reference`'s (by the weights a position reads): a profile
-/// that timed one layer scales to the others this way. Every layer of a uniform model gets 1.0.
-pub fn relative_costs(specs: &[LayerSpec], reference: &LayerSpec) -> Vec<f64> {
-    let base = reference.active_params.max(1) as f64;
-    specs.iter().map(|s| s.active_params as f64 / base).collect()
 }
 
 #[cfg(test)]
@@ -185,8 +240,17 @@ mod tests {
     }
 
     #[test]
-    fn costs_scale_with_weights() {
-        let specs = [attn(2, 100), attn(2, 300)];
-        assert_eq!(relative_costs(&specs, &specs[0]), vec![1.0, 3.0]);
+    fn layer_classes_are_named_and_indexed_both_ways() {
+        for (i, c) in LayerClass::ALL.into_iter().enumerate() {
+            assert_eq!(c.index(), i);
+            assert_eq!(LayerClass::from_name(c.name()), Some(c));
+        }
+        assert_eq!(LayerClass::from_name("mamba"), None);
+        let moe = LayerSpec {
+            ffn: FfnKind::Moe { experts: 8, active: 2 },
+            ..attn(2, 1)
+        };
+        assert_eq!(moe.class().name(), "attention+moe");
+        assert_eq!(attn(2, 1).class().name(), "attention+dense");
     }
 }

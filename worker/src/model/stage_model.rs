@@ -276,11 +276,20 @@ impl<O: Ops> StageModel<O> {
         }
         s.moe = MoeStats::default();
         let taps = self.taps.as_ref().filter(|_| s.tapping);
+        if let Some(times) = s.layer_seconds.as_mut() {
+            times.resize(self.blocks.len(), 0.0);
+            self.ops.finish();
+        }
         for (index, layer) in self.blocks.iter().enumerate() {
+            let started = s.layer_seconds.is_some().then(std::time::Instant::now);
             layer.forward(&self.ops, self.cache.slot[index], kv, &batch, s);
             if let Some(fc) = taps.and_then(|t| t.at(index)) {
                 self.ops.matmul(&mut s.ws, &s.hidden, fc, None, &mut s.tap_product);
                 self.ops.add(&mut s.taps, &s.tap_product);
+            }
+            if let (Some(started), Some(times)) = (started, s.layer_seconds.as_mut()) {
+                self.ops.finish();
+                times[index] += started.elapsed().as_secs_f64();
             }
         }
         s.batch = batch;
@@ -400,6 +409,11 @@ impl<O: Ops> StageModel<O> {
             embedding: if self.is_first { embedding } else { 0 },
             head,
         }
+    }
+
+    /// Each held layer's weight bytes, in order.
+    pub fn layer_bytes(&self) -> Vec<usize> {
+        self.blocks.iter().map(|l| l.weight_bytes(&self.ops)).collect()
     }
 
     /// Bytes of matrix weights one decode step of one sequence reads (the layers' matrices, of

@@ -242,4 +242,7 @@ pub trait Ops: Send + Sync + Sized + 'static {
         longest: usize,
         out: &mut Self::Buf,
     );
+    /// Wait until the work queued so far has finished, so host-side timing means device time.
+    /// The CPU's operations finish before they return.
+    fn finish(&self) {}
 }

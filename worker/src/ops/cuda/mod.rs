@@ -486,6 +486,10 @@ impl Ops for CudaOps {
         }
     }
 
+    fn finish(&self) {
+        self.gpu.check("synchronizing", self.gpu.stream.synchronize());
+    }
+
     fn download(&self, buf: &CudaBuf, host: &mut [f32]) {
         let Some(d) = self.dev(buf) else { return };
         let n = host.len().min(buf.len);
