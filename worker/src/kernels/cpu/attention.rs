@@ -148,6 +148,47 @@ fn pv_dispatch<const HD: usize>(
     }
 }
 
+/// [`pv_run`] for `R` rows of weights over the same value rows: `acc[r] += w[r][i]·v[row0 + i]`,
+/// each row's arithmetic [`pv_run`]'s, with each value row loaded once for all of them.
+#[inline(always)]
+fn pv_rows<const HD: usize, const R: usize>(
+    acc: &mut [[f32; HD]; R],
+    w: [&[f32]; R],
+    v: &[f32],
+    row0: usize,
+    kv_dim: usize,
+    off: usize,
+) {
+    let mut a = *acc;
+    for i in 0..w[0].len() {
+        let vr: &[f32; HD] = v[(row0 + i) * kv_dim + off..][..HD].try_into().expect("HD values");
+        for r in 0..R {
+            let wp = w[r][i];
+            for j in 0..HD {
+                a[r][j] += wp * vr[j];
+            }
+        }
+    }
+    *acc = a;
+}
+
+/// [`pv_rows`] compiled for AVX-512 (element-wise operations vectorize exactly).
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn pv_rows_avx512<const HD: usize, const R: usize>(
+    acc: &mut [[f32; HD]; R],
+    w: [&[f32]; R],
+    v: &[f32],
+    row0: usize,
+    kv_dim: usize,
+    off: usize,
+) {
+    pv_rows(acc, w, v, row0, kv_dim, off);
+}
+
 /// `oh = Σ_p sc[p]·v(p)` over the positions of `s`'s layout, for head dims with a register kernel.
 /// f16 values are widened one row at a time, then take the same arithmetic as f32 ones.
 fn weighted_values<const HD: usize>(
@@ -246,6 +287,99 @@ fn one_head(
     }
 }
 
+/// Query rows [`rows_together`] attends at once.
+const ROWS: usize = kf32::DOT8_ROWS;
+
+/// Whether [`rows_together`] runs this attention: the AVX-512 paths (where [`kf32::dot8_rows`]
+/// shares key loads), causal rows, f32 caches and a head size its value kernel holds.
+fn rows_together_fits(kern: Kernels, s: &SeqAttn<'_>, shape: AttnShape, mask: AttnMask) -> bool {
+    matches!(kern.path(), KernelPath::Avx512 | KernelPath::Avx512Vnni)
+        && mask == AttnMask::Causal
+        && matches!((s.k, s.v), (KvData::F32(_), KvData::F32(_)))
+        && shape.head_dim.is_multiple_of(64)
+}
+
+/// [`one_head`] for `ROWS` consecutive causal query rows at positions `pos..pos + ROWS` of
+/// head `kvh`'s group, into `outs`: each row's scores, softmax and weighted values are
+/// [`one_head`]'s bit for bit, but the keys and values every row attends (`0..=pos`) are
+/// loaded once for all of them. `scores` holds `ROWS` rows of at least `pos + ROWS` each.
+#[allow(clippy::too_many_arguments)]
+fn rows_together(
+    kern: Kernels,
+    qs: [&[f32]; ROWS],
+    s: &SeqAttn<'_>,
+    pos: usize,
+    kvh: usize,
+    shape: AttnShape,
+    scores: &mut [f32],
+    mut outs: [&mut [f32]; ROWS],
+) {
+    let (KvData::F32(k), KvData::F32(v)) = (s.k, s.v) else {
+        unreachable!("rows_together runs on f32 caches (rows_together_fits)")
+    };
+    let (hd, kv_dim) = (shape.head_dim, shape.num_kv_heads * shape.head_dim);
+    let off = kvh * hd;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let stride = scores.len() / ROWS;
+    let mut chunks = scores.chunks_mut(stride);
+    let mut sc: [&mut [f32]; ROWS] = std::array::from_fn(|_| chunks.next().expect("ROWS score rows"));
+    let shared = pos + 1;
+    let key = |p: usize| {
+        let at = s.layout.row(p) * kv_dim + off;
+        &k[at..at + hd]
+    };
+    // Scores over the keys every row sees, eight at a time for all rows at once.
+    for (p, row0, len) in s.layout.runs(shared) {
+        let groups = len / 8;
+        for g in 0..groups {
+            let at = |j: usize| (row0 + 8 * g + j) * kv_dim + off;
+            let d = kf32::dot8_rows(kern, qs, std::array::from_fn(|j| &k[at(j)..at(j) + hd]));
+            for (sc, d) in sc.iter_mut().zip(d) {
+                for (s, d) in sc[p + 8 * g..p + 8 * g + 8].iter_mut().zip(d) {
+                    *s = d * scale;
+                }
+            }
+        }
+        for i in groups * 8..len {
+            let kr = &k[(row0 + i) * kv_dim + off..][..hd];
+            for (r, q) in qs.iter().enumerate() {
+                sc[r][p + i] = kf32::dot(kern, q, kr) * scale;
+            }
+        }
+    }
+    // The later rows' own last keys (positions after `pos`, up to each row's).
+    for (r, (q, sc)) in qs.iter().zip(sc.iter_mut()).enumerate() {
+        for (p, score) in sc.iter_mut().enumerate().take(pos + r + 1).skip(shared) {
+            *score = kf32::dot(kern, q, key(p)) * scale;
+        }
+        softmax(kern, &mut sc[..pos + r + 1]);
+    }
+    // Weighted values, 64 dimensions at a time (each output element sums on its own, so the
+    // split changes no bit): the shared positions for all rows, then each row's own.
+    for half in 0..hd / 64 {
+        let off = off + 64 * half;
+        let mut acc = [[0f32; 64]; ROWS];
+        for (p, row0, len) in s.layout.runs(shared) {
+            let w: [&[f32]; ROWS] = std::array::from_fn(|r| &sc[r][p..p + len]);
+            // SAFETY: `rows_together_fits` admitted only the AVX-512 paths.
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                pv_rows_avx512::<64, ROWS>(&mut acc, w, v, row0, kv_dim, off)
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            pv_rows::<64, ROWS>(&mut acc, w, v, row0, kv_dim, off);
+        }
+        for (r, acc) in acc.iter_mut().enumerate() {
+            for p in shared..=pos + r {
+                pv_dispatch(kern, acc, &sc[r][p..=p], v, s.layout.row(p), kv_dim, off);
+            }
+        }
+        for (out, acc) in outs.iter_mut().zip(&acc) {
+            out[64 * half..64 * (half + 1)].copy_from_slice(acc);
+        }
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 pub fn attention_batch<'a>(
     kern: Kernels,
@@ -262,18 +396,32 @@ pub fn attention_batch<'a>(
     let q_dim = shape.num_heads * shape.head_dim;
     let group = shape.num_heads / shape.num_kv_heads;
     let tasks = n_seqs * shape.num_heads;
-    if scores.len() < tasks * longest {
-        scores.resize(tasks * longest, 0.0);
+    // Each task's scores: one row, or ROWS rows attended together.
+    let per_task = ROWS * longest;
+    if scores.len() < tasks * per_task {
+        scores.resize(tasks * per_task, 0.0);
     }
-    let scores = SharedMut::new(&mut scores[..tasks * longest]);
+    let scores = SharedMut::new(&mut scores[..tasks * per_task]);
     let shared = SharedMut::new(out);
     pool.run(tasks, &|task| {
         let (si, h) = (task / shape.num_heads, task % shape.num_heads);
         let s = seq(si);
         assert!(s.pos0 + s.rows <= longest, "attention_batch: sequence beyond `longest`");
         // SAFETY: each task owns its scores buffer and the (row, head h) outputs of sequence si.
-        let sc = unsafe { scores.slice(task * longest, longest) };
-        for i in 0..s.rows {
+        let sc = unsafe { scores.slice(task * per_task, per_task) };
+        let q_row = |row: usize| &q[row * q_dim + h * shape.head_dim..][..shape.head_dim];
+        let mut first = 0;
+        if rows_together_fits(kern, &s, shape, mask) {
+            while first + ROWS <= s.rows {
+                let rows: [usize; ROWS] = std::array::from_fn(|r| s.offset + first + r);
+                // SAFETY: as above; the rows are distinct, so their outputs do not overlap.
+                let outs = rows.map(|row| unsafe { shared.slice(row * q_dim + h * shape.head_dim, shape.head_dim) });
+                rows_together(kern, rows.map(q_row), &s, s.pos0 + first, h / group, shape, sc, outs);
+                first += ROWS;
+            }
+        }
+        let sc = &mut sc[..longest];
+        for i in first..s.rows {
             let row = s.offset + i;
             let qh = &q[row * q_dim + h * shape.head_dim..][..shape.head_dim];
             // SAFETY: as above; rows of different sequences never overlap.
@@ -319,8 +467,9 @@ mod tests {
 
     fn check_batched_attention(shape: AttnShape, f16: bool, paths: &mut PathsRun) {
         let (qd, kvd) = (shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim);
-        // Three sequences: a decode row at 37, a 5-row chunk from 0, 3 rows from 10.
-        let spans = [(37, 1), (0, 5), (10, 3)];
+        // Four sequences: a decode row at 37, a 5-row chunk from 0, 3 rows from 10, 21 from 19
+        // (rows attended three at a time, keys in groups of eight and a remainder).
+        let spans = [(37, 1), (0, 5), (10, 3), (19, 21)];
         let to_bits = |v: Vec<f32>| -> Vec<u16> { v.iter().map(|&x| HalfKind::F16.from_f32(x)).collect() };
         let widened = |b: &[u16]| -> Vec<f32> { b.iter().map(|&x| HalfKind::F16.to_f32(x)).collect() };
         let caches: Vec<(Vec<u16>, Vec<u16>)> = spans
@@ -344,47 +493,78 @@ mod tests {
             reference::attention(&q[rows.clone()], k, v, *p, shape, &mut sc, &mut want[rows]);
             offset += n;
         }
-        let mut offset = 0;
-        let seqs: Vec<SeqAttn<'_>> = spans
-            .iter()
-            .zip(caches.iter().zip(&wide))
-            .map(|((p, n), ((kb, vb), (k, v)))| {
-                let (k, v) = if f16 {
-                    (KvData::F16(kb), KvData::F16(vb))
-                } else {
-                    (KvData::F32(k), KvData::F32(v))
-                };
-                let s = SeqAttn {
-                    pos0: *p,
-                    rows: *n,
-                    offset,
-                    k,
-                    v,
-                    layout: Rows::Contiguous,
-                };
-                offset += n;
-                s
-            })
-            .collect();
-        for threads in [1, 2, 3] {
-            let pool = ThreadPool::new(threads);
-            for kern in Kernels::all_supported() {
-                paths.record(kern.path());
-                let mut got = vec![0f32; total * qd];
-                let seq = |i: usize| seqs[i];
-                attention_batch(
-                    kern,
-                    &pool,
-                    &q,
-                    seqs.len(),
-                    &seq,
-                    40,
-                    shape,
-                    AttnMask::Causal,
-                    &mut Vec::new(),
-                    &mut got,
-                );
-                assert_eq!(got, want, "{shape:?} f16={f16}, {threads} threads, {}", kern.path());
+        // The same caches paged: blocks of 16 positions stored out of order.
+        let (table, block) = ([2u32, 0, 1], 16);
+        let page = |rows: &[f32]| -> Vec<f32> {
+            let mut out = vec![0f32; table.len() * block * kvd];
+            for (p, row) in rows.chunks_exact(kvd).enumerate() {
+                let at = (table[p / block] as usize * block + p % block) * kvd;
+                out[at..at + kvd].copy_from_slice(row);
+            }
+            out
+        };
+        let paged: Vec<(Vec<f32>, Vec<f32>)> = wide.iter().map(|(k, v)| (page(k), page(v))).collect();
+        let mut layouts = vec![false];
+        if !f16 {
+            layouts.push(true);
+        }
+        for paged_layout in layouts {
+            let mut offset = 0;
+            let seqs: Vec<SeqAttn<'_>> = spans
+                .iter()
+                .zip(caches.iter().zip(wide.iter().zip(&paged)))
+                .map(|((p, n), ((kb, vb), ((k, v), (kp, vp))))| {
+                    let (k, v, layout) = if f16 {
+                        (KvData::F16(kb), KvData::F16(vb), Rows::Contiguous)
+                    } else if paged_layout {
+                        (
+                            KvData::F32(kp),
+                            KvData::F32(vp),
+                            Rows::Paged {
+                                table: &table,
+                                block_size: block,
+                            },
+                        )
+                    } else {
+                        (KvData::F32(k), KvData::F32(v), Rows::Contiguous)
+                    };
+                    let s = SeqAttn {
+                        pos0: *p,
+                        rows: *n,
+                        offset,
+                        k,
+                        v,
+                        layout,
+                    };
+                    offset += n;
+                    s
+                })
+                .collect();
+            for threads in [1, 2, 3] {
+                let pool = ThreadPool::new(threads);
+                for kern in Kernels::all_supported() {
+                    paths.record(kern.path());
+                    let mut got = vec![0f32; total * qd];
+                    let seq = |i: usize| seqs[i];
+                    attention_batch(
+                        kern,
+                        &pool,
+                        &q,
+                        seqs.len(),
+                        &seq,
+                        40,
+                        shape,
+                        AttnMask::Causal,
+                        &mut Vec::new(),
+                        &mut got,
+                    );
+                    assert_eq!(
+                        got,
+                        want,
+                        "{shape:?} f16={f16} paged={paged_layout}, {threads} threads, {}",
+                        kern.path()
+                    );
+                }
             }
         }
     }

@@ -63,6 +63,22 @@ unsafe fn dot8_avx512(a: &[f32], rows: [&[f32]; 8]) -> [f32; 8] {
         }
         i += 16;
     }
+    let mut out = reduce8_avx512(acc);
+    // A head size of whole chunks (64, 128) has no tail: skip the eight empty loops.
+    if n < a.len() {
+        for (o, r) in out.iter_mut().zip(rows) {
+            *o += tail(&a[n..], &r[n..a.len()]);
+        }
+    }
+    out
+}
+
+/// The lane sums of 8 dot products' 16-lane accumulators, each in [`reference::dot`]'s
+/// pairwise order, as one transposed tree.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx2")]
+fn reduce8_avx512(acc: [__m512; 8]) -> [f32; 8] {
     // Lane l + lane l+8, as dot_avx512 folds before reduce8.
     let v = acc.map(|z| {
         let lo = _mm512_castps512_ps256(z);
@@ -86,10 +102,65 @@ unsafe fn dot8_avx512(a: &[f32], rows: [&[f32]; 8]) -> [f32; 8] {
     let mut out = [0f32; 8];
     // SAFETY: `out` holds 8 floats.
     unsafe { _mm256_storeu_ps(out.as_mut_ptr(), c) };
-    for (o, r) in out.iter_mut().zip(rows) {
-        *o += tail(&a[n..], &r[n..a.len()]);
-    }
     out
+}
+
+/// Most query rows [`dot8_rows`] runs side by side on AVX-512: 3 × 8 accumulators, the rows'
+/// chunks and a key's fill 28 of the 32 registers.
+pub const DOT8_ROWS: usize = 3;
+
+/// [`dot8`] of each of `R` query rows with the same 8 keys, bit for bit: on AVX-512 (for
+/// `R <= DOT8_ROWS`) every key chunk is loaded once for all the rows, which attention over a
+/// prompt chunk's rows spends most of its loads on otherwise.
+pub fn dot8_rows<const R: usize>(k: Kernels, a: [&[f32]; R], rows: [&[f32]; 8]) -> [[f32; 8]; R] {
+    let len = a.first().map_or(0, |q| q.len());
+    assert!(
+        a.iter().all(|q| q.len() == len) && rows.iter().all(|r| r.len() == len),
+        "dot8_rows: length mismatch"
+    );
+    match k.path() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Kernels` is only made for paths the CPU supports.
+        KernelPath::Avx512 | KernelPath::Avx512Vnni if R <= DOT8_ROWS => unsafe { dot8_rows_avx512(a, rows) },
+        _ => a.map(|q| dot8(k, q, rows)),
+    }
+}
+
+/// AVX-512 twin of [`dot8_rows`]: per product the arithmetic of [`dot8_avx512`].
+///
+/// # Safety
+/// The CPU must support AVX-512F and AVX2; every row as long as the queries.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2")]
+unsafe fn dot8_rows_avx512<const R: usize>(a: [&[f32]; R], rows: [&[f32]; 8]) -> [[f32; 8]; R] {
+    let len = a.first().map_or(0, |q| q.len());
+    let n = len / 16 * 16;
+    let pa = a.map(<[f32]>::as_ptr);
+    let pr = rows.map(<[f32]>::as_ptr);
+    let mut acc = [[_mm512_setzero_ps(); 8]; R];
+    let mut i = 0;
+    while i < n {
+        // SAFETY: i + 16 <= n <= every length.
+        unsafe {
+            let x: [__m512; R] = std::array::from_fn(|r| _mm512_loadu_ps(pa[r].add(i)));
+            for (j, p) in pr.iter().enumerate() {
+                let key = _mm512_loadu_ps(p.add(i));
+                for r in 0..R {
+                    acc[r][j] = _mm512_add_ps(acc[r][j], _mm512_mul_ps(x[r], key));
+                }
+            }
+        }
+        i += 16;
+    }
+    std::array::from_fn(|r| {
+        let mut out = reduce8_avx512(acc[r]);
+        if n < len {
+            for (o, key) in out.iter_mut().zip(rows) {
+                *o += tail(&a[r][n..], &key[n..len]);
+            }
+        }
+        out
+    })
 }
 
 /// The sequential tail past the last full 16-lane chunk, as the reference sums it.
@@ -210,6 +281,20 @@ pub(crate) mod tests {
                         assert_eq!(got[j].to_bits(), want.to_bits(), "{} n={n} row {j}", k.path());
                     }
                 }
+            }
+            // Several query rows against the same keys: each product as dot8 gives it.
+            for n in [0, 1, 16, 17, 64, 100, 128] {
+                let q: Vec<Vec<f32>> = (0..4).map(|r| noise(n, 40 + r, 1.0)).collect();
+                let rows: Vec<Vec<f32>> = (0..8).map(|j| noise(n, 60 + j, 1.0)).collect();
+                let rows: [&[f32]; 8] = std::array::from_fn(|j| rows[j].as_slice());
+                let want: Vec<[f32; 8]> = q.iter().map(|q| dot8(k, q, rows)).collect();
+                let bits = |v: &[[f32; 8]]| -> Vec<u32> { v.iter().flatten().map(|x| x.to_bits()).collect() };
+                let three = dot8_rows::<3>(k, std::array::from_fn(|r| q[r].as_slice()), rows);
+                assert_eq!(bits(&three), bits(&want[..3]), "{} n={n}, 3 rows", k.path());
+                let two = dot8_rows::<2>(k, std::array::from_fn(|r| q[r].as_slice()), rows);
+                assert_eq!(bits(&two), bits(&want[..2]), "{} n={n}, 2 rows", k.path());
+                let four = dot8_rows::<4>(k, std::array::from_fn(|r| q[r].as_slice()), rows);
+                assert_eq!(bits(&four), bits(&want), "{} n={n}, 4 rows", k.path());
             }
             // Signed zeros come out as a lone dot gives them.
             let z = [-0.0f32; 16];
