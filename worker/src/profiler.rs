@@ -195,19 +195,19 @@ fn pass_layers(num_layers: usize, layer_bytes: usize, reach: usize, kv_per_layer
     streamed.min(num_layers).min(fits).max(1)
 }
 
-/// The layers needed to hold one layer of every class among `specs`: one past the first layer
-/// of the class that appears last.
-fn class_reach(specs: &[LayerSpec]) -> usize {
-    let mut seen = [false; LayerClass::ALL.len()];
-    let mut reach = 0;
+/// Each class's first layer among `specs`, by [`LayerClass::index`] (`None`: no such layer).
+fn first_layers(specs: &[LayerSpec]) -> [Option<usize>; LayerClass::ALL.len()] {
+    let mut first = [None; LayerClass::ALL.len()];
     for (l, s) in specs.iter().enumerate() {
-        let c = s.class().index();
-        if !seen[c] {
-            seen[c] = true;
-            reach = l + 1;
-        }
+        first[s.class().index()].get_or_insert(l);
     }
-    reach
+    first
+}
+
+/// The layers needed to hold one layer of every class: one past the first layer of the class
+/// that appears last.
+fn class_reach(first: &[Option<usize>]) -> usize {
+    first.iter().flatten().map(|l| l + 1).max().unwrap_or(0)
 }
 
 /// Seconds of one layer of each class among `specs` (the timed pass's layers) from each
@@ -275,13 +275,9 @@ pub fn profile(
     let arch = registry::for_config(config);
     let model_specs: Vec<LayerSpec> = (0..config.num_layers).map(|l| arch.layer(config, l).spec()).collect();
     // Each class's first layer in the model: what its cost is reported for.
-    let mut reference = [0usize; LayerClass::ALL.len()];
-    let mut reference_layer = [usize::MAX; LayerClass::ALL.len()];
-    for (l, s) in model_specs.iter().enumerate().rev() {
-        reference[s.class().index()] = s.active_params;
-        reference_layer[s.class().index()] = l;
-    }
-    let reach = class_reach(&model_specs);
+    let first_layer = first_layers(&model_specs);
+    let reference = first_layer.map(|l| l.map_or(0, |l| model_specs[l].active_params));
+    let reach = class_reach(&first_layer);
     let shape = StageShape {
         layers: 0..pass_layers(config.num_layers, layer_bytes, reach, need, kv_budget),
         first: true,
@@ -309,7 +305,7 @@ pub fn profile(
             .into_iter()
             .filter_map(|class| {
                 // Bytes of the class's first layer, when the pass holds it.
-                let bytes = *pass_bytes.get(reference_layer[class.index()])?;
+                let bytes = *pass_bytes.get(first_layer[class.index()]?)?;
                 Some(ClassCost {
                     class,
                     layer: Vec::new(),
@@ -455,12 +451,12 @@ mod tests {
             layer(L, true, 100),
             layer(F, true, 120),
         ];
-        assert_eq!(class_reach(&specs), 4);
-        assert_eq!(class_reach(&specs[..3]), 1);
-        assert_eq!(
-            class_reach(&[layer(F, false, 1), layer(F, true, 1), layer(F, false, 1)]),
-            2
-        );
+        assert_eq!(class_reach(&first_layers(&specs)), 4);
+        assert_eq!(class_reach(&first_layers(&specs[..3])), 1);
+        let mixed = first_layers(&[layer(F, false, 1), layer(F, true, 1), layer(F, false, 1)]);
+        assert_eq!(class_reach(&mixed), 2);
+        assert_eq!(mixed[LayerClass { kind: F, moe: false }.index()], Some(0));
+        assert_eq!(mixed[LayerClass { kind: F, moe: true }.index()], Some(1));
         let mut reference = [0; 4];
         reference[LayerClass { kind: L, moe: true }.index()] = 100;
         reference[LayerClass { kind: F, moe: true }.index()] = 60;

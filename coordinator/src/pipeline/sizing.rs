@@ -131,8 +131,7 @@ impl StageCosts<'_> {
         let load = Workload { tokens: rows, sampled };
         let mut slowest: f64 = 0.0;
         for (i, (w, r)) in self.workers.iter().zip(self.ranges).enumerate() {
-            let r = r.start.min(self.layers.len())..r.end.min(self.layers.len());
-            slowest = slowest.max(stage_cost(w, self.layers, (i, n), r, load).0);
+            slowest = slowest.max(stage_cost(w, self.layers, (i, n), r.clone(), load).0);
         }
         slowest
     }

@@ -186,8 +186,6 @@ impl Backend for CpuBackend {
     }
 
     fn layer_times(&mut self, on: bool) -> Vec<f64> {
-        let times = self.scratch.layer_seconds.take().unwrap_or_default();
-        self.scratch.layer_seconds = on.then(Vec::new);
-        times
+        self.scratch.layer_times(on)
     }
 }

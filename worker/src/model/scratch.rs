@@ -43,6 +43,16 @@ pub struct Scratch<O: Ops = CpuOps> {
     pub layer_seconds: Option<Vec<f64>>,
 }
 
+impl<O: Ops> Scratch<O> {
+    /// Start (`true`) or stop timing each layer; each layer's seconds timed so far (empty when
+    /// timing was off). What every backend's `Backend::layer_times` does.
+    pub fn layer_times(&mut self, on: bool) -> Vec<f64> {
+        let times = self.layer_seconds.take().unwrap_or_default();
+        self.layer_seconds = on.then(Vec::new);
+        times
+    }
+}
+
 impl<O: Ops> Default for Scratch<O> {
     fn default() -> Self {
         Self {
