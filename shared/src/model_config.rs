@@ -150,6 +150,20 @@ pub struct LinearAttentionConfig {
     pub value_head_dim: usize,
     /// Taps of the causal depthwise conv1d (`linear_conv_kernel_dim`).
     pub conv_kernel: usize,
+    /// How a GGUF file lays out these layers' tensors; `None` for Hugging Face files.
+    pub gguf_layout: Option<GgufLinearLayout>,
+}
+
+/// How llama.cpp's converter laid out a hybrid's linear-attention tensors in a GGUF file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct GgufLinearLayout {
+    /// Qwen3-Next's q, k, v and z kept fused as Hugging Face stores them (`ssm_in`, older
+    /// files) rather than split into `attn_qkv` (every q, every k, every v) and `attn_gate`.
+    pub fused_qkvz: bool,
+    /// Value heads ordered key-head-minor (value head `j` of key head `g` stored at
+    /// `j·key_heads + g`) instead of grouped by key head: llama.cpp's Qwen3.5 converter
+    /// reorders them so, in every tensor a value head indexes, so its graph can broadcast.
+    pub value_heads_tiled: bool,
 }
 
 /// How a mixture-of-experts model routes each position's feed-forward pass.
@@ -391,7 +405,156 @@ fn linear_attention_from_hf(f: &Fields<'_>, num_layers: usize) -> Result<LinearA
         key_head_dim: f.usize("linear_key_head_dim")?,
         value_head_dim: f.usize("linear_value_head_dim")?,
         conv_kernel: f.usize_opt("linear_conv_kernel_dim")?.unwrap_or(4),
+        gguf_layout: None,
     })
+}
+
+/// Multi-token-prediction blocks a GGUF file appends after the model's own
+/// (`{arch}.nextn_predict_layers`, Qwen3.5); 0 when it has none.
+pub fn gguf_nextn_layers(file: &GgufFile) -> usize {
+    let arch = file.get_str("general.architecture").unwrap_or("");
+    file.get_u64(&format!("{arch}.nextn_predict_layers")).unwrap_or(0) as usize
+}
+
+/// A GGUF field as a positive size, or a clear error.
+fn gguf_dim(file: &GgufFile, key: &str) -> Result<Option<usize>, ConfigError> {
+    match file.get(key) {
+        None => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(n) if n > 0 && (n as usize) <= MAX_DIM => Ok(Some(n as usize)),
+            _ => Err(ConfigError::Invalid {
+                source_name: file.path().display().to_string(),
+                field: key.into(),
+                value: format!("{v:?}"),
+                expected: "a positive integer".into(),
+            }),
+        },
+    }
+}
+
+/// The linear-attention fields of a Qwen3-Next or Qwen3.5 GGUF file, in llama.cpp's terms: the
+/// `ssm.*` sizes, and which layers are linear from `attention.recurrent_layers` (one flag per
+/// block) or, without it, every `full_attention_interval`-th layer full (default 4).
+fn linear_attention_from_gguf(
+    file: &GgufFile,
+    architecture: Architecture,
+    num_layers: usize,
+) -> Result<LinearAttentionConfig, ConfigError> {
+    let source_name = file.path().display().to_string();
+    let arch = file.get_str("general.architecture").unwrap_or("");
+    let key = |k: &str| format!("{arch}.{k}");
+    let need = |k: &str| {
+        gguf_dim(file, &key(k))?.ok_or_else(|| ConfigError::Missing {
+            source_name: source_name.clone(),
+            field: key(k),
+        })
+    };
+    let invalid = |field: String, value: String, expected: &str| ConfigError::Invalid {
+        source_name: source_name.clone(),
+        field,
+        value,
+        expected: expected.into(),
+    };
+    let layer_types: Vec<LayerType> = match file.get(&key("attention.recurrent_layers")) {
+        Some(v) => {
+            let flags = v
+                .as_array()
+                .filter(|a| a.len() >= num_layers)
+                .and_then(|a| {
+                    a[..num_layers]
+                        .iter()
+                        .map(|f| f.as_bool().or(f.as_u64().map(|n| n != 0)))
+                        .collect::<Option<Vec<bool>>>()
+                })
+                .ok_or_else(|| {
+                    invalid(
+                        key("attention.recurrent_layers"),
+                        format!("{v:?}"),
+                        &format!("an array of at least {num_layers} flags"),
+                    )
+                })?;
+            flags
+                .into_iter()
+                .map(|linear| {
+                    if linear {
+                        LayerType::LinearAttention
+                    } else {
+                        LayerType::FullAttention
+                    }
+                })
+                .collect()
+        }
+        None => {
+            let every = gguf_dim(file, &key("full_attention_interval"))?.unwrap_or(4);
+            (0..num_layers)
+                .map(|l| match (l + 1).is_multiple_of(every) {
+                    true => LayerType::FullAttention,
+                    false => LayerType::LinearAttention,
+                })
+                .collect()
+        }
+    };
+    let (num_value_heads, inner) = (need("ssm.time_step_rank")?, need("ssm.inner_size")?);
+    if !inner.is_multiple_of(num_value_heads) {
+        return Err(invalid(
+            key("ssm.inner_size"),
+            inner.to_string(),
+            &format!("a multiple of ssm.time_step_rank {num_value_heads}"),
+        ));
+    }
+    let first_linear = layer_types.iter().position(|t| *t == LayerType::LinearAttention);
+    Ok(LinearAttentionConfig {
+        layer_types,
+        num_key_heads: need("ssm.group_count")?,
+        num_value_heads,
+        key_head_dim: need("ssm.state_size")?,
+        value_head_dim: inner / num_value_heads,
+        conv_kernel: need("ssm.conv_kernel")?,
+        gguf_layout: Some(GgufLinearLayout {
+            fused_qkvz: architecture == Architecture::Qwen3Next
+                && first_linear.is_some_and(|l| file.tensors.contains_key(&format!("blk.{l}.ssm_in.weight"))),
+            value_heads_tiled: matches!(architecture, Architecture::Qwen35 | Architecture::Qwen35Moe),
+        }),
+    })
+}
+
+/// The experts of a Qwen3-Next or Qwen3.5-MoE GGUF file: llama.cpp's `expert_*` fields, the
+/// shared expert's width (`expert_shared_feed_forward_length`, or its tensor's), and dense
+/// the layers without a router tensor; `None` without experts.
+fn hybrid_moe_from_gguf(
+    file: &GgufFile,
+    key: &dyn Fn(&str) -> String,
+    num_layers: usize,
+) -> Result<Option<MoeConfig>, ConfigError> {
+    let Some(num_experts) = gguf_dim(file, &key("expert_count"))? else {
+        return Ok(None);
+    };
+    let missing = |k: &str| ConfigError::Missing {
+        source_name: file.path().display().to_string(),
+        field: key(k),
+    };
+    let shared = match gguf_dim(file, &key("expert_shared_feed_forward_length"))? {
+        Some(f) => Some(f),
+        None => (0..num_layers)
+            .find_map(|l| file.tensors.get(&format!("blk.{l}.ffn_up_shexp.weight")))
+            .and_then(|t| t.shape.first().copied()),
+    };
+    Ok(Some(MoeConfig {
+        num_experts,
+        experts_per_token: gguf_dim(file, &key("expert_used_count"))?.ok_or_else(|| missing("expert_used_count"))?,
+        expert_intermediate_size: gguf_dim(file, &key("expert_feed_forward_length"))?
+            .ok_or_else(|| missing("expert_feed_forward_length"))?,
+        // llama.cpp renormalizes these models' chosen experts; a file may say otherwise.
+        norm_topk_prob: file
+            .get(&key("expert_weights_norm"))
+            .and_then(|v| v.as_bool())
+            .unwrap_or(true),
+        decoder_sparse_step: 1,
+        mlp_only_layers: (0..num_layers)
+            .filter(|l| !file.tensors.contains_key(&format!("blk.{l}.ffn_gate_inp.weight")))
+            .collect(),
+        shared_expert_intermediate_size: shared,
+    }))
 }
 
 impl ModelConfig {
@@ -547,6 +710,18 @@ impl ModelConfig {
         let need = |k: &str| dim(k)?.ok_or_else(|| missing(&key(k)));
         let hidden_size = need("embedding_length")?;
         let num_heads = need("attention.head_count")?;
+        // Qwen3.5 files may append multi-token-prediction blocks, which Baton does not run.
+        let blocks = need("block_count")?;
+        let nextn = gguf_nextn_layers(file);
+        if nextn >= blocks {
+            return Err(ConfigError::Invalid {
+                source_name,
+                field: key("nextn_predict_layers"),
+                value: nextn.to_string(),
+                expected: format!("fewer than block_count {blocks}"),
+            });
+        }
+        let num_layers = blocks - nextn;
         let vocab_size = match file.tensors.get("token_embd.weight") {
             Some(t) if t.shape.len() == 2 => t.shape[0],
             _ => file
@@ -581,11 +756,13 @@ impl ModelConfig {
             hidden_size,
             // A model whose every layer is sparse may leave out the dense width.
             intermediate_size: match architecture {
-                Architecture::Qwen3Moe => dim("feed_forward_length")?.or(dim("expert_feed_forward_length")?),
+                Architecture::Qwen3Moe | Architecture::Qwen3Next | Architecture::Qwen35Moe => {
+                    dim("feed_forward_length")?.or(dim("expert_feed_forward_length")?)
+                }
                 _ => None,
             }
             .map_or_else(|| need("feed_forward_length"), Ok)?,
-            num_layers: need("block_count")?,
+            num_layers,
             num_heads,
             num_kv_heads: dim("attention.head_count_kv")?.unwrap_or(num_heads),
             head_dim: dim("attention.key_length")?.unwrap_or(hidden_size / num_heads),
@@ -597,6 +774,7 @@ impl ModelConfig {
             qkv_bias: architecture == Architecture::Qwen2,
             qk_norm: architecture.has_qk_norm(),
             moe: match architecture {
+                Architecture::Qwen3Next | Architecture::Qwen35Moe => hybrid_moe_from_gguf(file, &key, num_layers)?,
                 Architecture::Qwen3Moe => Some(MoeConfig {
                     num_experts: need("expert_count")?,
                     experts_per_token: need("expert_used_count")?,
@@ -613,23 +791,17 @@ impl ModelConfig {
                 _ => None,
             },
             rotary_dim: 0,
-            linear_attention: None,
+            linear_attention: match architecture {
+                Architecture::Qwen3Next | Architecture::Qwen35 | Architecture::Qwen35Moe => {
+                    Some(linear_attention_from_gguf(file, architecture, num_layers)?)
+                }
+                _ => None,
+            },
         };
         let cfg = ModelConfig {
             rotary_dim: dim("rope.dimension_count")?.unwrap_or(cfg.head_dim),
             ..cfg
         };
-        if matches!(
-            architecture,
-            Architecture::Qwen3Next | Architecture::Qwen35 | Architecture::Qwen35Moe
-        ) {
-            // llama.cpp's converter rewrites Qwen3-Next's tensors (norms, A, the fused
-            // projections); reading them back is not done yet.
-            return Err(ConfigError::UnsupportedArchitecture {
-                source_name,
-                name: format!("{arch_name} from GGUF (load the Hugging Face safetensors directory instead)"),
-            });
-        }
         cfg.validate(&source_name)?;
         Ok(cfg)
     }
@@ -963,5 +1135,88 @@ mod tests {
         let c = ModelConfig::from_hf_value("t", &v).unwrap();
         assert_eq!(c.rope_theta, 5e5);
         assert!(matches!(c.rope_scaling, RopeScaling::Llama3 { factor, .. } if factor == 8.0));
+    }
+
+    use crate::gguf::GgufValue;
+
+    /// A qwen35 GGUF file's config from `extra` metadata on top of a small valid set.
+    fn qwen35_gguf(extra: &[(&str, GgufValue)]) -> Result<ModelConfig, ConfigError> {
+        use crate::gguf::writer::{TensorToWrite, to_bytes};
+        use GgufValue::{String as S, U32};
+        let mut meta: Vec<(String, GgufValue)> = vec![("general.architecture".into(), S("qwen35".into()))];
+        let sizes = [
+            ("block_count", 4),
+            ("embedding_length", 64),
+            ("feed_forward_length", 96),
+            ("attention.head_count", 4),
+            ("attention.head_count_kv", 2),
+            ("attention.key_length", 16),
+            ("rope.dimension_count", 4),
+            ("ssm.conv_kernel", 4),
+            ("ssm.state_size", 8),
+            ("ssm.group_count", 2),
+            ("ssm.time_step_rank", 4),
+            ("ssm.inner_size", 48),
+        ];
+        meta.extend(sizes.iter().map(|(k, v)| (format!("qwen35.{k}"), U32(*v))));
+        meta.extend(extra.iter().map(|(k, v)| (format!("qwen35.{k}"), v.clone())));
+        let tensors = [TensorToWrite {
+            name: "token_embd.weight".into(),
+            shape: vec![100, 64],
+            ggml_type: 0,
+            data: vec![0; 64 * 100 * 4],
+        }];
+        let path = std::env::temp_dir().join(format!("baton-qwen35-cfg-{}-{}.gguf", std::process::id(), extra.len()));
+        std::fs::write(&path, to_bytes(&meta, &tensors)).unwrap();
+        let file = GgufFile::open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        ModelConfig::from_gguf(&file)
+    }
+
+    #[test]
+    fn hybrid_gguf_metadata_gives_layer_types_heads_and_skips_prediction_blocks() {
+        use GgufValue::{Array, Bool, U32};
+        use LayerType::{FullAttention as F, LinearAttention as L};
+        let c = qwen35_gguf(&[]).unwrap();
+        let la = c.linear_attention.unwrap();
+        assert_eq!(la.layer_types, [L, L, L, F], "every fourth layer full by default");
+        assert_eq!(
+            (la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim),
+            (2, 4, 8, 12)
+        );
+        assert_eq!((c.rotary_dim, c.num_layers, c.vocab_size), (4, 4, 100));
+        let layout = la.gguf_layout.unwrap();
+        assert!(layout.value_heads_tiled && !layout.fused_qkvz);
+        let every = qwen35_gguf(&[("full_attention_interval", U32(2))]).unwrap();
+        assert_eq!(every.linear_attention.unwrap().layer_types, [L, F, L, F]);
+        // A flag per block, the last block a multi-token-prediction one.
+        let flags = Array([true, false, false, false].map(Bool).to_vec());
+        let c = qwen35_gguf(&[("attention.recurrent_layers", flags), ("nextn_predict_layers", U32(1))]).unwrap();
+        assert_eq!(
+            (c.num_layers, c.linear_attention.unwrap().layer_types),
+            (3, vec![L, F, F])
+        );
+
+        let e = qwen35_gguf(&[("attention.recurrent_layers", Array(vec![Bool(true)]))])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("qwen35.attention.recurrent_layers") && e.contains("at least 4 flags"),
+            "{e}"
+        );
+        let e = qwen35_gguf(&[("ssm.inner_size", U32(50))]).unwrap_err().to_string();
+        assert!(
+            e.contains("qwen35.ssm.inner_size") && e.contains("multiple of ssm.time_step_rank"),
+            "{e}"
+        );
+        let e = qwen35_gguf(&[("nextn_predict_layers", U32(4))])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("nextn_predict_layers") && e.contains("fewer than block_count 4"),
+            "{e}"
+        );
+        let e = qwen35_gguf(&[("ssm.group_count", U32(0))]).unwrap_err().to_string();
+        assert!(e.contains("qwen35.ssm.group_count") && e.contains("positive"), "{e}");
     }
 }

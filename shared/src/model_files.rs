@@ -30,6 +30,39 @@ pub struct TensorSpec {
     /// layer's experts as one `[experts, rows, cols]` tensor); Hugging Face files store it
     /// on its own.
     pub gguf_stacked: Option<StackedSlice>,
+    /// GGUF files store the same values, in the same order, under this shape (llama.cpp drops
+    /// unit dimensions: a conv's `[channels, 1, kernel]` taps are `[channels, kernel]`).
+    pub gguf_shape: Option<Vec<usize>>,
+    /// GGUF files store this matrix's rows inside a larger one (llama.cpp keeps Qwen3-Next's
+    /// `b` and `a` projections as one per-key-head interleaved `ssm_ba`).
+    pub gguf_rows: Option<RowGroups>,
+}
+
+/// Where a matrix's rows lie in a larger stored one: the stored rows come in `groups` groups
+/// of `group_rows`, and this matrix is rows `start..start + take` of each group, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowGroups {
+    pub groups: usize,
+    pub group_rows: usize,
+    pub start: usize,
+    pub take: usize,
+}
+
+impl RowGroups {
+    /// Rows of the stored matrix.
+    fn stored_rows(&self) -> usize {
+        self.groups * self.group_rows
+    }
+
+    /// The picked rows (`row_len` items each) of the stored matrix `w`.
+    fn pick<T: Copy>(&self, w: &[T], row_len: usize) -> Vec<T> {
+        let mut out = Vec::with_capacity(self.groups * self.take * row_len);
+        for g in 0..self.groups {
+            let first = g * self.group_rows + self.start;
+            out.extend_from_slice(&w[first * row_len..(first + self.take) * row_len]);
+        }
+        out
+    }
 }
 
 /// Slice `index` of a tensor stacked from `count` tensors of the spec's shape.
@@ -48,6 +81,8 @@ impl TensorSpec {
             shape,
             gguf_heads_permuted: None,
             gguf_stacked: None,
+            gguf_shape: None,
+            gguf_rows: None,
         }
     }
 
@@ -60,6 +95,26 @@ impl TensorSpec {
     /// The same tensor, stored by GGUF as slice `index` of `count` stacked ones.
     pub fn stacked_in_gguf(mut self, index: usize, count: usize) -> Self {
         self.gguf_stacked = Some(StackedSlice { index, count });
+        self
+    }
+
+    /// The same values, stored by GGUF under `shape`.
+    pub fn shaped_in_gguf(mut self, shape: Vec<usize>) -> Self {
+        self.gguf_shape = Some(shape);
+        self
+    }
+
+    /// The same rows, stored by GGUF as rows `start..start + take` of each of `groups`
+    /// groups of `group_rows` rows (`take · groups` is this matrix's row count).
+    pub fn rows_in_gguf(mut self, groups: usize, group_rows: usize, start: usize) -> Self {
+        let take = self.shape[0] / groups;
+        debug_assert!(take * groups == self.shape[0] && start + take <= group_rows);
+        self.gguf_rows = Some(RowGroups {
+            groups,
+            group_rows,
+            start,
+            take,
+        });
         self
     }
 }
@@ -167,6 +222,11 @@ impl ModelFiles {
         }
     }
 
+    /// Whether this is a GGUF file (llama.cpp's names and conventions).
+    pub fn is_gguf(&self) -> bool {
+        matches!(self, Self::Gguf(_))
+    }
+
     /// Human-readable name of the source, for error messages.
     pub fn source_name(&self) -> String {
         match self {
@@ -236,6 +296,13 @@ impl ModelFiles {
         }
         // Rotary caches are derived data.
         unexpected.retain(|n| !n.ends_with("rotary_emb.inv_freq"));
+        // A Qwen3.5 GGUF may carry its multi-token-prediction layers as blocks after the
+        // model's own (`nextn_predict_layers`); Baton does not run them.
+        if let Self::Gguf(g) = self
+            && crate::model_config::gguf_nextn_layers(g) > 0
+        {
+            unexpected.retain(|n| gguf_block(n).is_none_or(|b| b < cfg.num_layers));
+        }
         if !unexpected.is_empty() {
             let names: Vec<_> = unexpected.into_iter().take(8).collect();
             return Err(LoadError::UnexpectedTensors {
@@ -248,7 +315,8 @@ impl ModelFiles {
     }
 
     /// The stored tensor, checked to exist with the shape the spec gives; for a stacked one,
-    /// just the spec's slice of it.
+    /// just the spec's slice of it; for one whose rows GGUF keeps in a larger matrix, that
+    /// whole matrix (see [`picked`](Self::picked)).
     fn checked<'s>(&'s self, spec: &'s TensorSpec) -> Result<StoredTensor<'s>, LoadError> {
         let source_name = self.source_name();
         let name = self.name_of(spec);
@@ -256,8 +324,24 @@ impl ModelFiles {
             source_name: source_name.clone(),
             name: name.to_string(),
         })?;
-        let Some(slice) = spec.gguf_stacked.filter(|_| matches!(self, Self::Gguf(_))) else {
+        if !matches!(self, Self::Gguf(_)) {
             check_shape(&source_name, name, t.shape, &spec.shape)?;
+            return Ok(t);
+        }
+        if let Some(rows) = spec.gguf_rows {
+            let stored: Vec<usize> = std::iter::once(rows.stored_rows())
+                .chain(spec.shape[1..].iter().copied())
+                .collect();
+            check_shape(&source_name, name, t.shape, &stored)?;
+            return Ok(t);
+        }
+        let Some(slice) = spec.gguf_stacked else {
+            check_shape(
+                &source_name,
+                name,
+                t.shape,
+                spec.gguf_shape.as_ref().unwrap_or(&spec.shape),
+            )?;
             return Ok(t);
         };
         let stacked: Vec<usize> = std::iter::once(slice.count).chain(spec.shape.iter().copied()).collect();
@@ -269,6 +353,15 @@ impl ModelFiles {
             shape: &spec.shape,
             data: &t.data[slice.index * bytes..(slice.index + 1) * bytes],
         })
+    }
+
+    /// `values` (the [`checked`](Self::checked) tensor's rows, `row_len` items each) cut down
+    /// to the spec's own rows where GGUF keeps them in a larger matrix.
+    fn picked<T: Copy>(&self, spec: &TensorSpec, values: Vec<T>, row_len: usize) -> Vec<T> {
+        match spec.gguf_rows.filter(|_| matches!(self, Self::Gguf(_))) {
+            Some(rows) => rows.pick(&values, row_len),
+            None => values,
+        }
     }
 
     /// GGUF's head permutation of this tensor's rows, if this file applies one.
@@ -293,9 +386,9 @@ impl ModelFiles {
                 value,
             });
         }
-        let mut data = t.data.to_vec();
+        let row_bytes = t.dtype.n_bytes(spec.shape[1]);
+        let mut data = self.picked(spec, t.data.to_vec(), row_bytes);
         if let Some(heads) = self.gguf_heads(spec) {
-            let row_bytes = t.dtype.n_bytes(spec.shape[1]);
             data = move_rows(&data, heads, row_bytes, |gguf, hf| (gguf, hf));
         }
         Ok(Some((t.dtype, data)))
@@ -306,8 +399,10 @@ impl ModelFiles {
     /// With `check_finite`, a NaN or infinity anywhere is an error naming the tensor.
     pub fn load_f32(&self, spec: &TensorSpec, check_finite: bool) -> Result<Vec<f32>, LoadError> {
         let t = self.checked(spec)?;
-        let mut out = vec![0f32; spec.shape.iter().product()];
+        let mut out = vec![0f32; t.shape.iter().product()];
         dequantize(t.dtype, t.data, &mut out);
+        let row_len = spec.shape[1..].iter().product();
+        let mut out = self.picked(spec, out, row_len);
         if check_finite && let Some((index, &value)) = out.iter().enumerate().find(|(_, v)| !v.is_finite()) {
             return Err(LoadError::NonFinite {
                 source_name: self.source_name(),
@@ -327,6 +422,11 @@ impl ModelFiles {
 /// Q4_1 matrix.
 pub fn keeps_blocks(dtype: DType, shape: &[usize]) -> bool {
     matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1) && shape.len() == 2
+}
+
+/// The block number of a GGUF tensor name (`blk.N.…`).
+fn gguf_block(name: &str) -> Option<usize> {
+    name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
 }
 
 fn check_shape(source_name: &str, name: &str, found: &[usize], expected: &[usize]) -> Result<(), LoadError> {
@@ -488,6 +588,41 @@ mod tests {
         let wrong = TensorSpec::new("up", "blk.0.ffn_up_exps.weight", vec![2, 32]).stacked_in_gguf(0, 4);
         let e = files.load_f32(&wrong, true).unwrap_err().to_string();
         assert!(e.contains("ffn_up_exps") && e.contains("[4, 2, 32]"), "{e}");
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn rows_picked_from_groups_of_a_gguf_matrix_keep_their_order_and_blocks() {
+        use crate::gguf::writer::{TensorToWrite, to_bytes};
+        // Qwen3-Next's `ssm_ba` for 2 key heads of 3 value heads each: per key head 3 rows of
+        // b, then 3 of a; one Q8_0 block per row, every quant equal to the row's index.
+        let mut data = Vec::new();
+        for row in 0..12u8 {
+            data.extend_from_slice(&0x3C00u16.to_le_bytes());
+            data.extend(std::iter::repeat_n(row, 32));
+        }
+        let tensor = TensorToWrite {
+            name: "blk.0.ssm_ba.weight".into(),
+            shape: vec![12, 32],
+            ggml_type: 8,
+            data,
+        };
+        let path = std::env::temp_dir().join(format!("baton-rows-{}.gguf", std::process::id()));
+        std::fs::write(&path, to_bytes(&[], &[tensor])).unwrap();
+        let files = ModelFiles::open(&path).unwrap();
+        let spec = |start| TensorSpec::new("ba", "blk.0.ssm_ba.weight", vec![6, 32]).rows_in_gguf(2, 6, start);
+        let rows = |values: &[f32]| -> Vec<f32> { values.chunks(32).map(|r| r[0]).collect() };
+        assert_eq!(rows(&files.load_f32(&spec(0), true).unwrap()), [0., 1., 2., 6., 7., 8.]);
+        let (_, blocks) = files.load_blocks(&spec(3), true).unwrap().unwrap();
+        let firsts: Vec<u8> = blocks.chunks(34).map(|b| b[2]).collect();
+        assert_eq!(firsts, [3, 4, 5, 9, 10, 11]);
+        // A stored matrix of another height is refused by name and shape.
+        let wrong = TensorSpec::new("ba", "blk.0.ssm_ba.weight", vec![6, 32]).rows_in_gguf(2, 5, 0);
+        let e = files.load_f32(&wrong, true).unwrap_err().to_string();
+        assert!(e.contains("ssm_ba") && e.contains("[12, 32]"), "{e}");
+        // Another shape for the same values: a conv's unit dimension dropped.
+        let squeezed = TensorSpec::new("ba", "blk.0.ssm_ba.weight", vec![12, 1, 32]).shaped_in_gguf(vec![12, 32]);
+        assert_eq!(files.load_f32(&squeezed, true).unwrap().len(), 12 * 32);
         std::fs::remove_file(&path).unwrap();
     }
 

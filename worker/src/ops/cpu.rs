@@ -296,13 +296,7 @@ impl Ops for CpuOps {
         out: &mut CpuBuf,
     ) {
         let [conv_t, dt_bias, a_rate] = params;
-        let (nk, nv, dk, dv) = (
-            shape.key_heads,
-            shape.value_heads,
-            shape.key_head_dim,
-            shape.value_head_dim,
-        );
-        let per_k = nv / nk;
+        let (nv, dk, dv) = (shape.value_heads, shape.key_head_dim, shape.value_head_dim);
         let (keys, values, channels) = (shape.keys(), shape.values(), shape.channels());
         let rows = kv_rows(kv);
         self.resize(out, rows * values);
@@ -347,7 +341,7 @@ impl Ops for CpuOps {
             let (conv_out, decay, beta) = (&ws.conv_out, &ws.decay, &ws.beta);
             let (rec, outs, mems) = (SharedMut::new(rec), SharedMut::new(out), SharedMut::new(&mut ws.mem));
             let head = |h: usize| {
-                let g = h / per_k;
+                let g = shape.key_head(h);
                 // SAFETY: head h alone touches its state block, its scratch and its columns.
                 let (state, mem) = unsafe { (rec.slice(h * dk * dv, dk * dv), mems.slice(h * dv, dv)) };
                 for t in row..row + n {
@@ -549,6 +543,7 @@ mod tests {
             key_head_dim: 64,
             value_head_dim: 64,
             conv_kernel: 4,
+            value_heads_tiled: false,
         };
         let (rows, nv, channels) = (6, shape.value_heads, shape.channels());
         let wave =

@@ -60,9 +60,21 @@ pub struct LinearAttnShape {
     pub value_head_dim: usize,
     /// Taps of the causal conv1d.
     pub conv_kernel: usize,
+    /// Value heads are ordered key-head-minor (value head `h` reads key head `h % key_heads`,
+    /// as llama.cpp's Qwen3.5 GGUF files store them) instead of grouped by key head (key head
+    /// `h / (value_heads / key_heads)`, as Hugging Face's).
+    pub value_heads_tiled: bool,
 }
 
 impl LinearAttnShape {
+    /// The key head value head `h` reads its queries and keys from.
+    pub fn key_head(&self, h: usize) -> usize {
+        match self.value_heads_tiled {
+            true => h % self.key_heads,
+            false => h / (self.value_heads / self.key_heads),
+        }
+    }
+
     /// Width of the concatenated query (or key) heads.
     pub fn keys(&self) -> usize {
         self.key_heads * self.key_head_dim

@@ -4,9 +4,9 @@
 //! sparse mixture of experts with a sigmoid-gated shared expert (`mlp.shared_expert*`) in the
 //! sparse layers; and RMSNorms that scale by `1 + weight`.
 //!
-//! Only the Hugging Face layout loads for now: llama.cpp's converter rewrites these tensors
-//! (norm offsets folded in, `A_log` turned into `A`), and the config parser refuses a
-//! `qwen3next` GGUF with that reason. The GGUF names below are llama.cpp's, for when it does.
+//! GGUF files (llama.cpp's converter) hold the same model with the norms' one added, `A`
+//! instead of `A_log`, the conv's unit dimension dropped and, in newer files, the fused
+//! projections split (`attn_qkv`, `attn_gate`); the blocks and specs below read both.
 
 use baton_shared::model_config::{LayerType, LinearAttentionConfig, ModelConfig};
 use baton_shared::model_files::TensorSpec;
@@ -58,6 +58,8 @@ pub fn hybrid_layer(c: &ModelConfig, l: usize) -> LayerPlan {
     };
     let mut plan = llama_family::layer(c, l, variant);
     plan.norm_scale = NormScale::OnePlusWeight;
+    // llama.cpp names the hybrids' second norm for what follows attention, not for the MLP.
+    plan.ffn_norm.gguf = format!("blk.{l}.post_attention_norm.weight");
     match c.linear_attention.as_ref() {
         Some(la) if la.layer_types.get(l) == Some(&LayerType::LinearAttention) => {
             plan.mixer = MixerTensors::LinearAttention(linear_attention(c.hidden_size, l, la));
@@ -80,7 +82,9 @@ pub fn hybrid_layer(c: &ModelConfig, l: usize) -> LayerPlan {
     plan
 }
 
-/// The Gated DeltaNet tensors of layer `l`, with Qwen3-Next's fused projections.
+/// The Gated DeltaNet tensors of layer `l`, with Qwen3-Next's fused projections (or, from a
+/// GGUF file that splits them, llama.cpp's `attn_qkv`, `attn_gate` and the `b`/`a` rows of its
+/// per-key-head `ssm_ba`).
 fn linear_attention(h: usize, l: usize, la: &LinearAttentionConfig) -> LinearAttentionTensors {
     let shape = LinearAttnShape {
         key_heads: la.num_key_heads,
@@ -88,11 +92,37 @@ fn linear_attention(h: usize, l: usize, la: &LinearAttentionConfig) -> LinearAtt
         key_head_dim: la.key_head_dim,
         value_head_dim: la.value_head_dim,
         conv_kernel: la.conv_kernel,
+        value_heads_tiled: la.gguf_layout.is_some_and(|g| g.value_heads_tiled),
     };
-    let (nv, dv, keys, values) = (shape.value_heads, shape.value_head_dim, shape.keys(), shape.values());
-    LinearAttentionTensors {
-        shape,
-        projections: LinearProjections::Fused {
+    let (nk, nv, dv, keys, values) = (
+        shape.key_heads,
+        shape.value_heads,
+        shape.value_head_dim,
+        shape.keys(),
+        shape.values(),
+    );
+    // A GGUF file's `ssm_ba` keeps, per key head, its value heads' b and then their a.
+    let ba = |start: usize| {
+        t(l, "linear_attn.in_proj_ba.weight", "ssm_ba.weight", vec![nv, h]).rows_in_gguf(nk, 2 * nv / nk, start)
+    };
+    let projections = match la.gguf_layout {
+        Some(g) if !g.fused_qkvz => LinearProjections::Split {
+            qkv: t(
+                l,
+                "linear_attn.in_proj_qkvz.weight",
+                "attn_qkv.weight",
+                vec![2 * keys + values, h],
+            ),
+            z: t(
+                l,
+                "linear_attn.in_proj_qkvz.weight",
+                "attn_gate.weight",
+                vec![values, h],
+            ),
+            b: ba(0),
+            a: ba(nv / nk),
+        },
+        _ => LinearProjections::Fused {
             qkvz: t(
                 l,
                 "linear_attn.in_proj_qkvz.weight",
@@ -101,13 +131,19 @@ fn linear_attention(h: usize, l: usize, la: &LinearAttentionConfig) -> LinearAtt
             ),
             ba: t(l, "linear_attn.in_proj_ba.weight", "ssm_ba.weight", vec![2 * nv, h]),
         },
+    };
+    LinearAttentionTensors {
+        shape,
+        projections,
         conv: t(
             l,
             "linear_attn.conv1d.weight",
             "ssm_conv1d.weight",
             vec![shape.channels(), 1, shape.conv_kernel],
-        ),
+        )
+        .shaped_in_gguf(vec![shape.channels(), shape.conv_kernel]),
         dt_bias: t(l, "linear_attn.dt_bias", "ssm_dt.bias", vec![nv]),
+        // GGUF stores the decay rate `-exp(A_log)` itself.
         a_log: t(l, "linear_attn.A_log", "ssm_a", vec![nv]),
         norm: t(l, "linear_attn.norm.weight", "ssm_norm.weight", vec![dv]),
         out: t(l, "linear_attn.out_proj.weight", "ssm_out.weight", vec![h, values]),
@@ -136,7 +172,8 @@ fn shared_expert(h: usize, f: usize, l: usize) -> SharedExpertTensors {
             format!("model.layers.{l}.mlp.shared_expert_gate.weight"),
             format!("blk.{l}.ffn_gate_inp_shexp.weight"),
             vec![1, h],
-        ),
+        )
+        .shaped_in_gguf(vec![h]),
     }
 }
 

@@ -54,7 +54,11 @@ impl<O: Ops> GatedDeltaNet<O> {
                 conv_t[j * channels + c] = conv[c * kernel + j];
             }
         }
-        let a: Vec<f32> = w.host_vector(&t.a_log)?.iter().map(|x| -x.exp()).collect();
+        let mut a = w.host_vector(&t.a_log)?;
+        // llama.cpp's converter stores the rate itself (`ssm_a`), Hugging Face its log.
+        if !w.files.is_gguf() {
+            a.iter_mut().for_each(|x| *x = -x.exp());
+        }
         Ok(Self {
             shape: t.shape,
             projections: match &t.projections {

@@ -22,12 +22,14 @@ impl<O: Ops> RmsNorm<O> {
     /// as transformers forms it in every forward pass).
     pub fn load_scaled(w: &WeightLoader<'_, O>, spec: &TensorSpec, scale: NormScale) -> Result<Self, LoadError> {
         let weight = match scale {
-            NormScale::Weight => w.vector(spec)?,
-            NormScale::OnePlusWeight => {
+            // A Hugging Face file stores the offset from one; llama.cpp's converter adds the
+            // one before it writes a GGUF file.
+            NormScale::OnePlusWeight if !w.files.is_gguf() => {
                 let mut v = w.host_vector(spec)?;
                 v.iter_mut().for_each(|x| *x += 1.0);
                 w.ops.vector(v)
             }
+            NormScale::OnePlusWeight | NormScale::Weight => w.vector(spec)?,
         };
         Ok(Self {
             weight,
