@@ -162,7 +162,7 @@ pub struct GgufLinearLayout {
     pub fused_qkvz: bool,
     /// Value heads ordered key-head-minor (value head `j` of key head `g` stored at
     /// `j·key_heads + g`) instead of grouped by key head: llama.cpp's Qwen3.5 converter
-    /// reorders them so, in every tensor a value head indexes, so its graph can broadcast.
+    /// reorders them so in every tensor a value head indexes, for its graph to broadcast.
     pub value_heads_tiled: bool,
 }
 
