@@ -437,12 +437,11 @@ fn gguf_dim(file: &GgufFile, key: &str) -> Result<Option<usize>, ConfigError> {
 /// block) or, without it, every `full_attention_interval`-th layer full (default 4).
 fn linear_attention_from_gguf(
     file: &GgufFile,
+    key: &dyn Fn(&str) -> String,
     architecture: Architecture,
     num_layers: usize,
 ) -> Result<LinearAttentionConfig, ConfigError> {
     let source_name = file.path().display().to_string();
-    let arch = file.get_str("general.architecture").unwrap_or("");
-    let key = |k: &str| format!("{arch}.{k}");
     let need = |k: &str| {
         gguf_dim(file, &key(k))?.ok_or_else(|| ConfigError::Missing {
             source_name: source_name.clone(),
@@ -693,20 +692,7 @@ impl ModelConfig {
             name: arch_name.into(),
         })?;
         let key = |k: &str| format!("{arch_name}.{k}");
-        let dim = |k: &str| -> Result<Option<usize>, ConfigError> {
-            match file.get(&key(k)) {
-                None => Ok(None),
-                Some(v) => match v.as_u64() {
-                    Some(n) if n > 0 && (n as usize) <= MAX_DIM => Ok(Some(n as usize)),
-                    _ => Err(ConfigError::Invalid {
-                        source_name: source_name.clone(),
-                        field: key(k),
-                        value: format!("{v:?}"),
-                        expected: "a positive integer".into(),
-                    }),
-                },
-            }
-        };
+        let dim = |k: &str| gguf_dim(file, &key(k));
         let need = |k: &str| dim(k)?.ok_or_else(|| missing(&key(k)));
         let hidden_size = need("embedding_length")?;
         let num_heads = need("attention.head_count")?;
@@ -793,7 +779,7 @@ impl ModelConfig {
             rotary_dim: 0,
             linear_attention: match architecture {
                 Architecture::Qwen3Next | Architecture::Qwen35 | Architecture::Qwen35Moe => {
-                    Some(linear_attention_from_gguf(file, architecture, num_layers)?)
+                    Some(linear_attention_from_gguf(file, &key, architecture, num_layers)?)
                 }
                 _ => None,
             },

@@ -324,7 +324,7 @@ impl ModelFiles {
             source_name: source_name.clone(),
             name: name.to_string(),
         })?;
-        if !matches!(self, Self::Gguf(_)) {
+        if !self.is_gguf() {
             check_shape(&source_name, name, t.shape, &spec.shape)?;
             return Ok(t);
         }
@@ -358,7 +358,7 @@ impl ModelFiles {
     /// `values` (the [`checked`](Self::checked) tensor's rows, `row_len` items each) cut down
     /// to the spec's own rows where GGUF keeps them in a larger matrix.
     fn picked<T: Copy>(&self, spec: &TensorSpec, values: Vec<T>, row_len: usize) -> Vec<T> {
-        match spec.gguf_rows.filter(|_| matches!(self, Self::Gguf(_))) {
+        match spec.gguf_rows.filter(|_| self.is_gguf()) {
             Some(rows) => rows.pick(&values, row_len),
             None => values,
         }
@@ -366,7 +366,7 @@ impl ModelFiles {
 
     /// GGUF's head permutation of this tensor's rows, if this file applies one.
     fn gguf_heads(&self, spec: &TensorSpec) -> Option<usize> {
-        spec.gguf_heads_permuted.filter(|_| matches!(self, Self::Gguf(_)))
+        spec.gguf_heads_permuted.filter(|_| self.is_gguf())
     }
 
     /// One tensor's stored bytes in Hugging Face row order, for a matrix kept in the file's own
