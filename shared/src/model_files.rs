@@ -26,16 +26,27 @@ pub struct TensorSpec {
     /// llama.cpp stores this matrix's rows interleaved within each of this many heads (Llama's
     /// q/k in GGUF files); they are put back in Hugging Face order on load.
     pub gguf_heads_permuted: Option<usize>,
-    /// GGUF files store this tensor as one slice of a stacked tensor (llama.cpp keeps a
-    /// layer's experts as one `[experts, rows, cols]` tensor); Hugging Face files store it
-    /// on its own.
-    pub gguf_stacked: Option<StackedSlice>,
+    /// How Hugging Face files keep this tensor inside a larger stored one (published
+    /// Qwen3.5-MoE checkpoints keep a layer's experts as 3-D tensors).
+    pub hf_packing: Packing,
+    /// How GGUF files keep this tensor inside a larger stored one (llama.cpp stacks a layer's
+    /// experts, and keeps Qwen3-Next's `b` and `a` projections as one interleaved `ssm_ba`).
+    pub gguf_packing: Packing,
     /// GGUF files store the same values, in the same order, under this shape (llama.cpp drops
     /// unit dimensions: a conv's `[channels, 1, kernel]` taps are `[channels, kernel]`).
     pub gguf_shape: Option<Vec<usize>>,
-    /// GGUF files store this matrix's rows inside a larger one (llama.cpp keeps Qwen3-Next's
-    /// `b` and `a` projections as one per-key-head interleaved `ssm_ba`).
-    pub gguf_rows: Option<RowGroups>,
+    /// Where a file without this tensor keeps it instead (the fused expert layout of newer
+    /// checkpoints), looked up only when this name is absent.
+    pub otherwise: Option<Box<TensorSpec>>,
+}
+
+/// How a file keeps one tensor inside a larger stored tensor; the default: on its own.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Packing {
+    /// The tensor is one slice of a stack along a new first dimension.
+    pub stacked: Option<StackedSlice>,
+    /// The tensor is some rows of each group of a larger matrix (of the slice, if stacked).
+    pub rows: Option<RowGroups>,
 }
 
 /// Where a matrix's rows lie in a larger stored one: the stored rows come in `groups` groups
@@ -80,9 +91,10 @@ impl TensorSpec {
             gguf: gguf.into(),
             shape,
             gguf_heads_permuted: None,
-            gguf_stacked: None,
+            hf_packing: Packing::default(),
+            gguf_packing: Packing::default(),
             gguf_shape: None,
-            gguf_rows: None,
+            otherwise: None,
         }
     }
 
@@ -94,7 +106,13 @@ impl TensorSpec {
 
     /// The same tensor, stored by GGUF as slice `index` of `count` stacked ones.
     pub fn stacked_in_gguf(mut self, index: usize, count: usize) -> Self {
-        self.gguf_stacked = Some(StackedSlice { index, count });
+        self.gguf_packing.stacked = Some(StackedSlice { index, count });
+        self
+    }
+
+    /// The same tensor, stored by Hugging Face files as slice `index` of `count` stacked ones.
+    pub fn stacked_in_hf(mut self, index: usize, count: usize) -> Self {
+        self.hf_packing.stacked = Some(StackedSlice { index, count });
         self
     }
 
@@ -107,14 +125,32 @@ impl TensorSpec {
     /// The same rows, stored by GGUF as rows `start..start + take` of each of `groups`
     /// groups of `group_rows` rows (`take · groups` is this matrix's row count).
     pub fn rows_in_gguf(mut self, groups: usize, group_rows: usize, start: usize) -> Self {
+        self.gguf_packing.rows = Some(self.row_groups(groups, group_rows, start));
+        self
+    }
+
+    /// The same rows, stored by Hugging Face files as rows `start..start + take` of each of
+    /// `groups` groups of `group_rows` rows.
+    pub fn rows_in_hf(mut self, groups: usize, group_rows: usize, start: usize) -> Self {
+        self.hf_packing.rows = Some(self.row_groups(groups, group_rows, start));
+        self
+    }
+
+    fn row_groups(&self, groups: usize, group_rows: usize, start: usize) -> RowGroups {
         let take = self.shape[0] / groups;
         debug_assert!(take * groups == self.shape[0] && start + take <= group_rows);
-        self.gguf_rows = Some(RowGroups {
+        RowGroups {
             groups,
             group_rows,
             start,
             take,
-        });
+        }
+    }
+
+    /// The same tensor, kept as `other` says by files that lack this one's name.
+    pub fn otherwise(mut self, other: TensorSpec) -> Self {
+        debug_assert_eq!(self.shape, other.shape);
+        self.otherwise = Some(Box::new(other));
         self
     }
 }
@@ -130,8 +166,13 @@ pub enum LoadError {
     Config(#[from] ConfigError),
     #[error("{path}: not a model: expected a .gguf file or a directory with config.json")]
     NotAModel { path: PathBuf },
-    #[error("{source_name}: missing tensor '{name}'")]
-    MissingTensor { source_name: String, name: String },
+    #[error("{source_name}: missing tensor '{name}'{}", others.iter().map(|n| format!(" (nor '{n}')")).collect::<String>())]
+    MissingTensor {
+        source_name: String,
+        name: String,
+        /// The names the tensor could also have been kept under.
+        others: Vec<String>,
+    },
     #[error("{source_name}: unexpected tensors not used by a {arch:?} model: {names}")]
     UnexpectedTensors {
         source_name: String,
@@ -243,17 +284,48 @@ impl ModelFiles {
         })
     }
 
-    /// The tensor's name in this file's naming scheme (GGUF or Hugging Face).
+    /// The tensor's name in this file's naming scheme (GGUF or Hugging Face), where this file
+    /// keeps it (see [`TensorSpec::otherwise`]).
     pub fn name_of<'s>(&self, spec: &'s TensorSpec) -> &'s str {
+        self.own_name(self.resolve(spec))
+    }
+
+    fn own_name<'s>(&self, spec: &'s TensorSpec) -> &'s str {
         match self {
             Self::HfDir { .. } => &spec.hf,
             Self::Gguf(_) => &spec.gguf,
         }
     }
 
-    /// The stored tensor, or None if the file has no such tensor.
+    /// `spec`, or the first of its [`otherwise`](TensorSpec::otherwise) chain this file holds;
+    /// `spec` itself when the file holds none of them.
+    fn resolve<'s>(&self, spec: &'s TensorSpec) -> &'s TensorSpec {
+        let mut at = spec;
+        while self.stored_as_named(at).is_none() {
+            match at.otherwise.as_deref() {
+                Some(next) => at = next,
+                None => return spec,
+            }
+        }
+        at
+    }
+
+    /// How this file's format keeps `spec`'s tensor.
+    fn packing(&self, spec: &TensorSpec) -> Packing {
+        match self {
+            Self::HfDir { .. } => spec.hf_packing,
+            Self::Gguf(_) => spec.gguf_packing,
+        }
+    }
+
+    /// The stored tensor (the whole stored tensor where the spec is packed in a larger one), or
+    /// None if the file has no such tensor.
     pub fn stored(&self, spec: &TensorSpec) -> Option<StoredTensor<'_>> {
-        let name = self.name_of(spec);
+        self.stored_as_named(self.resolve(spec))
+    }
+
+    fn stored_as_named(&self, spec: &TensorSpec) -> Option<StoredTensor<'_>> {
+        let name = self.own_name(spec);
         match self {
             Self::HfDir { weights, .. } => weights.tensors.get(name).map(|t| StoredTensor {
                 dtype: t.dtype,
@@ -288,7 +360,7 @@ impl ModelFiles {
         let source_name = self.source_name();
         let mut unexpected = self.tensor_names();
         for spec in expected {
-            self.checked(spec)?;
+            self.checked(self.resolve(spec))?;
             unexpected.remove(self.name_of(spec));
         }
         for spec in tolerated {
@@ -314,51 +386,47 @@ impl ModelFiles {
         Ok(())
     }
 
-    /// The stored tensor, checked to exist with the shape the spec gives; for a stacked one,
-    /// just the spec's slice of it; for one whose rows GGUF keeps in a larger matrix, that
-    /// whole matrix (see [`picked`](Self::picked)).
+    /// The stored tensor of a [resolved](Self::resolve) spec, checked to exist with the shape
+    /// the spec gives; for a stacked one, just the spec's slice of it; for one whose rows are
+    /// kept in a larger matrix, that whole matrix (see [`picked`](Self::picked)).
     fn checked<'s>(&'s self, spec: &'s TensorSpec) -> Result<StoredTensor<'s>, LoadError> {
         let source_name = self.source_name();
-        let name = self.name_of(spec);
-        let t = self.stored(spec).ok_or_else(|| LoadError::MissingTensor {
+        let name = self.own_name(spec);
+        let t = self.stored_as_named(spec).ok_or_else(|| LoadError::MissingTensor {
             source_name: source_name.clone(),
             name: name.to_string(),
+            others: std::iter::successors(spec.otherwise.as_deref(), |s| s.otherwise.as_deref())
+                .map(|s| self.own_name(s).to_string())
+                .collect(),
         })?;
-        if !self.is_gguf() {
-            check_shape(&source_name, name, t.shape, &spec.shape)?;
-            return Ok(t);
-        }
-        if let Some(rows) = spec.gguf_rows {
-            let stored: Vec<usize> = std::iter::once(rows.stored_rows())
+        let packing = self.packing(spec);
+        // The shape of what is stored per slice: the spec's own, or its rows' whole matrix.
+        let per_slice: Vec<usize> = match packing.rows {
+            Some(rows) => std::iter::once(rows.stored_rows())
                 .chain(spec.shape[1..].iter().copied())
-                .collect();
-            check_shape(&source_name, name, t.shape, &stored)?;
-            return Ok(t);
-        }
-        let Some(slice) = spec.gguf_stacked else {
-            check_shape(
-                &source_name,
-                name,
-                t.shape,
-                spec.gguf_shape.as_ref().unwrap_or(&spec.shape),
-            )?;
+                .collect(),
+            None if self.is_gguf() => spec.gguf_shape.clone().unwrap_or_else(|| spec.shape.clone()),
+            None => spec.shape.clone(),
+        };
+        let Some(slice) = packing.stacked else {
+            check_shape(&source_name, name, t.shape, &per_slice)?;
             return Ok(t);
         };
-        let stacked: Vec<usize> = std::iter::once(slice.count).chain(spec.shape.iter().copied()).collect();
+        let stacked: Vec<usize> = std::iter::once(slice.count).chain(per_slice.iter().copied()).collect();
         check_shape(&source_name, name, t.shape, &stacked)?;
         // The shape check above makes the slice whole rows of whole blocks.
-        let bytes = t.dtype.n_bytes(spec.shape.iter().product());
+        let bytes = t.dtype.n_bytes(per_slice.iter().product());
         Ok(StoredTensor {
             dtype: t.dtype,
-            shape: &spec.shape,
+            shape: &t.shape[1..],
             data: &t.data[slice.index * bytes..(slice.index + 1) * bytes],
         })
     }
 
     /// `values` (the [`checked`](Self::checked) tensor's rows, `row_len` items each) cut down
-    /// to the spec's own rows where GGUF keeps them in a larger matrix.
+    /// to the spec's own rows where the file keeps them in a larger matrix.
     fn picked<T: Copy>(&self, spec: &TensorSpec, values: Vec<T>, row_len: usize) -> Vec<T> {
-        match spec.gguf_rows.filter(|_| self.is_gguf()) {
+        match self.packing(spec).rows {
             Some(rows) => rows.pick(&values, row_len),
             None => values,
         }
@@ -374,6 +442,7 @@ impl ModelFiles {
     /// decides whether its values are finite, without widening them); `None` for tensors that
     /// are not 2-D block formats (Q8_0, Q4_0, Q4_1).
     pub fn load_blocks(&self, spec: &TensorSpec, check_finite: bool) -> Result<Option<(DType, Vec<u8>)>, LoadError> {
+        let spec = self.resolve(spec);
         let t = self.checked(spec)?;
         if !keeps_blocks(t.dtype, &spec.shape) {
             return Ok(None);
@@ -381,7 +450,7 @@ impl ModelFiles {
         if check_finite && let Some((index, value)) = crate::dtype::non_finite_block(t.dtype, t.data) {
             return Err(LoadError::NonFinite {
                 source_name: self.source_name(),
-                name: self.name_of(spec).to_string(),
+                name: self.own_name(spec).to_string(),
                 index,
                 value,
             });
@@ -398,6 +467,7 @@ impl ModelFiles {
     ///
     /// With `check_finite`, a NaN or infinity anywhere is an error naming the tensor.
     pub fn load_f32(&self, spec: &TensorSpec, check_finite: bool) -> Result<Vec<f32>, LoadError> {
+        let spec = self.resolve(spec);
         let t = self.checked(spec)?;
         let mut out = vec![0f32; t.shape.iter().product()];
         dequantize(t.dtype, t.data, &mut out);
@@ -406,7 +476,7 @@ impl ModelFiles {
         if check_finite && let Some((index, &value)) = out.iter().enumerate().find(|(_, v)| !v.is_finite()) {
             return Err(LoadError::NonFinite {
                 source_name: self.source_name(),
-                name: self.name_of(spec).to_string(),
+                name: self.own_name(spec).to_string(),
                 index,
                 value,
             });
@@ -624,6 +694,91 @@ mod tests {
         let squeezed = TensorSpec::new("ba", "blk.0.ssm_ba.weight", vec![12, 1, 32]).shaped_in_gguf(vec![12, 32]);
         assert_eq!(files.load_f32(&squeezed, true).unwrap().len(), 12 * 32);
         std::fs::remove_file(&path).unwrap();
+    }
+
+    /// Expert `e`'s up projection (`[2, cols]`), per expert or else in the fused layout: gate
+    /// and up as one `[2, 4, cols]` tensor, each expert's 2 gate rows before its 2 up rows.
+    fn expert_up(e: usize, cols: usize) -> TensorSpec {
+        let fused = TensorSpec::new(
+            "model.layers.0.mlp.experts.gate_up_proj",
+            "blk.0.ffn_gate_up_exps.weight",
+            vec![2, cols],
+        )
+        .stacked_in_hf(e, 2)
+        .stacked_in_gguf(e, 2)
+        .rows_in_hf(1, 4, 2)
+        .rows_in_gguf(1, 4, 2);
+        TensorSpec::new(
+            format!("model.layers.0.mlp.experts.{e}.up_proj.weight"),
+            "blk.0.ffn_up_exps.weight",
+            vec![2, cols],
+        )
+        .stacked_in_gguf(e, 2)
+        .otherwise(fused)
+    }
+
+    #[test]
+    fn fused_experts_are_read_where_the_per_expert_names_are_absent() {
+        use crate::gguf::writer::{TensorToWrite, to_bytes};
+        // GGUF: Q8_0 [2, 4, 32], one block per row with scale 1.0 and every quant 10 × expert +
+        // row; expert 1's up rows are 12 and 13.
+        let mut data = Vec::new();
+        for e in 0..2u8 {
+            for row in 0..4u8 {
+                data.extend_from_slice(&0x3C00u16.to_le_bytes());
+                data.extend(std::iter::repeat_n(10 * e + row, 32));
+            }
+        }
+        let tensor = TensorToWrite {
+            name: "blk.0.ffn_gate_up_exps.weight".into(),
+            shape: vec![2, 4, 32],
+            ggml_type: 8,
+            data,
+        };
+        let path = std::env::temp_dir().join(format!("baton-fused-{}.gguf", std::process::id()));
+        std::fs::write(&path, to_bytes(&[], &[tensor])).unwrap();
+        let files = ModelFiles::open(&path).unwrap();
+        let spec = expert_up(1, 32);
+        assert_eq!(files.name_of(&spec), "blk.0.ffn_gate_up_exps.weight");
+        let firsts = |v: &[f32]| -> Vec<f32> { v.chunks(32).map(|r| r[0]).collect() };
+        assert_eq!(firsts(&files.load_f32(&spec, true).unwrap()), [12., 13.]);
+        let (dtype, blocks) = files.load_blocks(&expert_up(0, 32), true).unwrap().unwrap();
+        assert_eq!(
+            (dtype, blocks.len(), blocks[2], blocks[34 + 2]),
+            (DType::Q8_0, 2 * 34, 2, 3)
+        );
+        // A file with neither layout is refused naming both.
+        let mut absent = expert_up(1, 32);
+        absent.otherwise.as_mut().unwrap().gguf = "blk.0.ffn_gate_up.weight".into();
+        let e = files.load_f32(&absent, true).unwrap_err().to_string();
+        assert!(
+            e.contains("missing tensor 'blk.0.ffn_up_exps.weight' (nor 'blk.0.ffn_gate_up.weight')"),
+            "{e}"
+        );
+        std::fs::remove_file(&path).unwrap();
+
+        // Hugging Face: F32 [2, 4, 3] under the name published Qwen3.5-MoE checkpoints use.
+        let dir = std::env::temp_dir().join(format!("baton-fused-hf-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.json"), r#"{"model_type": "qwen3_moe"}"#).unwrap();
+        let values: Vec<u8> = (0..24).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2, 4, 3], &values).unwrap();
+        let name = "model.layers.0.mlp.experts.gate_up_proj";
+        safetensors::serialize_to_file([(name, view)], None, &dir.join("model.safetensors")).unwrap();
+        let files = ModelFiles::open(&dir).unwrap();
+        // Expert 1 starts at value 12; its up rows are its rows 2 and 3.
+        assert_eq!(
+            files.load_f32(&expert_up(1, 3), true).unwrap(),
+            [18., 19., 20., 21., 22., 23.]
+        );
+        assert_eq!(
+            files.load_f32(&expert_up(0, 3), true).unwrap(),
+            [6., 7., 8., 9., 10., 11.]
+        );
+        // The stack's shape is checked against the spec's expert count and rows.
+        let e = files.load_f32(&expert_up(1, 4), true).unwrap_err().to_string();
+        assert!(e.contains("gate_up_proj") && e.contains("[2, 4, 4]"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -174,6 +174,48 @@ fn llama_cpp_gguf_files_of_the_hybrids_give_the_model_their_safetensors_give() {
     }
 }
 
+#[test]
+fn fused_expert_files_give_the_per_expert_model_bit_for_bit() {
+    // tiny/qwen3_5_moe_fused holds qwen3_5_moe's weights with the experts as published
+    // Qwen3.5-MoE checkpoints keep them (`mlp.experts.gate_up_proj` [12, 64, 64] and
+    // `mlp.experts.down_proj`, written from transformers' own module state), and as a GGUF with
+    // `ffn_gate_up_exps`; its logits must be the per-expert files' logits, bit for bit.
+    let dir = fixtures().join("tiny").join("qwen3_5_moe_fused");
+    let (hf, gguf) = (
+        ModelFiles::open(&dir).unwrap(),
+        ModelFiles::open(&dir.join("model.gguf")).unwrap(),
+    );
+    let names = hf.tensor_names();
+    assert!(names.contains("model.layers.0.mlp.experts.gate_up_proj"), "{names:?}");
+    assert!(
+        !names.iter().any(|n| n.contains("experts.0.")),
+        "no per-expert tensor left"
+    );
+    let names = gguf.tensor_names();
+    assert!(names.contains("blk.0.ffn_gate_up_exps.weight"), "{names:?}");
+    assert!(!names.contains("blk.0.ffn_gate_exps.weight"));
+    let per_expert_gguf = ModelFiles::open(&fixtures().join("tiny/qwen3_5_moe/model.gguf")).unwrap();
+    let load = |f: &ModelFiles| Engine::new(StageWeights::load_full(f, &f.config().unwrap(), true).unwrap());
+    let pairs = [
+        ("safetensors", load(&hf), engine("qwen3_5_moe")),
+        ("GGUF", load(&gguf), load(&per_expert_gguf)),
+    ];
+    for (format, mut fused, mut per_expert) in pairs {
+        for seq in reference("qwen3_5_moe")["sequences"].as_array().unwrap() {
+            let tokens = ids(&seq["tokens"]);
+            let got = fused.prompt_logits(&tokens, true).unwrap();
+            assert_eq!(
+                got,
+                per_expert.prompt_logits(&tokens, true).unwrap(),
+                "{format}, {} tokens",
+                tokens.len()
+            );
+            let want: Vec<f32> = seq["logits"].as_array().unwrap().iter().flat_map(f32s).collect();
+            assert!(max_abs_diff(&got, &want) < TOL, "{format}");
+        }
+    }
+}
+
 /// The longest reference prompt (80 tokens).
 fn long_prompt(name: &str) -> Vec<u32> {
     ids(&reference(name)["sequences"][3]["tokens"])

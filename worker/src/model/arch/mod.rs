@@ -378,7 +378,17 @@ mod tests {
         assert_eq!(e7.down.hf, "model.layers.2.mlp.experts.7.down_proj.weight");
         assert_eq!(e7.down.gguf, "blk.2.ffn_down_exps.weight");
         assert_eq!(e7.down.shape, vec![64, 24]);
-        assert_eq!(e7.down.gguf_stacked, Some(StackedSlice { index: 7, count: 10 }));
+        assert_eq!(e7.down.gguf_packing.stacked, Some(StackedSlice { index: 7, count: 10 }));
+        // Files with the fused layout keep expert 7's up rows 24..48 of its gate_up slice.
+        let up = e7.up.otherwise.as_deref().unwrap();
+        assert_eq!(up.hf, "model.layers.2.mlp.experts.gate_up_proj");
+        assert_eq!(up.gguf, "blk.2.ffn_gate_up_exps.weight");
+        assert_eq!(up.hf_packing, up.gguf_packing);
+        assert_eq!(up.gguf_packing.stacked, Some(StackedSlice { index: 7, count: 10 }));
+        assert_eq!(
+            up.gguf_packing.rows.map(|r| (r.groups, r.group_rows, r.start, r.take)),
+            Some((1, 48, 24, 24))
+        );
         assert!(
             matches!(arch.layer(&c, 1).ffn, FfnTensors::Dense(_)),
             "layer 1 is listed dense"

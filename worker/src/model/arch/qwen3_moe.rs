@@ -44,7 +44,12 @@ impl Architecture for Qwen3Moe {
     }
 }
 
-/// The router and experts of sparse layer `l`.
+/// The router and experts of sparse layer `l`. Each expert's projection is read where the file
+/// keeps it: one tensor per expert (Hugging Face checkpoints saved per expert) or slice `e` of a
+/// stacked one (llama.cpp's `ffn_*_exps`); or else from the fused layout of newer files, where
+/// gate and up are one `[experts, 2 · f, h]` tensor, each expert's gate rows before its up rows
+/// (published Qwen3.5-MoE checkpoints' `mlp.experts.gate_up_proj` and `down_proj`, and
+/// llama.cpp's `ffn_gate_up_exps` made from them).
 pub fn experts(h: usize, l: usize, moe: &MoeConfig) -> MoeTensors {
     let (n, f) = (moe.num_experts, moe.expert_intermediate_size);
     let expert = |e: usize, hf: &str, gguf: &str, shape: Vec<usize>| {
@@ -55,6 +60,20 @@ pub fn experts(h: usize, l: usize, moe: &MoeConfig) -> MoeTensors {
         )
         .stacked_in_gguf(e, n)
     };
+    let fused = |e: usize, hf: &str, gguf: &str, shape: Vec<usize>| {
+        TensorSpec::new(
+            format!("model.layers.{l}.mlp.experts.{hf}"),
+            format!("blk.{l}.{gguf}.weight"),
+            shape,
+        )
+        .stacked_in_hf(e, n)
+        .stacked_in_gguf(e, n)
+    };
+    let gate_up = |e: usize, start: usize| {
+        fused(e, "gate_up_proj", "ffn_gate_up_exps", vec![f, h])
+            .rows_in_hf(1, 2 * f, start)
+            .rows_in_gguf(1, 2 * f, start)
+    };
     MoeTensors {
         router: TensorSpec::new(
             format!("model.layers.{l}.mlp.gate.weight"),
@@ -63,9 +82,14 @@ pub fn experts(h: usize, l: usize, moe: &MoeConfig) -> MoeTensors {
         ),
         experts: (0..n)
             .map(|e| MlpTensors {
-                gate: expert(e, "gate_proj", "ffn_gate_exps", vec![f, h]),
-                up: expert(e, "up_proj", "ffn_up_exps", vec![f, h]),
-                down: expert(e, "down_proj", "ffn_down_exps", vec![h, f]),
+                gate: expert(e, "gate_proj", "ffn_gate_exps", vec![f, h]).otherwise(gate_up(e, 0)),
+                up: expert(e, "up_proj", "ffn_up_exps", vec![f, h]).otherwise(gate_up(e, f)),
+                down: expert(e, "down_proj", "ffn_down_exps", vec![h, f]).otherwise(fused(
+                    e,
+                    "down_proj",
+                    "ffn_down_exps",
+                    vec![h, f],
+                )),
             })
             .collect(),
         top_k: moe.experts_per_token,
