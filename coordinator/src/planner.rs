@@ -68,6 +68,23 @@ impl CostCurve {
         if ok { Ok(Self { points }) } else { Err(BadCurve(points)) }
     }
 
+    /// The pointwise mean of `curves`, or `None` unless all were measured at the same token
+    /// counts.
+    pub fn mean(curves: &[&CostCurve]) -> Option<Self> {
+        let first = curves.first()?;
+        let same_grid = curves
+            .iter()
+            .all(|c| c.points.iter().map(|p| p.0).eq(first.points.iter().map(|p| p.0)));
+        same_grid.then(|| Self {
+            points: (0..first.points.len())
+                .map(|i| {
+                    let sum: f64 = curves.iter().map(|c| c.points[i].1).sum();
+                    (first.points[i].0, sum / curves.len() as f64)
+                })
+                .collect(),
+        })
+    }
+
     /// The same curve `factor` times slower (a worker sharing its core), capped at
     /// [`MAX_SECONDS`].
     pub fn slowed(&self, factor: f64) -> Self {
@@ -134,6 +151,39 @@ pub struct WorkerCosts {
 }
 
 impl WorkerCosts {
+    /// The mean of the costs of workers that are the same hardware (each curve averaged point
+    /// by point, the bytes and budget of the first), or `None` when their profiles do not line
+    /// up (other token counts or other layer classes).
+    pub fn mean(group: &[&WorkerCosts]) -> Option<Self> {
+        let first = *group.first()?;
+        let curves = |pick: &dyn Fn(&WorkerCosts) -> &CostCurve| {
+            CostCurve::mean(&group.iter().map(|w| pick(w)).collect::<Vec<_>>())
+        };
+        let same_classes = group.iter().all(|w| {
+            w.classes
+                .iter()
+                .map(|c| &c.name)
+                .eq(first.classes.iter().map(|c| &c.name))
+        });
+        if !same_classes {
+            return None;
+        }
+        Some(Self {
+            layer: curves(&|w| &w.layer)?,
+            classes: (0..first.classes.len())
+                .map(|i| {
+                    Some(ClassCosts {
+                        layer: curves(&|w| &w.classes[i].layer)?,
+                        ..first.classes[i].clone()
+                    })
+                })
+                .collect::<Option<_>>()?,
+            embed: curves(&|w| &w.embed)?,
+            head: curves(&|w| &w.head)?,
+            ..first.clone()
+        })
+    }
+
     /// This worker's costs `factor` times slower in every part (what served batches measured
     /// against its profile).
     pub fn slowed(&self, factor: f64) -> Self {

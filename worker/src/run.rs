@@ -30,7 +30,7 @@ pub struct WorkerArgs {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub coordinator: Option<String>,
     /// Device: `cpu` (all cores) or `cpu:N` (N threads for the matrix products) [default: cpu];
-    /// `cuda[:GPU]` is refused with a clear error until the CUDA backend lands.
+    /// `cuda[:GPU]` (GPU number, default 0) in a build with the `cuda` feature, which needs only the NVIDIA driver.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub device: Option<String>,

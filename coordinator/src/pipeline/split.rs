@@ -173,22 +173,63 @@ pub(super) async fn profiles(
             }
         });
     let mut first_error = None;
+    let mut fresh = Vec::new();
     for r in futures::future::join_all(asks).await {
         match r {
-            Ok((k, costs)) => {
-                cache.by_worker.insert(k, costs);
-            }
+            Ok(answer) => fresh.push(answer),
             Err(e) => {
                 first_error.get_or_insert(e);
             }
         }
     }
+    // Pooled as they are measured: what serving later measures of each worker
+    // ([`ProfileCache::slow`]) stays its own.
+    let profiled: Vec<WorkerEntry> = fresh
+        .iter()
+        .filter_map(|(k, _)| workers.iter().find(|w| key(w) == *k).cloned())
+        .collect();
+    let (keys, costs): (Vec<_>, Vec<_>) = fresh.into_iter().unzip();
+    cache.by_worker.extend(keys.into_iter().zip(pooled(&profiled, costs)));
     // Only this build's workers stay: the others are gone or registered again.
     cache.by_worker.retain(|k, _| workers.iter().any(|w| key(w) == *k));
     if let Some(e) = first_error {
         return Err(e);
     }
     Ok(workers.iter().map(|w| cache.by_worker[&key(w)].clone()).collect())
+}
+
+/// What makes workers the same hardware: the same host, device kind, threads and features
+/// (kernel path, GPU model). Workers on other hosts are never pooled, however alike.
+fn hardware_key(w: &WorkerEntry) -> (&str, &str, u32, Vec<&str>) {
+    let host = w.address.split("://").nth(1).unwrap_or(&w.address);
+    let host = host.rsplit_once(':').map_or(host, |(h, _)| h);
+    let mut features: Vec<&str> = w.features.iter().map(String::as_str).collect();
+    features.sort_unstable();
+    (host, &w.device_kind, w.cores, features)
+}
+
+/// `costs` (one per worker of `workers`, profiled together) with each group of workers that
+/// are the same hardware given the mean of the group's profiles. A profile is one short timing per worker, and on a busy or
+/// virtual machine two identical workers can time 1.5× apart in it (measured: docs/benchmarks.md,
+/// "Profiler and planner by layer class, measured"); the plan should not move with that noise.
+fn pooled(workers: &[WorkerEntry], mut costs: Vec<WorkerCosts>) -> Vec<WorkerCosts> {
+    let mut groups: HashMap<_, Vec<usize>> = HashMap::new();
+    for (i, w) in workers.iter().enumerate() {
+        groups.entry(hardware_key(w)).or_default().push(i);
+    }
+    for members in groups.values().filter(|m| m.len() > 1) {
+        let group: Vec<&WorkerCosts> = members.iter().map(|&i| &costs[i]).collect();
+        if let Some(mean) = WorkerCosts::mean(&group) {
+            let times: Vec<f64> = group.iter().map(|c| c.layer.at(16)).collect();
+            let spread = times.iter().copied().fold(0.0, f64::max) / times.iter().copied().fold(f64::MAX, f64::min);
+            let ids: Vec<&str> = members.iter().map(|&i| workers[i].id.as_str()).collect();
+            tracing::info!(workers = ?ids, spread_at_16_tokens = spread, "profiles of workers on the same hardware pooled");
+            for &i in members {
+                costs[i] = mean.clone();
+            }
+        }
+    }
+    costs
 }
 
 /// A plan from the workers' profiles.
@@ -318,6 +359,67 @@ mod tests {
             live_replan: None,
             speculative: crate::speculative::SpeculativeConfig::OFF,
         }
+    }
+
+    fn worker(address: &str, cores: u32, kernels: &str) -> WorkerEntry {
+        WorkerEntry {
+            id: address.into(),
+            address: address.into(),
+            device_kind: "cpu".into(),
+            cores,
+            memory_bytes: 1 << 30,
+            features: vec![format!("kernels:{kernels}"), "kv_dtype:f32,f16".into()],
+            kv_cache_bytes: 0,
+            metrics_address: String::new(),
+            seq: 0,
+            last_seen: std::time::Instant::now(),
+        }
+    }
+
+    /// Costs whose every curve takes `ms` milliseconds per token at 1 and 8 tokens.
+    fn costs(ms: f64) -> WorkerCosts {
+        let curve = || CostCurve::new(vec![(1, ms / 1e3), (8, 8.0 * ms / 1e3)]).unwrap();
+        WorkerCosts {
+            layer: curve(),
+            classes: vec![ClassCosts {
+                name: "linear_attention+dense".into(),
+                layer: curve(),
+                bytes: 10,
+            }],
+            embed: curve(),
+            head: curve(),
+            layer_bytes: 10,
+            embed_bytes: 1,
+            head_bytes: 1,
+            weight_budget: None,
+        }
+    }
+
+    #[test]
+    fn workers_that_are_the_same_hardware_are_planned_from_their_mean_profile() {
+        let workers = [
+            worker("http://127.0.0.1:7001", 1, "avx512-vnni"),
+            worker("http://127.0.0.1:7002", 1, "avx512-vnni"),
+            // Other threads, another host, another kernel path: their own profiles.
+            worker("http://127.0.0.1:7003", 2, "avx512-vnni"),
+            worker("http://10.0.0.2:7001", 1, "avx512-vnni"),
+            worker("http://127.0.0.1:7004", 1, "avx2"),
+        ];
+        let got = pooled(&workers, [2.0, 4.0, 5.0, 6.0, 7.0].map(costs).to_vec());
+        let at_8 = |c: &WorkerCosts| (c.layer.at(8) * 1e3, c.classes[0].layer.at(8) * 1e3, c.head.at(1) * 1e3);
+        for (i, want) in [(0, 3.0), (1, 3.0), (2, 5.0), (3, 6.0), (4, 7.0)] {
+            let (layer, class, head) = at_8(&got[i]);
+            assert!((layer - 8.0 * want).abs() < 1e-9, "worker {i}: {layer}");
+            assert!(
+                (class - 8.0 * want).abs() < 1e-9 && (head - want).abs() < 1e-9,
+                "worker {i}"
+            );
+        }
+        // Profiles that do not line up are left as measured.
+        let mut other_grid = costs(4.0);
+        other_grid.layer = CostCurve::new(vec![(1, 0.004), (16, 0.064)]).unwrap();
+        let got = pooled(&workers[..2], vec![costs(2.0), other_grid]);
+        assert_eq!(got[0].layer.at(8), costs(2.0).layer.at(8));
     }
 
     #[test]
