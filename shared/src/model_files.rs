@@ -409,6 +409,11 @@ impl ModelFiles {
             None => spec.shape.clone(),
         };
         let Some(slice) = packing.stacked else {
+            if self.is_gguf() && ggml_dims(t.shape) == ggml_dims(&per_slice) {
+                // ggml pads every shape with unit dimensions: llama.cpp's converter writes the
+                // shared expert's gate as [1, hidden] and llama.cpp loads it as [hidden].
+                return Ok(t);
+            }
             check_shape(&source_name, name, t.shape, &per_slice)?;
             return Ok(t);
         };
@@ -497,6 +502,13 @@ pub fn keeps_blocks(dtype: DType, shape: &[usize]) -> bool {
 /// The block number of a GGUF tensor name (`blk.N.…`).
 fn gguf_block(name: &str) -> Option<usize> {
     name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
+}
+
+/// A shape as ggml sees it: without outer unit dimensions (ggml pads every shape to four with
+/// ones, so `[1, n]` and `[n]` are the same tensor to it).
+fn ggml_dims(shape: &[usize]) -> &[usize] {
+    let outer_ones = shape.iter().take_while(|&&d| d == 1).count();
+    &shape[outer_ones.min(shape.len().saturating_sub(1))..]
 }
 
 fn check_shape(source_name: &str, name: &str, found: &[usize], expected: &[usize]) -> Result<(), LoadError> {
@@ -616,6 +628,15 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn ggml_shapes_ignore_outer_unit_dimensions_only() {
+        assert_eq!(ggml_dims(&[1, 64]), ggml_dims(&[64]));
+        assert_eq!(ggml_dims(&[1, 1, 8, 4]), &[8, 4]);
+        assert_eq!(ggml_dims(&[1]), &[1]);
+        assert_ne!(ggml_dims(&[64, 1]), ggml_dims(&[64]), "an inner unit dimension is kept");
+        assert_ne!(ggml_dims(&[2, 64]), ggml_dims(&[64]));
+    }
 
     #[test]
     fn permutation_roundtrip_and_layout() {

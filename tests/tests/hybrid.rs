@@ -121,56 +121,86 @@ const GGUF_HYBRIDS: [&str; 4] = ["qwen3_next", "qwen3_next_dense", "qwen3_5", "q
 #[test]
 fn llama_cpp_gguf_files_of_the_hybrids_give_the_model_their_safetensors_give() {
     for name in GGUF_HYBRIDS {
-        let dir = fixtures().join("tiny").join(name);
-        let (gguf, hf) = (ModelFiles::open(&dir.join("model.gguf")).unwrap(), files(name));
-        let (mut gc, hc) = (gguf.config().unwrap(), hf.config().unwrap());
-        let layout = gc.linear_attention.as_mut().unwrap().gguf_layout.take();
-        assert!(layout.is_some(), "{name}: a GGUF layout");
-        assert_eq!(gc, hc, "{name}: the config read from GGUF metadata");
-        let gc = gguf.config().unwrap();
-        let mut from_gguf = Engine::new(StageWeights::load_full(&gguf, &gc, true).unwrap());
-        let mut from_hf = engine(name);
-        for (i, seq) in reference(name)["sequences"].as_array().unwrap().iter().enumerate() {
-            let tokens = ids(&seq["tokens"]);
-            let got = from_gguf.prompt_logits(&tokens, true).unwrap();
-            let want: Vec<f32> = seq["logits"].as_array().unwrap().iter().flat_map(f32s).collect();
-            let (err, vs_hf) = (
-                max_abs_diff(&got, &want),
-                max_abs_diff(&got, &from_hf.prompt_logits(&tokens, true).unwrap()),
-            );
-            eprintln!("{name} GGUF sequence {i}: max |logit error| {err:e}, {vs_hf:e} from the safetensors");
-            assert!(err < TOL, "{name} sequence {i}: max |logit error| {err}");
-            // The same weights: only A = -exp(A_log) (computed by the fixture script, not here)
-            // and the products' blocking over split matrices may differ in the last bits.
-            assert!(vs_hf < 1e-4, "{name} sequence {i}: {vs_hf} from the safetensors");
+        let path = fixtures().join("tiny").join(name).join("model.gguf");
+        check_gguf_against_fixture(name, &path, TOL);
+    }
+}
+
+/// Fixtures converted by llama.cpp's own `convert_hf_to_gguf.py` (the llama.cpp of xllamacpp
+/// 2026.10.11549; tests/fixtures/convert_llamacpp.py): the MoE, Qwen3-Next as published (every
+/// layer sparse), Qwen3.5 and Qwen3.5-MoE, with the tolerance of each against transformers.
+const LLAMA_CPP_CONVERTED: [(&str, f32); 4] = [
+    ("qwen3_moe", 1e-4),
+    ("qwen3_next_sparse", TOL),
+    ("qwen3_5", TOL),
+    ("qwen3_5_moe", TOL),
+];
+
+#[test]
+fn files_written_by_llama_cpps_own_converter_give_the_transformers_model() {
+    for (name, tol) in LLAMA_CPP_CONVERTED {
+        let path = fixtures().join("llamacpp").join(format!("{name}.gguf"));
+        check_gguf_against_fixture(name, &path, tol);
+    }
+}
+
+/// The GGUF at `path` holds tiny fixture `name`'s weights: the config read from its metadata
+/// is the safetensors one; its logits are transformers' within `tol` at every position and the
+/// safetensors' within 1e-4; its greedy tokens are transformers'; and every two-stage split of
+/// it gives its one-stage bits.
+fn check_gguf_against_fixture(name: &str, path: &std::path::Path, tol: f32) {
+    let (gguf, hf) = (ModelFiles::open(path).unwrap(), files(name));
+    let (mut gc, hc) = (gguf.config().unwrap(), hf.config().unwrap());
+    if let Some(linear) = gc.linear_attention.as_mut() {
+        assert!(linear.gguf_layout.take().is_some(), "{name}: a GGUF layout");
+    }
+    assert_eq!(gc, hc, "{name}: the config read from GGUF metadata");
+    let gc = gguf.config().unwrap();
+    let mut from_gguf = Engine::new(StageWeights::load_full(&gguf, &gc, true).unwrap());
+    let mut from_hf = engine(name);
+    for (i, seq) in reference(name)["sequences"].as_array().unwrap().iter().enumerate() {
+        let tokens = ids(&seq["tokens"]);
+        let got = from_gguf.prompt_logits(&tokens, true).unwrap();
+        let want: Vec<f32> = seq["logits"].as_array().unwrap().iter().flat_map(f32s).collect();
+        let (err, vs_hf) = (
+            max_abs_diff(&got, &want),
+            max_abs_diff(&got, &from_hf.prompt_logits(&tokens, true).unwrap()),
+        );
+        eprintln!(
+            "{name} ({}) sequence {i}: max |logit error| {err:e}, {vs_hf:e} from the safetensors",
+            path.display()
+        );
+        assert!(err < tol, "{name} sequence {i}: max |logit error| {err}");
+        // The same weights: only A = -exp(A_log) (computed by the converter, not here) and the
+        // products' blocking over split matrices may differ in the last bits.
+        assert!(vs_hf < 1e-4, "{name} sequence {i}: {vs_hf} from the safetensors");
+    }
+    for case in reference(name)["greedy"].as_array().unwrap() {
+        let prompt = ids(&case["prompt"]);
+        let params = SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(case["max_new_tokens"].as_u64().unwrap() as usize)
+        };
+        let out = from_gguf.generate(&prompt, &params, None, |_| {}).unwrap();
+        assert_eq!(out.tokens, ids(&case["tokens"]), "{name} GGUF prompt {prompt:?}");
+    }
+    // Every two-stage split of the GGUF model gives its one-stage bits.
+    let tokens = long_prompt(name);
+    let whole = from_gguf.prompt_logits(&tokens, true).unwrap();
+    for cut in 1..gc.num_layers {
+        let stages = [
+            StageWeights::load(&gguf, &gc, 0..cut, true, false, true).unwrap(),
+            StageWeights::load(&gguf, &gc, cut..gc.num_layers, false, true, true).unwrap(),
+        ];
+        let mut hidden = embedded(&stages[0], &tokens);
+        let mut scratch = Scratch::default();
+        for s in &stages {
+            s.forward(&mut hidden, 0, &mut s.new_kv(tokens.len()), &mut scratch)
+                .unwrap();
         }
-        for case in reference(name)["greedy"].as_array().unwrap() {
-            let prompt = ids(&case["prompt"]);
-            let params = SamplingParams {
-                ignore_eos: true,
-                ..SamplingParams::greedy(case["max_new_tokens"].as_u64().unwrap() as usize)
-            };
-            let out = from_gguf.generate(&prompt, &params, None, |_| {}).unwrap();
-            assert_eq!(out.tokens, ids(&case["tokens"]), "{name} GGUF prompt {prompt:?}");
-        }
-        // Every two-stage split of the GGUF model gives its one-stage bits.
-        let tokens = long_prompt(name);
-        let whole = from_gguf.prompt_logits(&tokens, true).unwrap();
-        for cut in 1..gc.num_layers {
-            let stages = [
-                StageWeights::load(&gguf, &gc, 0..cut, true, false, true).unwrap(),
-                StageWeights::load(&gguf, &gc, cut..gc.num_layers, false, true, true).unwrap(),
-            ];
-            let mut hidden = embedded(&stages[0], &tokens);
-            let mut scratch = Scratch::default();
-            for s in &stages {
-                s.forward(&mut hidden, 0, &mut s.new_kv(tokens.len()), &mut scratch)
-                    .unwrap();
-            }
-            let mut got = vec![0f32; tokens.len() * gc.vocab_size];
-            stages[1].logits(&hidden, &mut scratch, &mut got).unwrap();
-            assert_eq!(got, whole, "{name} GGUF split at {cut}");
-        }
+        let mut got = vec![0f32; tokens.len() * gc.vocab_size];
+        stages[1].logits(&hidden, &mut scratch, &mut got).unwrap();
+        assert_eq!(got, whole, "{name} GGUF split at {cut}");
     }
 }
 
