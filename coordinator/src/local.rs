@@ -13,7 +13,7 @@ use baton_worker::model::WeightFormat;
 use baton_worker::model::spec::CacheBytes;
 use baton_worker::stage::Stage;
 
-use crate::pipeline::{PipelineConfig, PipelineGenerator, StageLoader};
+use crate::pipeline::{PipelineConfig, PipelineGenerator, StageLoader, sizing};
 
 /// How to build the in-process stage.
 #[derive(Debug, Clone)]
@@ -161,9 +161,39 @@ pub fn load_stage(path: &Path, opts: &LocalStageOptions) -> Result<Stage, LocalE
 /// Load the model at `path` as one in-process stage and serve it with the engine (call
 /// inside a tokio runtime). `config.stages` is taken as 1; if the stage ever fails it is
 /// loaded again from the same files.
-pub fn start(config: PipelineConfig, path: &Path, opts: &LocalStageOptions) -> Result<PipelineGenerator, LocalError> {
-    let stage = load_stage(path, opts)?;
-    let (path, opts) = (path.to_path_buf(), opts.clone());
+///
+/// For a model with linear-attention layers whose running limit was left to be sized, the
+/// limit (a recurrent-state slot per running sequence) comes down to the slots that fit the
+/// KV budget beside the prefix cache's snapshots, as a worker's stage sizes it: a Qwen3-Next
+/// slot is tens of MB, so the default 64 need not fit the default 1 GiB.
+pub fn start(
+    mut config: PipelineConfig,
+    path: &Path,
+    opts: &LocalStageOptions,
+) -> Result<PipelineGenerator, LocalError> {
+    let mut opts = opts.clone();
+    let bytes = config.cache_bytes(0..config.num_layers);
+    if bytes.per_state > 0 && config.auto_limits.max_running {
+        let fits = sizing::state_sequences(
+            bytes,
+            opts.kv_budget_bytes,
+            opts.state_snapshots,
+            opts.kv_block_size,
+            config.max_context,
+        );
+        if fits < config.max_running {
+            tracing::info!(
+                max_running = fits.max(1),
+                state_bytes = bytes.per_state,
+                kv_budget_bytes = opts.kv_budget_bytes,
+                "running limit lowered to the recurrent-state slots that fit the KV budget"
+            );
+            config.max_running = fits.max(1);
+            opts.state_slots = config.max_running;
+        }
+    }
+    let stage = load_stage(path, &opts)?;
+    let path = path.to_path_buf();
     let reload: StageLoader = Arc::new(move || load_stage(&path, &opts).map_err(|e| e.to_string()));
     Ok(PipelineGenerator::start_local(config, stage, reload))
 }

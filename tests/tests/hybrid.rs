@@ -749,6 +749,49 @@ async fn in_process(dir: &std::path::Path, prompts: &[Vec<u32>], params: &Sampli
     (out, generator.status.prefix_hit_tokens.load(Ordering::Relaxed))
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_process_hybrid_runs_as_many_sequences_as_its_state_slots_fit_the_kv_budget() {
+    // A Qwen3-Next state slot is tens of MB: `baton serve --workers 0` on such a model with the
+    // default 64 slots and 32 snapshots failed to start in 1 GiB. Here the budget holds the
+    // snapshots and three sequences (each a state slot and its planned K/V) and no more.
+    use baton_coordinator::local::{self, LocalStageOptions};
+    use baton_coordinator::pipeline::{PipelineConfig, sizing};
+    use baton_tests::cluster::generate_on;
+    let dir = fixtures().join("tiny").join("qwen3_next");
+    let cfg = ModelFiles::open(&dir).unwrap().config().unwrap();
+    let config = PipelineConfig {
+        max_running: sizing::HYBRID_MAX_RUNNING,
+        auto_limits: sizing::AutoLimits {
+            max_running: true,
+            max_batch_tokens: false,
+        },
+        ..PipelineConfig::new(dir.display().to_string(), &cfg, vec![])
+    };
+    let bytes = config.cache_bytes(0..cfg.num_layers);
+    let planned_blocks = sizing::PLANNED_POSITIONS
+        .min(config.max_context)
+        .div_ceil(config.kv_block_size);
+    let per_sequence = bytes.per_state as u64 + (planned_blocks * bytes.per_block) as u64;
+    let budget = config.state_snapshots as u64 * bytes.per_state as u64 + 3 * per_sequence + per_sequence / 2;
+    let opts = LocalStageOptions {
+        kv_budget_bytes: budget,
+        state_slots: config.max_running,
+        state_snapshots: config.state_snapshots,
+        ..LocalStageOptions::default()
+    };
+    let generator = local::start(config, &dir, &opts).expect("starts within the budget");
+    assert_eq!(generator.config().max_running, 3);
+    generator.wait_ready(baton_tests::PATIENCE).await.unwrap();
+    let prompt = long_prompt("qwen3_next");
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(4)
+    };
+    let (tokens, _) = generate_on(&generator, &prompt, params.clone()).await.unwrap();
+    let alone = engine("qwen3_next").generate(&prompt, &params, None, |_| {}).unwrap();
+    assert_eq!(tokens, alone.tokens);
+}
+
 /// Per worker, by first layer: its health and the sum of the samples of its metric `name`.
 async fn worker_counts(tc: &TestCluster, name: &str) -> Vec<(u32, HealthResponse, u64)> {
     let mut out = Vec::new();

@@ -48,6 +48,22 @@ pub const HYBRID_MAX_RUNNING: usize = baton_worker::backend::DEFAULT_STATE_SLOTS
 /// Tokens per step where nothing is measured.
 pub const UNMEASURED_MAX_BATCH_TOKENS: usize = 128;
 
+/// The sequences whose recurrent-state slot fits in a stage's KV budget of `budget` bytes
+/// beside the prefix cache's `snapshots` state copies, each sequence with its planned K/V
+/// ([`PLANNED_POSITIONS`], or `max_context` when shorter, in blocks of `block_size`), for a
+/// stage whose caches take `bytes` (its `per_state` not 0).
+pub fn state_sequences(
+    bytes: baton_worker::model::spec::CacheBytes,
+    budget: u64,
+    snapshots: usize,
+    block_size: usize,
+    max_context: usize,
+) -> usize {
+    let blocks = PLANNED_POSITIONS.min(max_context.max(1)).div_ceil(block_size.max(1));
+    let left = (budget as u128).saturating_sub(bytes.total(0, snapshots));
+    (left / bytes.total(blocks, 1).max(1)).min(usize::MAX as u128) as usize
+}
+
 /// Which limits the user left to be sized (an explicit setting is kept as it is).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct AutoLimits {

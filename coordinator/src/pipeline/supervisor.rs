@@ -199,17 +199,19 @@ async fn size_limits(
 /// ([`sizing::PLANNED_POSITIONS`], the model's context if shorter); None when no stage of
 /// `ranges` keeps recurrent state.
 pub(super) fn state_bound(config: &PipelineConfig, workers: &[WorkerEntry], ranges: &[Range<usize>]) -> Option<usize> {
-    let planned = sizing::PLANNED_POSITIONS.min(config.max_context.max(1));
-    let blocks = planned.div_ceil(config.kv_block_size.max(1));
     let mut bound: Option<usize> = None;
     for (w, layers) in workers.iter().zip(ranges) {
         let bytes = config.cache_bytes(layers.clone());
         if bytes.per_state == 0 {
             continue;
         }
-        let left = (w.kv_cache_bytes as u128).saturating_sub(bytes.total(0, config.state_snapshots));
-        let per_sequence = bytes.total(blocks, 1);
-        let fits = (left / per_sequence).min(usize::MAX as u128) as usize;
+        let fits = sizing::state_sequences(
+            bytes,
+            w.kv_cache_bytes,
+            config.state_snapshots,
+            config.kv_block_size,
+            config.max_context,
+        );
         bound = Some(bound.map_or(fits, |b| b.min(fits)));
     }
     bound
