@@ -4,13 +4,17 @@
 # (source, build, binaries) or of the models is committed here: only this script and the
 # scripts that drive the binaries (compare-kernels.sh, compare-serving.sh).
 #
-# Source: the llama.cpp tree vendored in the PyPI sdist of llama-cpp-python (this machine reaches
-# PyPI but not GitHub). llama-cpp-python 0.3.36 vendors llama.cpp commit 0c1e57098, the build
-# ../shared/anchors.md quotes.
+# Source: the llama.cpp tree vendored in a PyPI sdist (this machine reaches PyPI but not GitHub):
+#   - llama-cpp-python 0.3.36 (the default) vendors llama.cpp commit 0c1e57098, the build
+#     ../shared/anchors.md quotes. It has no Qwen3-Next or Qwen3.5.
+#   - xllamacpp 2026.10.11549 (LLAMA_PACKAGE=xllamacpp) vendors a llama.cpp of October 2026 that
+#     has them (src/models/qwen3next.cpp, qwen35.cpp, qwen35moe.cpp): the hybrid comparisons use it.
 #
 # Idempotent: every step is skipped when its output exists (set LLAMA_REBUILD=1 to rebuild).
 #
-#   LLAMA_CPP_PYTHON_VERSION  sdist version (default 0.3.36; its sha256 is checked)
+#   LLAMA_PACKAGE             llama-cpp-python (default) or xllamacpp
+#   LLAMA_CPP_PYTHON_VERSION  sdist version (default 0.3.36, or 2026.10.11549 for xllamacpp;
+#                             the sha256 of each default is checked)
 #   LLAMA_SRC                 where the sdist is downloaded and unpacked (default /opt/llama-src)
 #   LLAMA_BUILD               CMake build directory; binaries in $LLAMA_BUILD/bin (default /opt/llama.cpp-build)
 #   LLAMA_MODELS              where the Q8_0 GGUF is written (default /opt/models)
@@ -24,8 +28,22 @@
 # (explicit -mno-* wins over what -march=native implies, whatever the order).
 set -euo pipefail
 
-VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
-SHA256_0_3_36=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+PACKAGE=${LLAMA_PACKAGE:-llama-cpp-python}
+case "$PACKAGE" in
+    llama-cpp-python)
+        VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+        DEFAULT_VERSION=0.3.36
+        DEFAULT_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+        UNPACKED=llama_cpp_python-$VERSION
+        SUBDIR=vendor/llama.cpp ;;
+    xllamacpp)
+        VERSION=${LLAMA_CPP_PYTHON_VERSION:-2026.10.11549}
+        DEFAULT_VERSION=2026.10.11549
+        DEFAULT_SHA256=c17ee1163006f70726abb9f72137830818f3d8cb60bfc34cb232d08428eaa22b
+        UNPACKED=xllamacpp-$VERSION
+        SUBDIR=thirdparty/llama.cpp ;;
+    *) echo "[llamacpp/build] error: LLAMA_PACKAGE must be llama-cpp-python or xllamacpp, not '$PACKAGE'" >&2; exit 1 ;;
+esac
 LLAMA_SRC=${LLAMA_SRC:-/opt/llama-src}
 LLAMA_BUILD=${LLAMA_BUILD:-/opt/llama.cpp-build}
 LLAMA_MODELS=${LLAMA_MODELS:-/opt/models}
@@ -46,26 +64,26 @@ done
 case "$(uname -m)" in x86_64) ;; *) NO_AMX="" ;; esac
 
 # 1. sdist from PyPI, unpacked.
-SDIST="$LLAMA_SRC/llama_cpp_python-$VERSION.tar.gz"
-TREE="$LLAMA_SRC/llama_cpp_python-$VERSION/vendor/llama.cpp"
+SDIST="$LLAMA_SRC/$UNPACKED.tar.gz"
+TREE="$LLAMA_SRC/$UNPACKED/$SUBDIR"
 mkdir -p "$LLAMA_SRC"
 if [[ ! -f "$SDIST" ]]; then
-    log "downloading llama-cpp-python==$VERSION (sdist) into $LLAMA_SRC"
-    # --no-binary for this package only: its build dependencies (scikit-build-core, used by pip
-    # to read the sdist's metadata) may come as wheels.
-    python3 -m pip download --quiet --no-deps --no-binary llama-cpp-python \
-        "llama-cpp-python==$VERSION" -d "$LLAMA_SRC"
+    log "downloading $PACKAGE==$VERSION (sdist) into $LLAMA_SRC"
+    # --no-binary for this package only: its build dependencies (used by pip to read the sdist's
+    # metadata) may come as wheels.
+    python3 -m pip download --quiet --no-deps --no-binary "$PACKAGE" \
+        "$PACKAGE==$VERSION" -d "$LLAMA_SRC"
 fi
 [[ -f "$SDIST" ]] || die "pip did not produce $SDIST"
-if [[ "$VERSION" == 0.3.36 ]]; then
-    echo "$SHA256_0_3_36  $SDIST" | sha256sum --check --quiet - || die "sha256 mismatch for $SDIST"
+if [[ "$VERSION" == "$DEFAULT_VERSION" ]]; then
+    echo "$DEFAULT_SHA256  $SDIST" | sha256sum --check --quiet - || die "sha256 mismatch for $SDIST"
 fi
 if [[ ! -f "$TREE/CMakeLists.txt" ]]; then
     log "unpacking $SDIST"
     tar -xzf "$SDIST" -C "$LLAMA_SRC"
 fi
 [[ -f "$TREE/CMakeLists.txt" ]] || die "no vendor/llama.cpp in $SDIST"
-grep -m1 'update llama.cpp to' "$LLAMA_SRC/llama_cpp_python-$VERSION/CHANGELOG.md" | sed 's/^- */[llamacpp\/build] vendored: /' >&2 || true
+grep -m1 'update llama.cpp to' "$LLAMA_SRC/$UNPACKED/CHANGELOG.md" 2>/dev/null | sed 's/^- */[llamacpp\/build] vendored: /' >&2 || true
 
 # 2. Configure and build the three tools (static libraries: the binaries are self-contained).
 have_bins() { for t in "${TARGETS[@]}"; do [[ -x "$LLAMA_BUILD/bin/$t" ]] || return 1; done; }

@@ -25,7 +25,7 @@
 #   PORT=8191        llama-server listens on PORT, baton-1x2 on PORT+1, baton-2x1 on PORT+2
 #   WARMUP=1         one 8-token request before each server's measurement (0: none)
 #   LLAMA_BUILD=/opt/llama.cpp-build LLAMA_MODELS=/opt/models   as in build.sh
-#   MODEL=FILE.gguf  another Q8_0 GGUF both servers load (e.g. from convert-synth-moe.sh;
+#   MODEL=FILE.gguf  another Q8_0 GGUF both servers load (e.g. from convert-synth.sh;
 #                    default: the Q8_0 SmolLM2 file build.sh makes)
 #   OUT=DIR          keep raw outputs and server logs there (default: a new directory under /tmp)
 set -euo pipefail
