@@ -163,14 +163,11 @@ pub fn load_stage(path: &Path, opts: &LocalStageOptions) -> Result<Stage, LocalE
 /// loaded again from the same files.
 ///
 /// For a model with linear-attention layers whose running limit was left to be sized, the
-/// limit (a recurrent-state slot per running sequence) comes down to the slots that fit the
-/// KV budget beside the prefix cache's snapshots, as a worker's stage sizes it: a Qwen3-Next
-/// slot is tens of MB, so the default 64 need not fit the default 1 GiB.
-pub fn start(
-    mut config: PipelineConfig,
-    path: &Path,
-    opts: &LocalStageOptions,
-) -> Result<PipelineGenerator, LocalError> {
+/// stage keeps only the recurrent-state slots (one per running sequence) that fit the KV
+/// budget beside the prefix cache's snapshots, as a worker's stage is sized, and the running
+/// limit comes down to them: a Qwen3-Next slot is tens of MB, so the default 64 need not fit
+/// the default 1 GiB.
+pub fn start(config: PipelineConfig, path: &Path, opts: &LocalStageOptions) -> Result<PipelineGenerator, LocalError> {
     let mut opts = opts.clone();
     let bytes = config.cache_bytes(0..config.num_layers);
     if bytes.per_state > 0 && config.auto_limits.max_running {
@@ -181,15 +178,8 @@ pub fn start(
             opts.kv_block_size,
             config.max_context,
         );
-        if fits < config.max_running {
-            tracing::info!(
-                max_running = fits.max(1),
-                state_bytes = bytes.per_state,
-                kv_budget_bytes = opts.kv_budget_bytes,
-                "running limit lowered to the recurrent-state slots that fit the KV budget"
-            );
-            config.max_running = fits.max(1);
-            opts.state_slots = config.max_running;
+        if fits < effective_state_slots(&opts) {
+            opts.state_slots = fits.max(1);
         }
     }
     let stage = load_stage(path, &opts)?;

@@ -402,11 +402,6 @@ impl PipelineGenerator {
 }
 
 impl PipelineGenerator {
-    /// The configuration it runs with (limits as sized at start).
-    pub fn config(&self) -> &PipelineConfig {
-        &self.config
-    }
-
     /// Wait until the pipeline is ready to take requests, at most `within`.
     pub async fn wait_ready(&self, within: std::time::Duration) -> Result<(), SubmitError> {
         let deadline = tokio::time::Instant::now() + within;

@@ -738,7 +738,8 @@ pub(crate) async fn run_local(
             }
         };
         let info = stage.info();
-        let kv_blocks = stage.backend().kv().blocks;
+        let kv = stage.backend().kv();
+        let (kv_blocks, state_slots) = (kv.blocks, (kv.state_slots > 0).then_some(kv.state_slots));
         let assignment = StageAssignment {
             worker_id: LOCAL_WORKER.into(),
             address: "in-process".into(),
@@ -752,7 +753,8 @@ pub(crate) async fn run_local(
                 continue;
             }
         };
-        // Nothing here is profiled: the limits left open are bounded by the KV pool only.
+        // Nothing here is profiled: the limits left open are bounded by the KV pool and, for a
+        // model with linear-attention layers, by the state slots the stage could keep.
         let limits = sizing::size(
             config.auto_limits,
             config.max_running,
@@ -761,7 +763,8 @@ pub(crate) async fn run_local(
             None,
             kv_blocks * config.kv_block_size,
             config.max_context,
-        );
+        )
+        .within_state(config.auto_limits, state_slots);
         publish_limits(&limits, &status);
         let sized = with_limits(&config, &limits);
         publish_ready(&status, vec![assignment], kv_blocks);
