@@ -12,6 +12,11 @@
 #                            one full, and 64 experts of width 512, 8 active (the released model
 #                            has 48 layers and 512 experts, 10 active; fewer keep the file in
 #                            this machine's memory twice over).
+#   qwen35-1b                Qwen3_5ForCausalLM (Qwen3.5's dense text model), 0.95 B parameters:
+#                            hidden 2048, Gated DeltaNet with 16 key and 32 value heads of 128
+#                            (value heads stored key-head-minor by the converter), gated
+#                            attention with 16 query / 4 KV heads of 256, a quarter rotated, a
+#                            dense MLP of 6144; 12 layers, three linear to one full.
 #
 # The model carries SmolLM2's tokenizer (from `baton convert`), whose re-serialized
 # tokenizer.json llama.cpp's converter does not recognize by hash, so the converter is run with
@@ -29,7 +34,7 @@ LLAMA_SRC=${LLAMA_SRC:-/opt/llama-src}
 PYTHON=${PYTHON:-python3}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 BATON=${BATON:-$REPO/target/release/baton}
-case "$SHAPE" in qwen3moe-1.5b | qwen3next-3b) ;; *) echo "SHAPE must be qwen3moe-1.5b or qwen3next-3b, not '$SHAPE'" >&2; exit 1 ;; esac
+case "$SHAPE" in qwen3moe-1.5b | qwen3next-3b | qwen35-1b) ;; *) echo "SHAPE must be qwen3moe-1.5b, qwen3next-3b or qwen35-1b, not '$SHAPE'" >&2; exit 1 ;; esac
 LLAMA=""
 for tree in "$LLAMA_SRC"/llama_cpp_python-*/vendor/llama.cpp "$LLAMA_SRC"/xllamacpp-*/thirdparty/llama.cpp; do
     [[ -f "$tree/convert_hf_to_gguf.py" ]] && { LLAMA=$tree; break; }
@@ -57,6 +62,14 @@ if shape == "qwen3moe-1.5b":
         num_experts=48, num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
     cls = tf.Qwen3MoeForCausalLM
+elif shape == "qwen35-1b":
+    cfg = tf.Qwen3_5TextConfig(**common, hidden_size=2048, intermediate_size=6144,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 3,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25})
+    cls = tf.Qwen3_5ForCausalLM
 else:
     cfg = tf.Qwen3NextConfig(**common, hidden_size=2048, intermediate_size=5120, moe_intermediate_size=512,
         shared_expert_intermediate_size=512, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
@@ -80,7 +93,7 @@ sys.path[:0] = [f"{llama}/gguf-py", llama]
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "smollm"
 sys.argv = ["convert_hf_to_gguf.py", hf, "--outtype", "q8_0", "--outfile", gguf_out]
-if "qwen3next" in gguf_out:
+if "qwen3next" in gguf_out or "qwen35" in gguf_out:
     sys.argv.append("--no-mtp")  # the converter otherwise requires the MTP block's tensors
 runpy.run_path(f"{llama}/convert_hf_to_gguf.py", run_name="__main__")
 PY
