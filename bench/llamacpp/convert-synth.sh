@@ -86,15 +86,15 @@ for f in ["tokenizer.json", "tokenizer_config.json"]:
     shutil.copy(f"{tok}/{f}", f"{out}/{f}")
 PY
 
-"$PYTHON" - "$LLAMA" "$HF" "$GGUF" <<'PY'
+"$PYTHON" - "$LLAMA" "$HF" "$GGUF" "$SHAPE" <<'PY'
 import runpy, sys
-llama, hf, gguf_out = sys.argv[1:4]
+llama, hf, gguf_out, shape = sys.argv[1:5]
 sys.path[:0] = [f"{llama}/gguf-py", llama]
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "smollm"
 sys.argv = ["convert_hf_to_gguf.py", hf, "--outtype", "q8_0", "--outfile", gguf_out]
-if "qwen3next" in gguf_out or "qwen35" in gguf_out:
-    sys.argv.append("--no-mtp")  # the converter otherwise requires the MTP block's tensors
+if shape != "qwen3moe-1.5b":
+    sys.argv.append("--no-mtp")  # the hybrids' converters otherwise require MTP tensors
 runpy.run_path(f"{llama}/convert_hf_to_gguf.py", run_name="__main__")
 PY
 echo "$GGUF"
