@@ -3,12 +3,16 @@
 //! gated delta rule's recurrence, and the sigmoid/SiLU gates around them (the gated RMSNorm
 //! of each head's output, the gated attention's output gate, the shared expert's gate).
 //!
-//! Both the conv1d and the delta rule run token by token over a chunk, carrying per-sequence
-//! state, so a prompt gives the same bits however it is cut into chunks or batched with
-//! others (what the pipeline guarantees for attention layers too). The chunked form of the
-//! delta rule (the UT transform, as transformers' `torch_chunk_gated_delta_rule` computes it)
-//! is the same function summed in an order that depends on where each chunk starts, so it is
-//! not used here; it is a candidate for a device that needs matrix products to be fast.
+//! The conv1d runs token by token over a chunk, carrying per-sequence state. The delta rule
+//! runs either token by token ([`delta_step`], decode and the odd positions of a prompt) or
+//! over a window of consecutive tokens at once ([`delta_chunk`], the chunked form: products
+//! with the state at the window's start, so the state is read twice a window instead of twice
+//! a token). The two are the same function summed in different orders, so which one a
+//! position gets must not depend on scheduling: the stage runs the chunked form only over
+//! whole windows aligned to position 0 inside a sequence's prompt
+//! ([`baton_shared::model_config::DELTA_RULE_WINDOW`]), and the coordinator ends a hybrid
+//! prompt's chunks on those boundaries. Then a prompt gives the same bits however it is cut
+//! into chunks, batched with others, preempted or restored from a prefix snapshot.
 //!
 //! As in [`super::elementwise`], the `reference` functions are plain element-wise f32 loops
 //! (sums only along the state's rows, never across vector lanes), and each twin is the same
@@ -157,6 +161,225 @@ pub mod reference {
             }
         }
     }
+
+    /// Columns of the state [`delta_chunk`] carries in registers at once.
+    const COLUMNS: usize = 16;
+    /// Rows [`delta_chunk`] carries at once over a strip of columns (enough independent sums
+    /// to keep the adders busy despite their latency).
+    const ROWS: usize = 4;
+
+    /// Floats of scratch [`delta_chunk`] needs for `rows` tokens with `dv`-wide values.
+    pub const fn delta_chunk_scratch(rows: usize, dv: usize) -> usize {
+        2 * rows * dv + 2 * rows * rows + (2 + ROWS) * rows
+    }
+
+    /// `Σ_i xs[r][i] · state[i][c0..c0 + COLUMNS]` for each of the `R` rows `xs`, each sum in
+    /// order of `i` (what a one-row loop computes, so the bits do not depend on `R`).
+    #[inline(always)]
+    fn rows_times_state<const R: usize>(xs: [&[f32]; R], state: &[f32], dv: usize, c0: usize) -> [[f32; COLUMNS]; R] {
+        let dk = xs[0].len();
+        let xs: [&[f32]; R] = std::array::from_fn(|r| &xs[r][..dk]);
+        assert!(c0 + COLUMNS <= dv && state.len() >= dk * dv);
+        let mut acc = [[0f32; COLUMNS]; R];
+        for i in 0..dk {
+            let s = &state[i * dv + c0..i * dv + c0 + COLUMNS];
+            for r in 0..R {
+                let x = xs[r][i];
+                for l in 0..COLUMNS {
+                    acc[r][l] += x * s[l];
+                }
+            }
+        }
+        acc
+    }
+
+    /// State rows `rows` (`R` rows of `dv`) at columns `c0..c0 + COLUMNS` become
+    /// `el · row + Σ_j coefs[r][j] · delta[j]`, each sum in order of `j`.
+    #[inline(always)]
+    fn update_state_rows<const R: usize>(
+        rows: &mut [f32],
+        coefs: [&[f32]; R],
+        delta: &[f32],
+        el: f32,
+        dv: usize,
+        c0: usize,
+    ) {
+        let n = coefs[0].len();
+        let coefs: [&[f32]; R] = std::array::from_fn(|r| &coefs[r][..n]);
+        assert!(c0 + COLUMNS <= dv && delta.len() >= n * dv && rows.len() >= R * dv);
+        let mut acc = [[0f32; COLUMNS]; R];
+        for r in 0..R {
+            for l in 0..COLUMNS {
+                acc[r][l] = el * rows[r * dv + c0 + l];
+            }
+        }
+        for j in 0..n {
+            let d = &delta[j * dv + c0..j * dv + c0 + COLUMNS];
+            for r in 0..R {
+                let c = coefs[r][j];
+                for l in 0..COLUMNS {
+                    acc[r][l] += c * d[l];
+                }
+            }
+        }
+        for r in 0..R {
+            rows[r * dv + c0..r * dv + c0 + COLUMNS].copy_from_slice(&acc[r]);
+        }
+    }
+
+    /// `rows` consecutive tokens of one head of the gated delta rule at once: what `rows` calls
+    /// of [`delta_step`] compute, in the chunked form. With `G_t` the running sum of the log
+    /// decays and `S` the state before the first token, token t learns
+    /// `δ_t = β_t (v_t - e^{G_t} Sᵀk_t - Σ_{j<t} e^{G_t-G_j} (k_t·k_j) δ_j)`, reads
+    /// `o_t = e^{G_t} Sᵀq_t + Σ_{j≤t} e^{G_t-G_j} (q_t·k_j) δ_j`, and the state becomes
+    /// `e^{G_last} S + Σ_j e^{G_last-G_j} k_j ⊗ δ_j`. `q` and `k` are `rows × dk`, `v` and `out`
+    /// `rows × dv`, `log_decay` the log of each token's decay (≤ 0, so no exponent here
+    /// exceeds 1), `scratch` [`delta_chunk_scratch`] floats.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    pub fn delta_chunk(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        log_decay: &[f32],
+        beta: &[f32],
+        state: &mut [f32],
+        out: &mut [f32],
+        scratch: &mut [f32],
+    ) {
+        let n = beta.len();
+        if n == 0 {
+            return;
+        }
+        let (dk, dv) = (q.len() / n, v.len() / n);
+        let (ks, rest) = scratch.split_at_mut(n * dv);
+        let (delta, rest) = rest.split_at_mut(n * dv);
+        let (kk, rest) = rest.split_at_mut(n * n);
+        let (qk, rest) = rest.split_at_mut(n * n);
+        let (cum, rest) = rest.split_at_mut(n);
+        let (tail, coef) = rest.split_at_mut(n);
+        let mut g = 0f32;
+        for (c, &x) in cum.iter_mut().zip(log_decay) {
+            g += x;
+            *c = g;
+        }
+        // Sᵀk_t into ks and Sᵀq_t into out, a strip of columns at a time so the strip stays
+        // in L1 for every token; each value sums over the key dimension in order.
+        let full = dv / COLUMNS * COLUMNS;
+        for c0 in (0..full).step_by(COLUMNS) {
+            let row = |t: usize| (&k[t * dk..(t + 1) * dk], &q[t * dk..(t + 1) * dk]);
+            let mut t = 0;
+            while t < n {
+                let pair = t + 1 < n;
+                let ((k0, q0), (k1, q1)) = (row(t), row(if pair { t + 1 } else { t }));
+                let [ak0, aq0, ak1, aq1] = match pair {
+                    true => rows_times_state([k0, q0, k1, q1], state, dv, c0),
+                    false => {
+                        let [ak, aq] = rows_times_state([k0, q0], state, dv, c0);
+                        [ak, aq, ak, aq]
+                    }
+                };
+                for (t, ak, aq) in [(t, ak0, aq0), (t + 1, ak1, aq1)].into_iter().take(1 + pair as usize) {
+                    ks[t * dv + c0..t * dv + c0 + COLUMNS].copy_from_slice(&ak);
+                    out[t * dv + c0..t * dv + c0 + COLUMNS].copy_from_slice(&aq);
+                }
+                t += 2;
+            }
+        }
+        for c in full..dv {
+            for t in 0..n {
+                let (mut ak, mut aq) = (0f32, 0f32);
+                for i in 0..dk {
+                    ak += k[t * dk + i] * state[i * dv + c];
+                    aq += q[t * dk + i] * state[i * dv + c];
+                }
+                ks[t * dv + c] = ak;
+                out[t * dv + c] = aq;
+            }
+        }
+        for t in 0..n {
+            let (qt, kt) = (&q[t * dk..(t + 1) * dk], &k[t * dk..(t + 1) * dk]);
+            for j in 0..=t {
+                let kj = &k[j * dk..(j + 1) * dk];
+                kk[t * n + j] = r::dot(kt, kj);
+                qk[t * n + j] = r::dot(qt, kj);
+            }
+        }
+        // The δ rows in order: each subtracts what the earlier ones already taught the state.
+        for t in 0..n {
+            let (et, b) = (r::exp(cum[t]), beta[t]);
+            let (done, rest) = delta.split_at_mut(t * dv);
+            let d = &mut rest[..dv];
+            for ((d, &x), &s) in d
+                .iter_mut()
+                .zip(&v[t * dv..(t + 1) * dv])
+                .zip(&ks[t * dv..(t + 1) * dv])
+            {
+                *d = b * (x - et * s);
+            }
+            for j in 0..t {
+                let w = b * r::exp(cum[t] - cum[j]) * kk[t * n + j];
+                for (d, &e) in d.iter_mut().zip(&done[j * dv..(j + 1) * dv]) {
+                    *d -= w * e;
+                }
+            }
+            let o = &mut out[t * dv..(t + 1) * dv];
+            o.iter_mut().for_each(|o| *o *= et);
+            for j in 0..t {
+                let w = r::exp(cum[t] - cum[j]) * qk[t * n + j];
+                for (o, &e) in o.iter_mut().zip(&done[j * dv..(j + 1) * dv]) {
+                    *o += w * e;
+                }
+            }
+            let w = qk[t * n + t];
+            for (o, &e) in o.iter_mut().zip(d.iter()) {
+                *o += w * e;
+            }
+        }
+        // The state after the last token, row by row.
+        let last = cum[n - 1];
+        for (w, &c) in tail.iter_mut().zip(cum.iter()) {
+            *w = r::exp(last - c);
+        }
+        let el = r::exp(last);
+        let mut i = 0;
+        while i < dk {
+            let m = ROWS.min(dk - i);
+            for r in 0..m {
+                for (c, (&w, kj)) in coef[r * n..(r + 1) * n]
+                    .iter_mut()
+                    .zip(tail.iter().zip(k.chunks_exact(dk)))
+                {
+                    *c = w * kj[i + r];
+                }
+            }
+            let rows = &mut state[i * dv..(i + m) * dv];
+            for c0 in (0..full).step_by(COLUMNS) {
+                match m {
+                    ROWS => {
+                        let cs = [&coef[..n], &coef[n..2 * n], &coef[2 * n..3 * n], &coef[3 * n..4 * n]];
+                        update_state_rows(rows, cs, delta, el, dv, c0);
+                    }
+                    _ => {
+                        for r in 0..m {
+                            let row = &mut rows[r * dv..(r + 1) * dv];
+                            update_state_rows(row, [&coef[r * n..(r + 1) * n]], delta, el, dv, c0);
+                        }
+                    }
+                }
+            }
+            for r in 0..m {
+                for col in full..dv {
+                    let mut acc = el * rows[r * dv + col];
+                    for (j, &c) in coef[r * n..(r + 1) * n].iter().enumerate() {
+                        acc += c * delta[j * dv + col];
+                    }
+                    rows[r * dv + col] = acc;
+                }
+            }
+            i += m;
+        }
+    }
 }
 
 dispatched!(
@@ -197,6 +420,20 @@ dispatched!(
         state: &mut [f32],
         out: &mut [f32],
         mem: &mut [f32]
+    )
+);
+
+dispatched!(
+    /// [`reference::delta_chunk`] on path `k`.
+    delta_chunk(
+        q: &[f32],
+        k_: &[f32],
+        v: &[f32],
+        log_decay: &[f32],
+        beta: &[f32],
+        state: &mut [f32],
+        out: &mut [f32],
+        scratch: &mut [f32]
     )
 );
 
@@ -368,6 +605,66 @@ mod tests {
                 reference::l2norm_scaled(&mut x, dk, 1e-6, 0.5);
                 l2norm_scaled(kern, &mut y, dk, 1e-6, 0.5);
                 assert_eq!(x, y, "l2norm {}", kern.path());
+            }
+        }
+        paths.check(&KernelPath::ALL);
+    }
+
+    #[test]
+    fn the_chunked_delta_rule_computes_what_the_steps_do_with_the_same_bits_on_every_path() {
+        let mut paths = PathsRun::new(
+            "kernels::cpu::linear_attention::tests::the_chunked_delta_rule_computes_what_the_steps_do_with_the_same_bits_on_every_path",
+        );
+        // Widths with and without a column tail, windows of one token to past the stage's 16,
+        // and decays from none to strong enough that e^G underflows within the window.
+        for (dk, dv) in [(16, 24), (32, 32), (8, 5), (128, 128)] {
+            for (rows, strength) in [(1, 1.0), (5, 0.5), (16, 1.0), (16, 40.0), (23, 0.1)] {
+                let seed = (dk * 31 + dv * 7 + rows) as u64;
+                let mut q = noise(rows * dk, seed, 1.0);
+                let mut k = noise(rows * dk, seed + 1, 1.0);
+                let v = noise(rows * dv, seed + 2, 1.0);
+                let log_decay: Vec<f32> = noise(rows, seed + 3, strength).iter().map(|x| -x.abs()).collect();
+                let beta: Vec<f32> = noise(rows, seed + 4, 1.0).iter().map(|x| x.abs().min(1.0)).collect();
+                reference::l2norm_scaled(&mut q, dk, 1e-6, 1.0 / (dk as f32).sqrt());
+                reference::l2norm_scaled(&mut k, dk, 1e-6, 1.0);
+                let state0 = noise(dk * dv, seed + 5, 0.5);
+                // Token by token.
+                let (mut want_state, mut mem, mut want) = (state0.clone(), vec![0f32; dv], vec![0f32; rows * dv]);
+                for t in 0..rows {
+                    let decay = crate::kernels::cpu::reference::exp(log_decay[t]);
+                    reference::delta_step(
+                        &q[t * dk..(t + 1) * dk],
+                        &k[t * dk..(t + 1) * dk],
+                        &v[t * dv..(t + 1) * dv],
+                        decay,
+                        beta[t],
+                        &mut want_state,
+                        &mut want[t * dv..(t + 1) * dv],
+                        &mut mem,
+                    );
+                }
+                let mut scratch = vec![f32::NAN; reference::delta_chunk_scratch(rows, dv)];
+                let (mut state, mut got) = (state0.clone(), vec![f32::NAN; rows * dv]);
+                reference::delta_chunk(&q, &k, &v, &log_decay, &beta, &mut state, &mut got, &mut scratch);
+                let off = |a: &[f32], b: &[f32]| {
+                    a.iter()
+                        .zip(b)
+                        .map(|(x, y)| (x - y).abs() / y.abs().max(1.0))
+                        .fold(0f32, f32::max)
+                };
+                let case = format!("{dk}x{dv}, {rows} rows, decay strength {strength}");
+                assert!(off(&got, &want) < 2e-5, "{case}: outputs off by {}", off(&got, &want));
+                assert!(
+                    off(&state, &want_state) < 2e-5,
+                    "{case}: state off by {}",
+                    off(&state, &want_state)
+                );
+                for kern in Kernels::all_supported() {
+                    paths.record(kern.path());
+                    let (mut s2, mut o2) = (state0.clone(), vec![0f32; rows * dv]);
+                    delta_chunk(kern, &q, &k, &v, &log_decay, &beta, &mut s2, &mut o2, &mut scratch);
+                    assert_eq!((&o2, &s2), (&got, &state), "{case}, {}", kern.path());
+                }
             }
         }
         paths.check(&KernelPath::ALL);
