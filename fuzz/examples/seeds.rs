@@ -229,6 +229,7 @@ fn seq(seq_id: u64, tokens: Vec<u32>, pos0: u32, blocks: Vec<u32>, sampling: Opt
         propose: 0,
         restore_state: None,
         save_state: None,
+        prompt_len: 0,
     }
 }
 
@@ -459,6 +460,7 @@ fn main() {
                 // ends a block, so it snapshots the state there too.
                 restore_state: Some(5),
                 save_state: Some(6),
+                prompt_len: 0,
             },
             // A decode step carrying two proposals to verify (speculative decoding).
             SequenceChunk {
@@ -475,6 +477,7 @@ fn main() {
                 propose: 3,
                 restore_state: None,
                 save_state: None,
+                prompt_len: 0,
             },
         ],
         hidden: Some(hidden.clone()),

@@ -137,6 +137,13 @@ pub enum LayerType {
     LinearAttention,
 }
 
+/// Positions a Gated DeltaNet layer takes through the delta rule's chunked form at once, in
+/// windows aligned to position 0: a stage runs it over the whole windows that lie inside a
+/// sequence's prompt (token by token elsewhere), and the coordinator ends a hybrid prompt's
+/// chunks on these boundaries, so which form a position gets, and so its bits, never depends
+/// on how the prompt was scheduled.
+pub const DELTA_RULE_WINDOW: usize = 16;
+
 /// The Gated DeltaNet layers of a hybrid model (names as transformers' Qwen3-Next config).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct LinearAttentionConfig {

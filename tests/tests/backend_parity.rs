@@ -62,6 +62,7 @@ fn logits_in_chunks(stages: &mut [Box<dyn Backend>], tokens: &[u32], chunk: usiz
             stored: pos0,
             table: &table,
             state_slot: 0,
+            prompt_len: 0,
         }];
         let mut hidden = vec![0f32; ids.len() * h];
         stages[0].embed(ids, &mut hidden).unwrap();
@@ -182,6 +183,7 @@ fn sampling_on_the_backend_equals_sampling_its_logits_on_the_host() {
             stored: 0,
             table: &table,
             state_slot: 0,
+            prompt_len: 0,
         }];
         b.forward(&mut rows, &chunk).unwrap();
         let mut logits = vec![0f32; tokens.len() * vocab];

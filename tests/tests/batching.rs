@@ -81,16 +81,19 @@ fn a_batch_of_sequences_equals_each_sequence_alone_bit_for_bit() {
                 BatchSeq {
                     pos0: 0,
                     len: 5,
+                    prompt_len: 0,
                     kv: &mut a[0],
                 },
                 BatchSeq {
                     pos0: 0,
                     len: 3,
+                    prompt_len: 0,
                     kv: &mut b[0],
                 },
                 BatchSeq {
                     pos0: 0,
                     len: 7,
+                    prompt_len: 0,
                     kv: &mut c[0],
                 },
             ];
@@ -105,6 +108,7 @@ fn a_batch_of_sequences_equals_each_sequence_alone_bit_for_bit() {
             .map(|(kv, pos0)| BatchSeq {
                 pos0,
                 len: if pos0 == 0 { 4 } else { 1 },
+                prompt_len: 0,
                 kv,
             })
             .collect();
@@ -127,11 +131,13 @@ fn a_batch_of_sequences_equals_each_sequence_alone_bit_for_bit() {
             BatchSeq {
                 pos0: 6,
                 len: 1,
+                prompt_len: 0,
                 kv: &mut a[0],
             },
             BatchSeq {
                 pos0: 0,
                 len: 1,
+                prompt_len: 0,
                 kv: &mut b[0],
             },
         ];
@@ -214,6 +220,7 @@ fn backends_split_across_layers_give_each_sequence_its_solo_logits() {
                 stored: 0,
                 table: tables[i],
                 state_slot: 0,
+                prompt_len: 0,
             });
             let got = run(&mut stages, &ids, &step1);
             for i in 0..2 {
@@ -232,6 +239,7 @@ fn backends_split_across_layers_give_each_sequence_its_solo_logits() {
                     stored: prompts[0].len(),
                     table: tables[0],
                     state_slot: 0,
+                    prompt_len: 0,
                 },
                 SeqChunk {
                     pos0: prompts[1].len(),
@@ -239,6 +247,7 @@ fn backends_split_across_layers_give_each_sequence_its_solo_logits() {
                     stored: prompts[1].len(),
                     table: tables[1],
                     state_slot: 0,
+                    prompt_len: 0,
                 },
                 SeqChunk {
                     pos0: 0,
@@ -246,6 +255,7 @@ fn backends_split_across_layers_give_each_sequence_its_solo_logits() {
                     stored: 0,
                     table: tables[2],
                     state_slot: 0,
+                    prompt_len: 0,
                 },
             ];
             let got = run(&mut stages, &ids, &step2);
@@ -263,6 +273,7 @@ fn backends_split_across_layers_give_each_sequence_its_solo_logits() {
                 stored: 0,
                 table: &[12],
                 state_slot: 0,
+                prompt_len: 0,
             }];
             let mut x = vec![0f32; h];
             stages[0].embed(&[1], &mut x).unwrap();

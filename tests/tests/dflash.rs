@@ -71,6 +71,7 @@ fn run_split(f: &Fixture, tokens: &[u32], splits: &[Range<usize>]) -> (Vec<f32>,
         let mut batch = [BatchSeq {
             pos0: 0,
             len: tokens.len(),
+            prompt_len: 0,
             kv: &mut kv,
         }];
         let mut s = Scratch::default();
@@ -170,6 +171,7 @@ fn the_draft_forward_equals_the_reference_implementation() {
         let mut ctx = [BatchSeq {
             pos0: have,
             len: start - have,
+            prompt_len: 0,
             kv: &mut kv,
         }];
         draft.add_context(&mut AnyKv(&mut ctx[..]), &[0], &mut s).unwrap();
@@ -179,6 +181,7 @@ fn the_draft_forward_equals_the_reference_implementation() {
         let mut blk = [BatchSeq {
             pos0: start,
             len: b,
+            prompt_len: 0,
             kv: &mut kv,
         }];
         draft.run_blocks(&mut AnyKv(&mut blk[..]), &[0], &mut s).unwrap();
@@ -289,6 +292,7 @@ fn the_last_stage_drafts_the_same_proposals_through_every_split() {
         propose: if sample { 3 } else { 0 },
         restore_state: None,
         save_state: None,
+        prompt_len: 0,
     };
     let batch = |c: SequenceChunk| MicroBatch {
         batch_id: 1,

@@ -278,14 +278,32 @@ fn chunked_hidden(w: &StageWeights, tokens: &[u32], chunk: usize) -> Vec<f32> {
 }
 
 #[test]
-fn a_prompt_gives_the_same_bits_however_it_is_cut_into_chunks() {
+fn a_prompt_gives_the_same_bits_however_it_is_cut_on_delta_rule_windows() {
+    // The coordinator ends a hybrid prompt's chunks on window boundaries (below its last whole
+    // window), and then the bits do not depend on the cut. Cut elsewhere, whole windows run
+    // token by token instead: the same function in another order, off in the last bits only.
+    let window = baton_shared::model_config::DELTA_RULE_WINDOW;
     for name in HYBRID_MODELS {
         let f = files(name);
         let w = StageWeights::load_full(&f, &f.config().unwrap(), true).unwrap();
         let tokens = long_prompt(name);
         let whole = chunked_hidden(&w, &tokens, tokens.len());
-        for chunk in [1, 5, 16, 33] {
+        for chunk in [window, 2 * window, 3 * window] {
             assert_eq!(chunked_hidden(&w, &tokens, chunk), whole, "{name}, chunks of {chunk}");
+        }
+        for chunk in [1, 5, 33] {
+            let got = chunked_hidden(&w, &tokens, chunk);
+            assert_ne!(
+                got, whole,
+                "{name}, chunks of {chunk}: whole windows ran token by token"
+            );
+            let off = got
+                .iter()
+                .zip(&whole)
+                .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
+                .fold(0f32, f32::max);
+            // Within the hybrids' tolerance against transformers (5e-4): both forms are held to it.
+            assert!(off < 5e-4, "{name}, chunks of {chunk}: off by {off}");
         }
     }
 }
@@ -352,16 +370,19 @@ fn batched_sequences_with_prompts_and_decodes_equal_each_alone() {
             BatchSeq {
                 pos0: 20,
                 len: 1,
+                prompt_len: 0,
                 kv: &mut kv_a,
             },
             BatchSeq {
                 pos0: 0,
                 len: b.len(),
+                prompt_len: b.len(),
                 kv: &mut kv_b,
             },
             BatchSeq {
                 pos0: 0,
                 len: 1,
+                prompt_len: 1,
                 kv: &mut kv_c,
             },
         ];
@@ -402,7 +423,8 @@ fn the_paged_backend_keeps_each_sequences_state_in_its_own_slot() {
         let mut be = paged_backend(name, 8, 2);
         assert_eq!(be.kv().state_slots, 2);
         let embed = |ids: &[u32]| embedded(&w, ids);
-        // Two sequences in slots 1 and 0, their prompts cut into interleaved chunks of 16.
+        // Two sequences in slots 1 and 0, their prompts cut into interleaved chunks of 16 (one
+        // delta-rule window each, as the coordinator cuts a hybrid's prompts).
         let (ta, tb) = ([0u32, 1, 2], [3u32, 4, 5]);
         let (mut got_a, mut got_b) = (Vec::new(), Vec::new());
         for c in 0..3 {
@@ -415,6 +437,7 @@ fn the_paged_backend_keeps_each_sequences_state_in_its_own_slot() {
                     stored: ra.start,
                     table: &ta,
                     state_slot: 1,
+                    prompt_len: a.len(),
                 },
                 SeqChunk {
                     pos0: rb.start,
@@ -422,6 +445,7 @@ fn the_paged_backend_keeps_each_sequences_state_in_its_own_slot() {
                     stored: rb.start,
                     table: &tb,
                     state_slot: 0,
+                    prompt_len: b.len(),
                 },
             ];
             be.forward(&mut x, &seqs).unwrap();
@@ -438,6 +462,7 @@ fn the_paged_backend_keeps_each_sequences_state_in_its_own_slot() {
             stored: 0,
             table: &ta,
             state_slot: 2,
+            prompt_len: 0,
         }];
         let e = be.forward(&mut x, &bad).unwrap_err().to_string();
         assert!(e.contains("state slot 2") && e.contains("2 slots"), "{e}");

@@ -467,6 +467,7 @@ async fn trim_keeps_a_prefix_and_a_cached_prefix_starts_a_sequence() {
         propose: 0,
         restore_state: None,
         save_state: None,
+        prompt_len: 0,
     };
     let mut step = async |c: SequenceChunk| {
         tx.send(MicroBatch {

@@ -298,6 +298,7 @@ fn an_f16_kv_cache_stays_close_to_f32_and_keeps_clear_greedy_tokens() {
                 stored: pos,
                 table: &table,
                 state_slot: 0,
+                prompt_len: 0,
             }];
             stage.forward(&mut x, &chunk).unwrap();
             let mut logits = vec![0f32; vocab];

@@ -347,6 +347,7 @@ impl Seq {
             stored: self.stored,
             table: &self.table,
             state_slot: 0,
+            prompt_len: 0,
         }
     }
 }

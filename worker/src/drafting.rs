@@ -174,6 +174,7 @@ impl DraftRunner {
             batch.push(BatchSeq {
                 pos0: w.start - seq.origin,
                 len: n,
+                prompt_len: 0,
                 kv: &mut seq.kv,
             });
         }
@@ -201,6 +202,7 @@ impl DraftRunner {
             batch.push(BatchSeq {
                 pos0,
                 len: b,
+                prompt_len: 0,
                 kv: &mut seq.kv,
             });
         }

@@ -330,6 +330,7 @@ pub fn profile(
                 stored: spec.context,
                 table,
                 state_slot: slot,
+                prompt_len: 0,
             })
             .collect();
         let (embedded, hidden, logits) = (&mut embedded[..t * h], &mut hidden[..t * h], &mut logits[..t * vocab]);

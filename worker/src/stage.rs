@@ -12,6 +12,7 @@ use baton_shared::wire;
 
 use crate::backend::{Backend, SampleSlot, SeqChunk};
 use crate::drafting::{DraftRunner, DraftWork};
+use crate::kv_cache::windowed_rows;
 use crate::model::ForwardError;
 use crate::sampler::Sampler;
 
@@ -605,6 +606,7 @@ impl Stage {
                 stored: self.seqs.get(&chunk.seq_id).map_or(0, |s| s.len),
                 table: &chunk.blocks,
                 state_slot: self.seqs.get(&chunk.seq_id).map_or(0, |s| s.state_slot),
+                prompt_len: chunk.prompt_len as usize,
             })
             .collect();
         let ran = match taps {
@@ -621,6 +623,17 @@ impl Stage {
             }
         }
         if self.recurrent {
+            // How the delta rule ran: whole prompt windows in the chunked form, the rest token
+            // by token (a prefill that shows no chunked rows was cut off its windows).
+            let (rows, windowed) = seqs.iter().fold((0, 0), |(r, w), c| {
+                let (pos0, len) = (c.pos0 as usize, c.tokens.len());
+                (r + len, w + windowed_rows(pos0, len, c.prompt_len as usize))
+            });
+            let stage = self.stage_index.to_string();
+            let chunked = [("stage", stage.clone()), ("form", "chunked".to_string())];
+            metrics::counter!("baton_worker_delta_rule_tokens_total", &chunked).increment(windowed as u64);
+            let step = [("stage", stage), ("form", "step".to_string())];
+            metrics::counter!("baton_worker_delta_rule_tokens_total", &step).increment((rows - windowed) as u64);
             self.save_snapshots(seqs)?;
         }
         Ok(())
@@ -667,6 +680,7 @@ impl Stage {
             stored: rb.pos0,
             table: &chunk.blocks,
             state_slot: slot,
+            prompt_len: 0,
         };
         let ran = self
             .backend

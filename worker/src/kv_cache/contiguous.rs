@@ -117,6 +117,8 @@ pub struct BatchSeq<'a> {
     pub pos0: usize,
     /// Rows (tokens) of this sequence in the batch.
     pub len: usize,
+    /// The sequence's prompt length (see [`KvSpans::prompt_len`]; 0: token by token).
+    pub prompt_len: usize,
     pub kv: &'a mut SequenceKv,
 }
 
@@ -131,6 +133,10 @@ impl KvSpans for [BatchSeq<'_>] {
 
     fn stored(&self, i: usize) -> usize {
         self[i].kv.len()
+    }
+
+    fn prompt_len(&self, i: usize) -> usize {
+        self[i].prompt_len
     }
 
     fn prepare(&mut self) -> Result<(), ForwardError> {

@@ -71,6 +71,14 @@ pub trait KvSpans {
     fn span(&self, i: usize) -> (usize, usize);
     /// Positions sequence `i` holds before this batch (must equal its `pos0`).
     fn stored(&self, i: usize) -> usize;
+    /// Sequence `i`'s prompt length: linear-attention layers run the delta rule's chunked
+    /// form over the whole windows of [`DELTA_RULE_WINDOW`] positions (aligned to position 0)
+    /// of its rows that lie below it, and token by token elsewhere (0: token by token).
+    ///
+    /// [`DELTA_RULE_WINDOW`]: baton_shared::model_config::DELTA_RULE_WINDOW
+    fn prompt_len(&self, _i: usize) -> usize {
+        0
+    }
     /// Make room for every sequence's new rows, or say why there is none. Called once, before
     /// anything is written; an error leaves every cache unchanged.
     fn prepare(&mut self) -> Result<(), ForwardError>;
@@ -89,6 +97,17 @@ pub trait BatchKv: KvSpans + Sync {
     fn state(&mut self, i: usize, layer: usize) -> &mut [f32];
 }
 
+/// How many of the rows `pos0..pos0+len` of a sequence with prompt length `prompt_len` lie in
+/// whole delta-rule windows below it, so take the chunked form (see [`KvSpans::prompt_len`]).
+pub fn windowed_rows(pos0: usize, len: usize, prompt_len: usize) -> usize {
+    let window = baton_shared::model_config::DELTA_RULE_WINDOW;
+    let (first, end) = (
+        pos0.div_ceil(window) * window,
+        (pos0 + len).min(prompt_len) / window * window,
+    );
+    end.saturating_sub(first)
+}
+
 /// Any [`BatchKv`] (a slice of contiguous sequences included) as a sized value, so it can be
 /// passed where a `dyn BatchKv` is expected.
 pub struct AnyKv<'k, K: ?Sized>(pub &'k mut K);
@@ -102,6 +121,9 @@ impl<K: BatchKv + ?Sized> KvSpans for AnyKv<'_, K> {
     }
     fn stored(&self, i: usize) -> usize {
         self.0.stored(i)
+    }
+    fn prompt_len(&self, i: usize) -> usize {
+        self.0.prompt_len(i)
     }
     fn prepare(&mut self) -> Result<(), ForwardError> {
         self.0.prepare()
@@ -141,5 +163,16 @@ mod tests {
         let e = "bf16".parse::<KvDtype>().unwrap_err();
         assert_eq!(e.to_string(), "unknown KV cache dtype 'bf16' (expected f32 or f16)");
         assert_eq!(KvDtype::default(), KvDtype::F32);
+    }
+
+    #[test]
+    fn windowed_rows_are_the_whole_windows_of_a_span_below_the_prompts_end() {
+        // (pos0, len, prompt_len) with 16-position windows.
+        assert_eq!(windowed_rows(0, 80, 80), 80);
+        assert_eq!(windowed_rows(0, 80, 70), 64, "the prompt's tail runs token by token");
+        assert_eq!(windowed_rows(0, 20, 80), 16, "a window cut by the chunk's end");
+        assert_eq!(windowed_rows(5, 43, 80), 32, "a window cut by the chunk's start");
+        assert_eq!(windowed_rows(70, 1, 0), 0, "a decode step");
+        assert_eq!(windowed_rows(3, 10, 100), 0);
     }
 }

@@ -232,6 +232,8 @@ pub struct PagedSeq<'a> {
     pub table: &'a [u32],
     /// The sequence's recurrent-state slot (read only by a stage with linear-attention layers).
     pub state_slot: usize,
+    /// The sequence's prompt length (see [`KvSpans::prompt_len`]; 0: token by token).
+    pub prompt_len: usize,
 }
 
 /// Check that each sequence's block table covers its positions with ids inside a pool of
@@ -271,6 +273,10 @@ impl KvSpans for PagedBatch<'_> {
 
     fn stored(&self, i: usize) -> usize {
         self.seqs[i].stored
+    }
+
+    fn prompt_len(&self, i: usize) -> usize {
+        self.seqs[i].prompt_len
     }
 
     fn prepare(&mut self) -> Result<(), ForwardError> {
@@ -351,6 +357,7 @@ mod tests {
             stored: 0,
             table: &table,
             state_slot: 0,
+            prompt_len: 0,
         }];
         let mut batch = PagedBatch {
             pool: &mut pool,
@@ -364,6 +371,7 @@ mod tests {
             stored: n - 3,
             table: &table,
             state_slot: 0,
+            prompt_len: 0,
         }];
         let batch = PagedBatch {
             pool: &mut pool,
@@ -393,6 +401,7 @@ mod tests {
             stored: 0,
             table: &table,
             state_slot: 0,
+            prompt_len: 0,
         }];
         let mut batch = PagedBatch {
             pool: &mut pool,
@@ -423,6 +432,7 @@ mod tests {
             stored: 4,
             table: &[0],
             state_slot: 0,
+            prompt_len: 0,
         }];
         let e = PagedBatch {
             pool: &mut pool,
@@ -444,6 +454,7 @@ mod tests {
             stored: 0,
             table: &[3],
             state_slot: 0,
+            prompt_len: 0,
         }];
         let e = PagedBatch {
             pool: &mut pool,

@@ -108,7 +108,9 @@ impl StageModel<CpuOps> {
     }
 
     /// Run this stage's layers on `hidden` (`t × hidden_size`, tokens at positions
-    /// `pos0..pos0+t` of one sequence), updating the sequence's KV cache.
+    /// `pos0..pos0+t` of one sequence), updating the sequence's KV cache. The rows count as
+    /// prompt (see [`KvSpans::prompt_len`](crate::kv_cache::KvSpans::prompt_len)): a
+    /// hybrid's prompt gives the same bits cut into calls on window boundaries or in one.
     pub fn forward(
         &self,
         hidden: &mut [f32],
@@ -117,7 +119,17 @@ impl StageModel<CpuOps> {
         s: &mut Scratch,
     ) -> Result<(), ForwardError> {
         let len = hidden.len() / self.config.hidden_size;
-        self.forward_batch(hidden, &mut [BatchSeq { pos0, len, kv }][..], s)
+        let prompt_len = pos0 + len;
+        self.forward_batch(
+            hidden,
+            &mut [BatchSeq {
+                pos0,
+                len,
+                prompt_len,
+                kv,
+            }][..],
+            s,
+        )
     }
 
     /// Run this stage's layers on the rows of several sequences at once (see

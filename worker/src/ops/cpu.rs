@@ -71,12 +71,51 @@ pub struct CpuWorkspace {
     scores: Vec<f32>,
     /// First row of each sequence of a batch.
     offsets: Vec<usize>,
-    /// Gated DeltaNet: the conv's output rows, each row's `beta` and decay per value head,
-    /// and one head's delta-rule scratch.
+    /// Gated DeltaNet: the conv's output rows, each row's `beta`, decay and its log per value
+    /// head, each head's delta-rule scratch, and each head's window of the chunked form.
     conv_out: Vec<f32>,
     beta: Vec<f32>,
     decay: Vec<f32>,
+    log_decay: Vec<f32>,
     mem: Vec<f32>,
+    windows: Vec<f32>,
+}
+
+/// One value head's gather of a delta-rule window, laid out in [`CpuWorkspace::windows`].
+struct DeltaWindow<'w> {
+    q: &'w mut [f32],
+    k: &'w mut [f32],
+    v: &'w mut [f32],
+    log_decay: &'w mut [f32],
+    beta: &'w mut [f32],
+    out: &'w mut [f32],
+    scratch: &'w mut [f32],
+}
+
+impl<'w> DeltaWindow<'w> {
+    /// Floats one head's window takes for `rows` tokens of the given widths.
+    fn floats(rows: usize, dk: usize, dv: usize) -> usize {
+        rows * (2 * dk + 2 * dv + 2) + la::reference::delta_chunk_scratch(rows, dv)
+    }
+
+    /// Split one head's share of the workspace.
+    fn split(buf: &'w mut [f32], rows: usize, dk: usize, dv: usize) -> Self {
+        let (q, rest) = buf.split_at_mut(rows * dk);
+        let (k, rest) = rest.split_at_mut(rows * dk);
+        let (v, rest) = rest.split_at_mut(rows * dv);
+        let (log_decay, rest) = rest.split_at_mut(rows);
+        let (beta, rest) = rest.split_at_mut(rows);
+        let (out, scratch) = rest.split_at_mut(rows * dv);
+        Self {
+            q,
+            k,
+            v,
+            log_decay,
+            beta,
+            out,
+            scratch,
+        }
+    }
 }
 
 impl CpuOps {
@@ -303,19 +342,26 @@ impl Ops for CpuOps {
         ws.conv_out.resize(rows * channels, 0.0);
         ws.beta.resize(rows * nv, 0.0);
         ws.decay.resize(rows * nv, 0.0);
+        ws.log_decay.resize(rows * nv, 0.0);
         ws.mem.resize(nv * dv, 0.0);
+        const WINDOW: usize = baton_shared::model_config::DELTA_RULE_WINDOW;
+        let per_head = DeltaWindow::floats(WINDOW, dk, dv);
+        ws.windows.resize(nv * per_head, 0.0);
         for t in 0..rows {
             for h in 0..nv {
                 let i = t * nv + h;
                 ws.beta[i] = la::reference::sigmoid(b[i]);
-                ws.decay[i] = (a_rate[h] * softplus(a[i] + dt_bias[h])).exp();
+                ws.log_decay[i] = a_rate[h] * softplus(a[i] + dt_bias[h]);
+                ws.decay[i] = ws.log_decay[i].exp();
             }
         }
         let conv_state = shape.conv_state();
         let q_scale = 1.0 / (dk as f32).sqrt();
         let mut row = 0;
         for i in 0..kv.seqs() {
-            let n = kv.span(i).1;
+            let (pos0, n) = kv.span(i);
+            // Whole windows below here take the chunked form (see `BatchKv::prompt_len`).
+            let windowed = kv.prompt_len(i).min(pos0 + n);
             let state = kv.state(i, layer);
             let (cs, rec) = state.split_at_mut(conv_state);
             let span = row * channels..(row + n) * channels;
@@ -338,23 +384,61 @@ impl Ops for CpuOps {
             // Each value head's recurrence is its own (its state, its output columns), so the
             // heads run on the pool's threads, each over all of the sequence's rows in order:
             // the same arithmetic whatever the thread count.
-            let (conv_out, decay, beta) = (&ws.conv_out, &ws.decay, &ws.beta);
+            let (conv_out, decay, log_decay, beta) = (&ws.conv_out, &ws.decay, &ws.log_decay, &ws.beta);
             let (rec, outs, mems) = (SharedMut::new(rec), SharedMut::new(out), SharedMut::new(&mut ws.mem));
+            let wins = SharedMut::new(&mut ws.windows);
             let head = |h: usize| {
                 let g = shape.key_head(h);
                 // SAFETY: head h alone touches its state block, its scratch and its columns.
                 let (state, mem) = unsafe { (rec.slice(h * dk * dv, dk * dv), mems.slice(h * dv, dv)) };
-                for t in row..row + n {
+                // SAFETY: as above.
+                let w = DeltaWindow::split(unsafe { wins.slice(h * per_head, per_head) }, WINDOW, dk, dv);
+                let qkv_of = |t: usize| {
                     let c = &conv_out[t * channels..(t + 1) * channels];
-                    let (q, k, v) = (
+                    let v = &c[2 * keys..];
+                    (
                         &c[g * dk..(g + 1) * dk],
                         &c[keys + g * dk..keys + (g + 1) * dk],
-                        &c[2 * keys..],
-                    );
+                        &v[h * dv..(h + 1) * dv],
+                    )
+                };
+                let mut t = row;
+                while t < row + n {
+                    let p = pos0 + (t - row);
+                    if p.is_multiple_of(WINDOW) && p + WINDOW <= windowed {
+                        for j in 0..WINDOW {
+                            let (q, k, v) = qkv_of(t + j);
+                            w.q[j * dk..(j + 1) * dk].copy_from_slice(q);
+                            w.k[j * dk..(j + 1) * dk].copy_from_slice(k);
+                            w.v[j * dv..(j + 1) * dv].copy_from_slice(v);
+                            w.log_decay[j] = log_decay[(t + j) * nv + h];
+                            w.beta[j] = beta[(t + j) * nv + h];
+                        }
+                        la::delta_chunk(
+                            self.kernels,
+                            w.q,
+                            w.k,
+                            w.v,
+                            w.log_decay,
+                            w.beta,
+                            state,
+                            w.out,
+                            w.scratch,
+                        );
+                        for j in 0..WINDOW {
+                            // SAFETY: as above.
+                            let o = unsafe { outs.slice((t + j) * values + h * dv, dv) };
+                            o.copy_from_slice(&w.out[j * dv..(j + 1) * dv]);
+                        }
+                        t += WINDOW;
+                        continue;
+                    }
+                    let (q, k, v) = qkv_of(t);
                     // SAFETY: as above.
                     let o = unsafe { outs.slice(t * values + h * dv, dv) };
                     let (d, b) = (decay[t * nv + h], beta[t * nv + h]);
-                    la::delta_step(self.kernels, q, k, &v[h * dv..(h + 1) * dv], d, b, state, o, mem);
+                    la::delta_step(self.kernels, q, k, v, d, b, state, o, mem);
+                    t += 1;
                 }
             };
             // A head's step is about 4·dk·dv flops: below ~64k flops a task, dispatch costs more.
@@ -536,7 +620,8 @@ mod tests {
     #[test]
     fn linear_attention_gives_the_same_bits_on_one_thread_and_on_several() {
         use crate::kv_cache::{AnyKv, BatchSeq, SequenceKv};
-        // Heads of 64 × 64 over 6 rows: enough work that the heads go to the pool.
+        // Heads of 64 × 64 over 37 rows: enough work that the heads go to the pool, and two
+        // whole delta-rule windows then a tail when the rows are a prompt.
         let shape = LinearAttnShape {
             key_heads: 2,
             value_heads: 4,
@@ -545,10 +630,10 @@ mod tests {
             conv_kernel: 4,
             value_heads_tiled: false,
         };
-        let (rows, nv, channels) = (6, shape.value_heads, shape.channels());
+        let (rows, nv, channels) = (37, shape.value_heads, shape.channels());
         let wave =
             |n: usize, seed: f32| -> Vec<f32> { (0..n).map(|i| ((i as f32 * 0.37 + seed).sin()) * 0.5).collect() };
-        let run = |threads: usize| {
+        let run = |threads: usize, prompt_len: usize| {
             let ops = CpuOps::new(threads, None);
             let mut ws = CpuWorkspace::default();
             let (mut qkv, mut b, mut a, mut out) = (
@@ -567,6 +652,7 @@ mod tests {
             let mut seqs = [BatchSeq {
                 pos0: 0,
                 len: rows,
+                prompt_len,
                 kv: &mut kv,
             }];
             let mut batch = AnyKv(&mut seqs[..]);
@@ -584,14 +670,45 @@ mod tests {
             let state = batch.state(0, 0).to_vec();
             (out.to_vec(), state)
         };
-        let one = run(1);
-        assert!(one.0.iter().any(|v| *v != 0.0), "the recurrence wrote its output");
-        for threads in [2, 3] {
-            let many = run(threads);
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&many.0), bits(&one.0), "{threads} threads: output");
-            assert_eq!(bits(&many.1), bits(&one.1), "{threads} threads: state");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        // Token by token (decode rows), and as a prompt (two windows in the chunked form).
+        for prompt_len in [0, rows] {
+            let one = run(1, prompt_len);
+            assert!(one.0.iter().any(|v| *v != 0.0), "the recurrence wrote its output");
+            for threads in [2, 3] {
+                let many = run(threads, prompt_len);
+                assert_eq!(
+                    bits(&many.0),
+                    bits(&one.0),
+                    "{threads} threads, prompt {prompt_len}: output"
+                );
+                assert_eq!(
+                    bits(&many.1),
+                    bits(&one.1),
+                    "{threads} threads, prompt {prompt_len}: state"
+                );
+            }
         }
+        // The two forms are the same function summed in different orders.
+        let (steps, windows) = (run(1, 0), run(1, rows));
+        assert_ne!(bits(&steps.0), bits(&windows.0), "the prompt took the chunked form");
+        let off = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(
+            off(&steps.0, &windows.0) < 1e-5,
+            "outputs off by {}",
+            off(&steps.0, &windows.0)
+        );
+        assert!(
+            off(&steps.1, &windows.1) < 1e-5,
+            "states off by {}",
+            off(&steps.1, &windows.1)
+        );
+        // The tail after the last whole window is token by token: a prompt one window
+        // shorter gives the first window's rows the same bits and the rest the steps' bits.
+        let short = run(1, 16 + 5);
+        let dv = shape.values();
+        assert_eq!(bits(&short.0[..16 * dv]), bits(&windows.0[..16 * dv]));
+        assert_ne!(bits(&short.0[16 * dv..32 * dv]), bits(&windows.0[16 * dv..32 * dv]));
     }
 
     #[test]

@@ -404,6 +404,7 @@ mod tests {
                 stored: 6,
                 table: &a,
                 state_slot: 0,
+                prompt_len: 0,
             },
             PagedSeq {
                 pos0: 0,
@@ -411,6 +412,7 @@ mod tests {
                 stored: 0,
                 table: &b,
                 state_slot: 1,
+                prompt_len: 0,
             },
         ];
         let mut meta = BatchMeta::default();
