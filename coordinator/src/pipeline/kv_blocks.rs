@@ -82,6 +82,9 @@ pub(crate) struct BlockAllocator {
     snapshots: usize,
     /// Snapshot ids attached to no block and reserved by no chunk.
     free_snapshots: Vec<u32>,
+    /// Positions a prompt's chunks align to below its last whole window (a hybrid model's
+    /// delta-rule window; 1: any).
+    prompt_window: usize,
 }
 
 impl BlockAllocator {
@@ -99,6 +102,7 @@ impl BlockAllocator {
             caching,
             snapshots: 0,
             free_snapshots: Vec::new(),
+            prompt_window: 1,
         }
     }
 
@@ -109,6 +113,19 @@ impl BlockAllocator {
         self.free_snapshots = (0..snapshots as u32).rev().collect();
         self.caching &= snapshots > 0;
         self
+    }
+
+    /// The allocator of a model whose prompts run in `window`-position windows aligned to
+    /// position 0 (a hybrid's delta rule): prompt chunks end on window boundaries below the
+    /// prompt's last whole window, and snapshots are taken only on such boundaries.
+    pub fn with_prompt_window(mut self, window: usize) -> Self {
+        self.prompt_window = window.max(1);
+        self
+    }
+
+    /// See [`with_prompt_window`](Self::with_prompt_window) (1: chunks may end anywhere).
+    pub fn prompt_window(&self) -> usize {
+        self.prompt_window
     }
 
     /// Whether reusing a prefix needs a state snapshot (a hybrid model with prefix caching).

@@ -172,6 +172,7 @@ impl Seq {
             propose: self.proposals_wanted(),
             restore_state: None,
             save_state: None,
+            prompt_len: 0,
         }
     }
 
@@ -213,6 +214,7 @@ impl Seq {
             cached: if first { self.reused as u32 } else { 0 },
             restore_state: if first { self.restore } else { None },
             save_state: None,
+            prompt_len: self.prompt_len as u32,
             draft: 0,
             sampling: first.then_some(Sampling {
                 temperature: p.temperature,
@@ -281,6 +283,32 @@ fn snapshot_aligned(prefilled: usize, n: usize, prefill_len: usize, block_size: 
     let cut =
         boundary > prefilled && boundary < end && (!finishes || boundary >= TAIL_SNAPSHOT_MIN_BLOCKS * block_size);
     if cut { boundary - prefilled } else { n }
+}
+
+/// How many of the `n` prompt tokens after `prefilled` a hybrid model's chunk takes so that,
+/// below `windowed` (the prompt's last whole delta-rule window), it ends on a `window`
+/// boundary: cut back to the last boundary it reaches, or, reaching none, stretched to the
+/// next one if `most` tokens allow (over the step's budget by less than a window), else none.
+fn window_aligned(prefilled: usize, n: usize, windowed: usize, window: usize, most: usize) -> usize {
+    let end = prefilled + n;
+    if n == 0 || end >= windowed || end.is_multiple_of(window) {
+        return n;
+    }
+    let down = end / window * window;
+    if down > prefilled {
+        return down - prefilled;
+    }
+    let up = (prefilled / window + 1) * window - prefilled;
+    if up <= most { up } else { 0 }
+}
+
+/// The least common multiple of two positive counts.
+fn lcm(a: usize, b: usize) -> usize {
+    let (mut x, mut y) = (a, b);
+    while y != 0 {
+        (x, y) = (y, x % y);
+    }
+    a / x.max(1) * b
 }
 
 /// How many idle sequences the next micro-batch takes: the idle ones spread over the `free`
@@ -386,8 +414,17 @@ fn compose_step(
         }
         let room = (seq.blocks.len() + alloc.free()) * alloc.block_size() - seq.prefilled;
         let mut n = left.min(seq.prefill_len - seq.prefilled).min(room);
+        let window = alloc.prompt_window();
+        let windowed = seq.prompt_len / window * window;
+        if window > 1 {
+            let most = room.min(seq.prefill_len - seq.prefilled);
+            n = window_aligned(seq.prefilled, n, windowed, window, most);
+        }
+        // Snapshots only where every earlier position ran in whole windows (see
+        // `with_prompt_window`): a block boundary that is also a window boundary.
+        let unit = lcm(alloc.block_size(), window);
         if alloc.keeps_snapshots() {
-            n = snapshot_aligned(seq.prefilled, n, seq.prefill_len, alloc.block_size());
+            n = snapshot_aligned(seq.prefilled, n, seq.prefill_len, unit);
         }
         if n == 0 {
             if left > 0 {
@@ -404,7 +441,7 @@ fn compose_step(
         let mut chunk = seq.prefill_chunk(n);
         let end = seq.prefilled;
         // A chunk that ends on a block boundary snapshots the state there for the prefix cache.
-        let snapshot = match alloc.keeps_snapshots() && end.is_multiple_of(alloc.block_size()) {
+        let snapshot = match alloc.keeps_snapshots() && end.is_multiple_of(unit) && end <= windowed {
             true => alloc.reserve_snapshot(),
             false => None,
         };
@@ -1017,7 +1054,9 @@ impl<'a> Scheduler<'a> {
 fn allocator(config: &PipelineConfig, kv_blocks: usize) -> BlockAllocator {
     let alloc = BlockAllocator::new(kv_blocks, config.kv_block_size, config.prefix_caching);
     match config.recurrent_state {
-        true => alloc.with_snapshots(config.state_snapshots),
+        true => alloc
+            .with_snapshots(config.state_snapshots)
+            .with_prompt_window(baton_shared::model_config::DELTA_RULE_WINDOW),
         false => alloc,
     }
 }
@@ -1887,6 +1926,48 @@ mod tests {
         );
     }
 
+    #[test]
+    fn hybrid_prompt_chunks_end_on_delta_rule_windows() {
+        // (prefilled, n, windowed end, window 16, most) -> tokens taken.
+        assert_eq!(
+            window_aligned(0, 25, 96, 16, 100),
+            16,
+            "cut back to the window it reaches"
+        );
+        assert_eq!(window_aligned(16, 40, 96, 16, 100), 32);
+        assert_eq!(window_aligned(0, 32, 96, 16, 100), 32, "already on one");
+        assert_eq!(window_aligned(32, 5, 96, 16, 100), 16, "stretched to the next one");
+        assert_eq!(window_aligned(32, 5, 96, 16, 10), 0, "unless there is no room for it");
+        assert_eq!(window_aligned(80, 9, 96, 16, 100), 16);
+        assert_eq!(
+            window_aligned(80, 30, 96, 16, 100),
+            30,
+            "past the last whole window: as it is"
+        );
+        assert_eq!(window_aligned(96, 3, 96, 16, 100), 3, "the tail");
+        assert_eq!(window_aligned(0, 0, 96, 16, 100), 0);
+        assert_eq!(
+            (lcm(16, 16), lcm(8, 16), lcm(32, 16), lcm(12, 16), lcm(1, 16)),
+            (16, 16, 32, 48, 16)
+        );
+
+        // Through compose_step: a decoding sequence takes most of a 6-token budget, and the
+        // prompt's chunk is stretched to a whole window rather than cut mid-window.
+        let mut alloc = BlockAllocator::new(64, 16, false).with_prompt_window(16);
+        let mut busy = seq(1, 4, 1);
+        assert!(alloc.cover(&mut busy.blocks, 5));
+        let mut long = seq(2, 70, 0);
+        let mut steps = Vec::new();
+        while long.prefilled < long.prefill_len {
+            let mut all = vec![&mut busy, &mut long];
+            let c = compose_step(&mut all, 6, &mut alloc, None, &mut Outbox::default());
+            let chunk = c.chunks.iter().find(|c| c.seq_id == 2).unwrap();
+            assert_eq!(chunk.prompt_len, 70);
+            steps.push((chunk.pos0, chunk.tokens.len()));
+        }
+        assert_eq!(steps, [(0, 16), (16, 16), (32, 16), (48, 16), (64, 5), (69, 1)]);
+    }
+
     /// A stage of a hybrid model reduced to what the protocol must keep right: each
     /// sequence's recurrent state as the tokens it has absorbed, and the snapshots.
     #[derive(Default)]
@@ -1952,9 +2033,26 @@ mod tests {
                     "sequence {}: state and position",
                     c.seq_id
                 );
+                // Below a prompt's last whole delta-rule window, chunks start and end on
+                // window boundaries (what keeps the stages' bits independent of the schedule).
+                let windowed = c.prompt_len as usize / 16 * 16;
+                let end = c.pos0 as usize + c.tokens.len();
+                if (c.pos0 as usize) < windowed {
+                    assert_eq!(c.pos0 % 16, 0, "sequence {}: a windowed chunk's start", c.seq_id);
+                    assert!(
+                        end.is_multiple_of(16) || end >= windowed,
+                        "sequence {}: chunk ends at {end}",
+                        c.seq_id
+                    );
+                }
                 state.extend(&c.tokens);
                 if let Some(s) = c.save_state {
                     assert_eq!(state.len() % 16, 0, "snapshots are taken on block boundaries");
+                    assert!(
+                        state.len() <= windowed,
+                        "a snapshot at {} is past the windows",
+                        state.len()
+                    );
                     self.snapshots.insert(s, state.clone());
                 }
             }
