@@ -37,8 +37,53 @@ pub fn dot8(k: Kernels, a: &[f32], rows: [&[f32]; 8]) -> [f32; 8] {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Kernels` is only made for paths the CPU supports.
         KernelPath::Avx512 | KernelPath::Avx512Vnni => unsafe { dot8_avx512(a, rows) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        KernelPath::Avx2 | KernelPath::AvxVnni => unsafe { dot8_avx2(a, rows) },
         _ => rows.map(|r| dot(k, a, r)),
     }
+}
+
+/// AVX2 twin of [`dot8`]: four keys at a time (two 8-lane halves each, as [`dot_avx2`] keeps
+/// them, so the registers hold them), then one reduction tree for all eight.
+///
+/// # Safety
+/// The CPU must support AVX2; every row at least as long as `a`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dot8_avx2(a: &[f32], rows: [&[f32]; 8]) -> [f32; 8] {
+    let n = a.len() / 16 * 16;
+    let pa = a.as_ptr();
+    let pr = rows.map(<[f32]>::as_ptr);
+    let mut folded = [_mm256_setzero_ps(); 8];
+    for half in 0..2 {
+        let mut lo = [_mm256_setzero_ps(); 4];
+        let mut hi = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i < n {
+            // SAFETY: i + 16 <= n <= every length.
+            unsafe {
+                let (xl, xh) = (_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pa.add(i + 8)));
+                for j in 0..4 {
+                    let p = pr[half * 4 + j];
+                    lo[j] = _mm256_add_ps(lo[j], _mm256_mul_ps(xl, _mm256_loadu_ps(p.add(i))));
+                    hi[j] = _mm256_add_ps(hi[j], _mm256_mul_ps(xh, _mm256_loadu_ps(p.add(i + 8))));
+                }
+            }
+            i += 16;
+        }
+        // Lane l + lane l+8, as dot_avx2 folds before reduce8.
+        for j in 0..4 {
+            folded[half * 4 + j] = _mm256_add_ps(lo[j], hi[j]);
+        }
+    }
+    let mut out = reduce8x8(folded);
+    if n < a.len() {
+        for (o, r) in out.iter_mut().zip(rows) {
+            *o += tail(&a[n..], &r[n..a.len()]);
+        }
+    }
+    out
 }
 
 /// AVX-512 twin of [`dot8`].
@@ -85,6 +130,15 @@ fn reduce8_avx512(acc: [__m512; 8]) -> [f32; 8] {
         let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(z)));
         _mm256_add_ps(lo, hi)
     });
+    reduce8x8(v)
+}
+
+/// [`reduce8`] of 8 registers at once (each the lane l + lane l+8 fold of a dot product's 16
+/// partial sums), in the same order, as one transposed tree.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+fn reduce8x8(v: [__m256; 8]) -> [f32; 8] {
     // reduce8 for all 8 at once. l + l+4, two rows per register: [row j | row j+1].
     let s4 = |j: usize| {
         _mm256_add_ps(
