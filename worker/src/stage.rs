@@ -12,7 +12,7 @@ use baton_shared::wire;
 
 use crate::backend::{Backend, SampleSlot, SeqChunk};
 use crate::drafting::{DraftRunner, DraftWork};
-use crate::kv_cache::windowed_rows;
+use crate::kv_cache::delta_windows;
 use crate::model::ForwardError;
 use crate::sampler::Sampler;
 
@@ -627,7 +627,7 @@ impl Stage {
             // by token (a prefill that shows no chunked rows was cut off its windows).
             let (rows, windowed) = seqs.iter().fold((0, 0), |(r, w), c| {
                 let (pos0, len) = (c.pos0 as usize, c.tokens.len());
-                (r + len, w + windowed_rows(pos0, len, c.prompt_len as usize))
+                (r + len, w + delta_windows(pos0, len, c.prompt_len as usize).len())
             });
             let stage = self.stage_index.to_string();
             let chunked = [("stage", stage.clone()), ("form", "chunked".to_string())];

@@ -97,15 +97,17 @@ pub trait BatchKv: KvSpans + Sync {
     fn state(&mut self, i: usize, layer: usize) -> &mut [f32];
 }
 
-/// How many of the rows `pos0..pos0+len` of a sequence with prompt length `prompt_len` lie in
-/// whole delta-rule windows below it, so take the chunked form (see [`KvSpans::prompt_len`]).
-pub fn windowed_rows(pos0: usize, len: usize, prompt_len: usize) -> usize {
+/// The positions of `pos0..pos0+len` (a sequence with prompt length `prompt_len`) that lie in
+/// whole delta-rule windows below the prompt's end, so take the chunked form (see
+/// [`KvSpans::prompt_len`]): whole windows back to back, or an empty range at the span's end.
+pub fn delta_windows(pos0: usize, len: usize, prompt_len: usize) -> std::ops::Range<usize> {
     let window = baton_shared::model_config::DELTA_RULE_WINDOW;
-    let (first, end) = (
-        pos0.div_ceil(window) * window,
-        (pos0 + len).min(prompt_len) / window * window,
-    );
-    end.saturating_sub(first)
+    let first = pos0.div_ceil(window) * window;
+    let end = (pos0 + len).min(prompt_len) / window * window;
+    match end > first {
+        true => first..end,
+        false => pos0 + len..pos0 + len,
+    }
 }
 
 /// Any [`BatchKv`] (a slice of contiguous sequences included) as a sized value, so it can be
@@ -166,13 +168,13 @@ mod tests {
     }
 
     #[test]
-    fn windowed_rows_are_the_whole_windows_of_a_span_below_the_prompts_end() {
+    fn delta_windows_are_the_whole_windows_of_a_span_below_the_prompts_end() {
         // (pos0, len, prompt_len) with 16-position windows.
-        assert_eq!(windowed_rows(0, 80, 80), 80);
-        assert_eq!(windowed_rows(0, 80, 70), 64, "the prompt's tail runs token by token");
-        assert_eq!(windowed_rows(0, 20, 80), 16, "a window cut by the chunk's end");
-        assert_eq!(windowed_rows(5, 43, 80), 32, "a window cut by the chunk's start");
-        assert_eq!(windowed_rows(70, 1, 0), 0, "a decode step");
-        assert_eq!(windowed_rows(3, 10, 100), 0);
+        assert_eq!(delta_windows(0, 80, 80), 0..80);
+        assert_eq!(delta_windows(0, 80, 70), 0..64, "the prompt's tail runs token by token");
+        assert_eq!(delta_windows(0, 20, 80), 0..16, "a window cut by the chunk's end");
+        assert_eq!(delta_windows(5, 43, 80), 16..48, "a window cut by the chunk's start");
+        assert_eq!(delta_windows(70, 1, 0), 71..71, "a decode step");
+        assert_eq!(delta_windows(3, 10, 100), 13..13);
     }
 }

@@ -12,7 +12,7 @@ use crate::kernels::cpu::linear_attention as la;
 use crate::kernels::cpu::matmul::{self, Matrix, WeightFormat};
 use crate::kernels::cpu::moe::{self, Routing};
 use crate::kernels::cpu::q8::QuantizedRows;
-use crate::kv_cache::BatchKv;
+use crate::kv_cache::{BatchKv, delta_windows};
 use crate::model::ForwardError;
 use crate::threads::{SharedMut, ThreadPool};
 
@@ -71,11 +71,10 @@ pub struct CpuWorkspace {
     scores: Vec<f32>,
     /// First row of each sequence of a batch.
     offsets: Vec<usize>,
-    /// Gated DeltaNet: the conv's output rows, each row's `beta`, decay and its log per value
-    /// head, each head's delta-rule scratch, and each head's window of the chunked form.
+    /// Gated DeltaNet: the conv's output rows, each row's `beta` and log decay per value head,
+    /// each head's delta-rule scratch, and each head's window of the chunked form.
     conv_out: Vec<f32>,
     beta: Vec<f32>,
-    decay: Vec<f32>,
     log_decay: Vec<f32>,
     mem: Vec<f32>,
     windows: Vec<f32>,
@@ -341,7 +340,6 @@ impl Ops for CpuOps {
         self.resize(out, rows * values);
         ws.conv_out.resize(rows * channels, 0.0);
         ws.beta.resize(rows * nv, 0.0);
-        ws.decay.resize(rows * nv, 0.0);
         ws.log_decay.resize(rows * nv, 0.0);
         ws.mem.resize(nv * dv, 0.0);
         const WINDOW: usize = baton_shared::model_config::DELTA_RULE_WINDOW;
@@ -352,7 +350,6 @@ impl Ops for CpuOps {
                 let i = t * nv + h;
                 ws.beta[i] = la::reference::sigmoid(b[i]);
                 ws.log_decay[i] = a_rate[h] * softplus(a[i] + dt_bias[h]);
-                ws.decay[i] = ws.log_decay[i].exp();
             }
         }
         let conv_state = shape.conv_state();
@@ -360,8 +357,9 @@ impl Ops for CpuOps {
         let mut row = 0;
         for i in 0..kv.seqs() {
             let (pos0, n) = kv.span(i);
-            // Whole windows below here take the chunked form (see `BatchKv::prompt_len`).
-            let windowed = kv.prompt_len(i).min(pos0 + n);
+            // Rows (from the sequence's first) that take the chunked form, whole windows.
+            let windows = delta_windows(pos0, n, kv.prompt_len(i));
+            let windows = row + windows.start - pos0..row + windows.end - pos0;
             let state = kv.state(i, layer);
             let (cs, rec) = state.split_at_mut(conv_state);
             let span = row * channels..(row + n) * channels;
@@ -384,7 +382,7 @@ impl Ops for CpuOps {
             // Each value head's recurrence is its own (its state, its output columns), so the
             // heads run on the pool's threads, each over all of the sequence's rows in order:
             // the same arithmetic whatever the thread count.
-            let (conv_out, decay, log_decay, beta) = (&ws.conv_out, &ws.decay, &ws.log_decay, &ws.beta);
+            let (conv_out, log_decay, beta) = (&ws.conv_out, &ws.log_decay, &ws.beta);
             let (rec, outs, mems) = (SharedMut::new(rec), SharedMut::new(out), SharedMut::new(&mut ws.mem));
             let wins = SharedMut::new(&mut ws.windows);
             let head = |h: usize| {
@@ -402,44 +400,41 @@ impl Ops for CpuOps {
                         &v[h * dv..(h + 1) * dv],
                     )
                 };
-                let mut t = row;
-                while t < row + n {
-                    let p = pos0 + (t - row);
-                    if p.is_multiple_of(WINDOW) && p + WINDOW <= windowed {
-                        for j in 0..WINDOW {
-                            let (q, k, v) = qkv_of(t + j);
-                            w.q[j * dk..(j + 1) * dk].copy_from_slice(q);
-                            w.k[j * dk..(j + 1) * dk].copy_from_slice(k);
-                            w.v[j * dv..(j + 1) * dv].copy_from_slice(v);
-                            w.log_decay[j] = log_decay[(t + j) * nv + h];
-                            w.beta[j] = beta[(t + j) * nv + h];
-                        }
-                        la::delta_chunk(
-                            self.kernels,
-                            w.q,
-                            w.k,
-                            w.v,
-                            w.log_decay,
-                            w.beta,
-                            state,
-                            w.out,
-                            w.scratch,
-                        );
-                        for j in 0..WINDOW {
-                            // SAFETY: as above.
-                            let o = unsafe { outs.slice((t + j) * values + h * dv, dv) };
-                            o.copy_from_slice(&w.out[j * dv..(j + 1) * dv]);
-                        }
-                        t += WINDOW;
-                        continue;
-                    }
+                let step = |t: usize, state: &mut [f32], mem: &mut [f32]| {
                     let (q, k, v) = qkv_of(t);
                     // SAFETY: as above.
                     let o = unsafe { outs.slice(t * values + h * dv, dv) };
-                    let (d, b) = (decay[t * nv + h], beta[t * nv + h]);
+                    let (d, b) = (log_decay[t * nv + h].exp(), beta[t * nv + h]);
                     la::delta_step(self.kernels, q, k, v, d, b, state, o, mem);
-                    t += 1;
+                };
+                (row..windows.start).for_each(|t| step(t, state, mem));
+                for t in windows.clone().step_by(WINDOW) {
+                    for j in 0..WINDOW {
+                        let (q, k, v) = qkv_of(t + j);
+                        w.q[j * dk..(j + 1) * dk].copy_from_slice(q);
+                        w.k[j * dk..(j + 1) * dk].copy_from_slice(k);
+                        w.v[j * dv..(j + 1) * dv].copy_from_slice(v);
+                        w.log_decay[j] = log_decay[(t + j) * nv + h];
+                        w.beta[j] = beta[(t + j) * nv + h];
+                    }
+                    la::delta_chunk(
+                        self.kernels,
+                        w.q,
+                        w.k,
+                        w.v,
+                        w.log_decay,
+                        w.beta,
+                        state,
+                        w.out,
+                        w.scratch,
+                    );
+                    for j in 0..WINDOW {
+                        // SAFETY: as above.
+                        let o = unsafe { outs.slice((t + j) * values + h * dv, dv) };
+                        o.copy_from_slice(&w.out[j * dv..(j + 1) * dv]);
+                    }
                 }
+                (windows.end..row + n).for_each(|t| step(t, state, mem));
             };
             // A head's step is about 4·dk·dv flops: below ~64k flops a task, dispatch costs more.
             if self.pool.threads() == 1 || nv < 2 || n * dk * dv < 16 * 1024 {

@@ -78,11 +78,7 @@ unsafe fn dot8_avx2(a: &[f32], rows: [&[f32]; 8]) -> [f32; 8] {
         }
     }
     let mut out = reduce8x8(folded);
-    if n < a.len() {
-        for (o, r) in out.iter_mut().zip(rows) {
-            *o += tail(&a[n..], &r[n..a.len()]);
-        }
-    }
+    add_tails(&mut out, a, rows, n);
     out
 }
 
@@ -109,12 +105,7 @@ unsafe fn dot8_avx512(a: &[f32], rows: [&[f32]; 8]) -> [f32; 8] {
         i += 16;
     }
     let mut out = reduce8_avx512(acc);
-    // A head size of whole chunks (64, 128) has no tail: skip the eight empty loops.
-    if n < a.len() {
-        for (o, r) in out.iter_mut().zip(rows) {
-            *o += tail(&a[n..], &r[n..a.len()]);
-        }
-    }
+    add_tails(&mut out, a, rows, n);
     out
 }
 
@@ -208,13 +199,20 @@ unsafe fn dot8_rows_avx512<const R: usize>(a: [&[f32]; R], rows: [&[f32]; 8]) ->
     }
     std::array::from_fn(|r| {
         let mut out = reduce8_avx512(acc[r]);
-        if n < len {
-            for (o, key) in out.iter_mut().zip(rows) {
-                *o += tail(&a[r][n..], &key[n..len]);
-            }
-        }
+        add_tails(&mut out, a[r], rows, n);
         out
     })
+}
+
+/// Each of 8 lane-reduced products plus its sequential tail past `n` (the last full 16-lane
+/// chunk of `a`). A head size of whole chunks (64, 128) has no tail: the loops are skipped.
+#[inline(always)]
+fn add_tails(out: &mut [f32; 8], a: &[f32], rows: [&[f32]; 8], n: usize) {
+    if n < a.len() {
+        for (o, r) in out.iter_mut().zip(rows) {
+            *o += tail(&a[n..], &r[n..a.len()]);
+        }
+    }
 }
 
 /// The sequential tail past the last full 16-lane chunk, as the reference sums it.

@@ -267,23 +267,22 @@ pub mod reference {
         // in L1 for every token; each value sums over the key dimension in order.
         let full = dv / COLUMNS * COLUMNS;
         for c0 in (0..full).step_by(COLUMNS) {
-            let row = |t: usize| (&k[t * dk..(t + 1) * dk], &q[t * dk..(t + 1) * dk]);
+            let (kr, qr) = (|t: usize| &k[t * dk..(t + 1) * dk], |t: usize| &q[t * dk..(t + 1) * dk]);
+            let mut store = |t: usize, ak: [f32; COLUMNS], aq: [f32; COLUMNS]| {
+                ks[t * dv + c0..t * dv + c0 + COLUMNS].copy_from_slice(&ak);
+                out[t * dv + c0..t * dv + c0 + COLUMNS].copy_from_slice(&aq);
+            };
+            // Two tokens (four rows) at a time, then the odd one.
             let mut t = 0;
-            while t < n {
-                let pair = t + 1 < n;
-                let ((k0, q0), (k1, q1)) = (row(t), row(if pair { t + 1 } else { t }));
-                let [ak0, aq0, ak1, aq1] = match pair {
-                    true => rows_times_state([k0, q0, k1, q1], state, dv, c0),
-                    false => {
-                        let [ak, aq] = rows_times_state([k0, q0], state, dv, c0);
-                        [ak, aq, ak, aq]
-                    }
-                };
-                for (t, ak, aq) in [(t, ak0, aq0), (t + 1, ak1, aq1)].into_iter().take(1 + pair as usize) {
-                    ks[t * dv + c0..t * dv + c0 + COLUMNS].copy_from_slice(&ak);
-                    out[t * dv + c0..t * dv + c0 + COLUMNS].copy_from_slice(&aq);
-                }
+            while t + 1 < n {
+                let [ak0, aq0, ak1, aq1] = rows_times_state([kr(t), qr(t), kr(t + 1), qr(t + 1)], state, dv, c0);
+                store(t, ak0, aq0);
+                store(t + 1, ak1, aq1);
                 t += 2;
+            }
+            if t < n {
+                let [ak, aq] = rows_times_state([kr(t), qr(t)], state, dv, c0);
+                store(t, ak, aq);
             }
         }
         for c in full..dv {
