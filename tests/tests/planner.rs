@@ -247,10 +247,28 @@ async fn measured_splits_serve_what_one_process_computes() {
         let view = tc.generator.describe();
         let split = &view["split"];
         assert_eq!(split["policy"], "measured", "{view}");
-        // Nothing served before the plan: 8 running sequences' decode tokens shared among the
-        // stages' micro-batches, and as many prompt rows.
-        assert_eq!(split["sampled_rows"], 8usize.div_ceil(stages), "{view}");
-        assert_eq!(split["batch_tokens"], 2 * 8usize.div_ceil(stages), "{view}");
+        // Planned for a prompt chunk (a micro-batch's share of the step's tokens, one sampled)
+        // and a decode step (8 running sequences' tokens shared among the micro-batches in
+        // flight), each within a finite factor of its own best split.
+        let shapes = split["shapes"].as_array().unwrap();
+        let shape = |i: usize, key: &str| shapes[i][key].as_u64().unwrap() as usize;
+        assert_eq!(
+            (&shapes[0]["shape"], &shapes[1]["shape"]),
+            (&"prompt_chunk".into(), &"decode".into()),
+            "{view}"
+        );
+        assert_eq!(shape(0, "sampled"), 1, "{view}");
+        assert!(shape(0, "tokens") >= 1, "{view}");
+        assert_eq!(
+            (shape(1, "tokens"), shape(1, "sampled")),
+            (8usize.div_ceil(stages), 8usize.div_ceil(stages)),
+            "{view}"
+        );
+        for s in shapes {
+            let slowdown = s["slowdown"].as_f64().unwrap();
+            assert!((1.0 - 1e-9..10.0).contains(&slowdown), "{view}");
+            assert_eq!(s["predicted_stage_ms"].as_array().unwrap().len(), stages, "{view}");
+        }
         let ranges: Vec<(u64, u64)> = view["stages"]
             .as_array()
             .unwrap()
@@ -265,8 +283,13 @@ async fn measured_splits_serve_what_one_process_computes() {
             "{ranges:?}"
         );
         for s in view["stages"].as_array().unwrap() {
-            let ms = s["predicted_ms"].as_f64().unwrap_or(0.0);
-            assert!(ms > 0.0 && ms.is_finite(), "every stage has a predicted time: {s}");
+            for shape in ["prompt_chunk", "decode"] {
+                let ms = s["predicted_ms"][shape].as_f64().unwrap_or(0.0);
+                assert!(
+                    ms > 0.0 && ms.is_finite(),
+                    "every stage has a predicted time for each shape: {s}"
+                );
+            }
         }
         // Every stage worker's cost of one layer of each of the model's classes, measured.
         let arch = baton_worker::model::registry::for_config(cfg);

@@ -41,12 +41,14 @@ fn a_killed_worker_loses_no_stream_and_is_started_again() {
         .map(|s| (s["layer_start"].clone(), s["layer_end"].clone()))
         .collect();
     // The split is planned from the two workers' measured costs: contiguous, covering all 30
-    // layers, each stage with a predicted time.
+    // layers, each stage with a predicted time for a prompt chunk and for a decode step.
     assert_eq!(view["split"]["policy"], "measured", "{view}");
     assert_eq!((&ranges[0].0, &ranges[1].1), (&0.into(), &30.into()), "{view}");
     assert_eq!(ranges[0].1, ranges[1].0, "{view}");
     for s in view["stages"].as_array().unwrap() {
-        assert!(s["predicted_ms"].as_f64().is_some_and(|ms| ms > 0.0), "{s}");
+        for shape in ["prompt_chunk", "decode"] {
+            assert!(s["predicted_ms"][shape].as_f64().is_some_and(|ms| ms > 0.0), "{s}");
+        }
     }
 
     // What an undisturbed pipeline answers, streamed and not.

@@ -484,7 +484,13 @@ impl Generator for PipelineGenerator {
             .iter()
             .enumerate()
             .map(|(i, a)| {
-                let predicted = split.as_ref().and_then(|s| s.predicted_seconds.get(i)).map(|s| s * 1e3);
+                // Milliseconds of one micro-batch of each planned shape, by shape (measured plans).
+                let predicted = split.as_ref().map(|s| {
+                    s.stage_seconds(i)
+                        .into_iter()
+                        .map(|(shape, secs)| (shape.to_string(), serde_json::json!(secs * 1e3)))
+                        .collect::<serde_json::Map<_, _>>()
+                });
                 let mut stage = serde_json::json!({
                     "stage": i, "worker_id": a.worker_id, "address": a.address,
                     "layer_start": a.layers.start, "layer_end": a.layers.end,

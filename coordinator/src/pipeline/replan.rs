@@ -55,6 +55,8 @@ pub(crate) struct PlanInputs {
     /// The stage workers' costs the plan was made from (their cached profiles).
     pub costs: Vec<WorkerCosts>,
     pub ranges: Vec<Range<usize>>,
+    /// The micro-batch shapes the split is planned for (a new plan is for them too).
+    pub shapes: Vec<planner::Shape>,
 }
 
 /// A re-plan the watch found due.
@@ -74,7 +76,7 @@ pub(crate) struct Due {
 pub(crate) struct Staged {
     pub stages: Vec<(StageAssignment, AuthedWorkerClient)>,
     pub kv_blocks: usize,
-    pub plan: planner::Plan,
+    pub plan: planner::ShapedPlan,
 }
 
 /// What loading new ranges beside the served stages needs.
@@ -87,7 +89,7 @@ pub(crate) struct Staging {
 async fn stage_beside(
     stages: &[(StageAssignment, AuthedWorkerClient)],
     staging: &Staging,
-    plan: &planner::Plan,
+    plan: &planner::ShapedPlan,
 ) -> Result<Staged, String> {
     let config = &staging.config;
     let kv_blocks = supervisor::kv_blocks(config, &staging.workers, &plan.ranges).map_err(|e| e.message)?;
@@ -214,6 +216,7 @@ pub(crate) fn watch(
                 &plan.ranges,
                 &measured,
                 workload,
+                &plan.shapes,
                 policy.threshold,
             );
             let Some(d) = found else {
@@ -234,7 +237,7 @@ pub(crate) fn watch(
             };
             let reason = format!(
                 "stage times [{}] ms per micro-batch of {} rows ({} sampled) against [{}] ms from the profiles: \
-                 worker speeds x[{}] of their profiles; ranges {:?} would cut the slowest stage {:.2}x",
+                 worker speeds x[{}] of their profiles; ranges {:?} would bring the worst planned shape from {:.2}x its best split to {:.2}x",
                 ms(&measured),
                 workload.tokens,
                 workload.sampled,
@@ -245,7 +248,8 @@ pub(crate) fn watch(
                     .collect::<Vec<_>>()
                     .join(", "),
                 d.better.ranges,
-                d.current / d.better.bottleneck(),
+                d.current,
+                d.better.slowdown(),
             );
             // The new ranges load while the old pipeline serves; then the switch is a drain and
             // an activation, not a reload. Without the memory for both, it rebuilds.

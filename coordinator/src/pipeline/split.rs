@@ -3,13 +3,12 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::atomic::Ordering;
 
 use baton_shared::proto::{CostPoint, ProfileRequest, ProfileResponse};
 use baton_worker::service::AuthedWorkerClient;
 
-use super::{PipelineConfig, PipelineStatus};
-use crate::planner::{self, ClassCosts, CostCurve, Plan, SplitPolicy, WorkerCosts, Workload};
+use super::PipelineConfig;
+use crate::planner::{self, ClassCosts, CostCurve, Shape, ShapeFit, ShapedPlan, SplitPolicy, WorkerCosts, Workload};
 use crate::registry::WorkerEntry;
 
 /// Decode batch sizes each worker is profiled at.
@@ -25,12 +24,11 @@ pub const PROFILE_MILLIS_PER_POINT: u32 = 40;
 pub struct SplitInfo {
     /// `measured`, `even`, `cuts`, or `even` after a failed measurement (`note` says why).
     pub policy: &'static str,
-    /// The micro-batch the plan was made for, and the prompt rows' share it assumed.
-    pub workload: Option<(Workload, f64)>,
-    /// Predicted seconds per stage at that size (measured plans only).
-    pub predicted_seconds: Vec<f64>,
-    /// Each stage worker's seconds for one layer of each class at that size, by class name
-    /// (measured plans only): what the plan balanced.
+    /// Each micro-batch shape planned for, on the chosen ranges: predicted seconds per stage
+    /// and how far from its own best split (measured plans only).
+    pub fits: Vec<ShapeFit>,
+    /// Each stage worker's seconds for one layer of each class at the prompt chunk's size, by
+    /// class name (measured plans only): what the plan balanced.
     pub class_seconds: Vec<Vec<(String, f64)>>,
     /// Why a measured plan was not used, when it was asked for.
     pub note: Option<String>,
@@ -67,34 +65,29 @@ impl ProfileCache {
     }
 }
 
-/// Prompt tokens' share of the rows when nothing has been served yet: chunked prompts as many
-/// rows as decode tokens, as with equal prompt and output lengths.
-pub const DEFAULT_PROMPT_SHARE: f64 = 0.5;
-/// Rows served before the observed prompt share replaces the default.
-const OBSERVED_ROWS: u64 = 4096;
-
-/// The micro-batch the planner optimizes for: the running sequences' decode tokens shared among
-/// the stages' micro-batches in flight, plus prompt rows in the share served so far (or
-/// [`DEFAULT_PROMPT_SHARE`] before there is enough history), within a micro-batch's token budget.
-pub fn planning_workload(config: &PipelineConfig, prompt_rows: u64, decode_rows: u64) -> (Workload, f64) {
+/// The micro-batches a split is planned and judged for ([`planner::plan_shapes`]): a prompt
+/// chunk (a micro-batch's share of the step's token budget, one row sampled, as the chunk that
+/// ends a prompt), which the split is planned for, and a decode step (the running sequences'
+/// tokens shared among the stages' micro-batches in flight, every row sampled), reported on it.
+pub fn planning_shapes(config: &PipelineConfig) -> [Shape; 2] {
     let budget = config.micro_batch_tokens();
-    let sampled = config.max_running.div_ceil(config.stages.max(1)).clamp(1, budget);
-    let total = prompt_rows + decode_rows;
-    let share = if total >= OBSERVED_ROWS {
-        prompt_rows as f64 / total as f64
-    } else {
-        DEFAULT_PROMPT_SHARE
-    };
-    // Prompt rows per decode row is share / (1 - share); past 0.95 the prompts fill the budget.
-    let share = share.min(0.95);
-    let tokens = (sampled as f64 / (1.0 - share)).round() as usize;
-    (
-        Workload {
-            tokens: tokens.clamp(sampled, budget.max(sampled)),
-            sampled,
+    let rows = config.max_running.div_ceil(config.stages.max(1)).clamp(1, budget);
+    [
+        Shape {
+            name: "prompt_chunk",
+            workload: Workload {
+                tokens: budget,
+                sampled: 1,
+            },
         },
-        share,
-    )
+        Shape {
+            name: "decode",
+            workload: Workload {
+                tokens: rows,
+                sampled: rows,
+            },
+        },
+    ]
 }
 
 fn curve(points: &[CostPoint], what: &str) -> Result<CostCurve, String> {
@@ -238,26 +231,24 @@ async fn measured(
     workers: &[WorkerEntry],
     clients: &[AuthedWorkerClient],
     cache: &mut ProfileCache,
-    workload: Workload,
-) -> Result<(Plan, Vec<Vec<(String, f64)>>), String> {
+) -> Result<(ShapedPlan, Vec<Vec<(String, f64)>>), String> {
     let costs = profiles(config, workers, clients, cache).await?;
     let table = config.planned_layers();
-    let plan = planner::plan_layers(&table, &costs, workload).map_err(|e| e.to_string())?;
+    let shapes = planning_shapes(config);
+    let plan = planner::plan_shapes(&table, &costs, &shapes).map_err(|e| e.to_string())?;
     let classes = costs
         .iter()
-        .map(|w| planner::class_seconds(w, &table, plan.workload.tokens))
+        .map(|w| planner::class_seconds(w, &table, shapes[0].workload.tokens))
         .collect();
     Ok((plan, classes))
 }
 
-/// The layer ranges for `workers` (one stage each, in order) and how they were chosen; the
-/// traffic `status` counted so far sets the planned micro-batch's mix.
+/// The layer ranges for `workers` (one stage each, in order) and how they were chosen.
 pub async fn choose(
     config: &PipelineConfig,
     workers: &[WorkerEntry],
     clients: &[AuthedWorkerClient],
     cache: &mut ProfileCache,
-    status: &PipelineStatus,
 ) -> Result<(Vec<Range<usize>>, SplitInfo), String> {
     if let Some(cuts) = &config.cuts {
         return Ok((
@@ -269,19 +260,17 @@ pub async fn choose(
     if config.split == SplitPolicy::Even || config.stages == 1 {
         return Ok((even(), SplitInfo::unmeasured("even", None)));
     }
-    let (workload, share) = planning_workload(
-        config,
-        status.prompt_tokens.load(Ordering::Relaxed),
-        status.generated_tokens.load(Ordering::Relaxed),
-    );
-    match measured(config, workers, clients, cache, workload).await {
+    match measured(config, workers, clients, cache).await {
         Ok((plan, class_seconds)) => {
-            tracing::info!(ranges = ?plan.ranges, predicted_seconds = ?plan.stage_seconds, class_seconds = ?class_seconds,
-                tokens = workload.tokens, sampled = workload.sampled, prompt_share = share, "measured split planned");
+            for fit in &plan.fits {
+                tracing::info!(ranges = ?plan.ranges, shape = fit.shape.name, tokens = fit.shape.workload.tokens,
+                    sampled = fit.shape.workload.sampled, predicted_seconds = ?fit.stage_seconds,
+                    slowdown = fit.slowdown(), "measured split planned");
+            }
+            tracing::info!(class_seconds = ?class_seconds, "layer costs the split balanced");
             let info = SplitInfo {
                 policy: "measured",
-                workload: Some((plan.workload, share)),
-                predicted_seconds: plan.stage_seconds.clone(),
+                fits: plan.fits,
                 class_seconds,
                 note: None,
             };
@@ -300,22 +289,35 @@ impl SplitInfo {
     pub fn unmeasured(policy: &'static str, note: Option<String>) -> Self {
         Self {
             policy,
-            workload: None,
-            predicted_seconds: Vec::new(),
+            fits: Vec::new(),
             class_seconds: Vec::new(),
             note,
         }
+    }
+
+    /// Stage `i`'s predicted seconds for one micro-batch of each planned shape, by shape name.
+    pub fn stage_seconds(&self, i: usize) -> Vec<(&'static str, f64)> {
+        self.fits
+            .iter()
+            .filter_map(|f| Some((f.shape.name, *f.stage_seconds.get(i)?)))
+            .collect()
     }
 
     /// The JSON `/admin/cluster` shows.
     pub fn to_json(&self) -> serde_json::Value {
         serde_json::json!({
             "policy": self.policy,
-            "batch_tokens": self.workload.map(|w| w.0.tokens),
-            "sampled_rows": self.workload.map(|w| w.0.sampled),
-            "prompt_share": self.workload.map(|w| w.1),
-            "predicted_stage_ms": self.predicted_seconds.iter().map(|s| s * 1e3).collect::<Vec<_>>(),
-            // Per stage worker: milliseconds of one layer of each class at the planned size.
+            // Each shape planned for: its micro-batch, each stage's predicted milliseconds, the
+            // least slowest stage any split gives it, and how many times that it takes here.
+            "shapes": self.fits.iter().map(|f| serde_json::json!({
+                "shape": f.shape.name,
+                "tokens": f.shape.workload.tokens,
+                "sampled": f.shape.workload.sampled,
+                "predicted_stage_ms": f.stage_seconds.iter().map(|s| s * 1e3).collect::<Vec<_>>(),
+                "best_ms": f.best * 1e3,
+                "slowdown": f.slowdown(),
+            })).collect::<Vec<_>>(),
+            // Per stage worker: milliseconds of one layer of each class at the prompt chunk's size.
             "layer_class_ms": self.class_seconds.iter().map(|classes| {
                 classes.iter().map(|(name, s)| (name.clone(), serde_json::json!(s * 1e3))).collect::<serde_json::Map<_, _>>()
             }).collect::<Vec<_>>(),
@@ -423,17 +425,23 @@ mod tests {
     }
 
     #[test]
-    fn the_planned_micro_batch_follows_the_traffic_served() {
-        let c = config(2, 16, 128);
+    fn splits_are_planned_for_a_prompt_chunk_and_a_decode_step() {
         let w = |tokens, sampled| Workload { tokens, sampled };
-        // Nothing served yet: 8 decode rows per micro-batch and as many prompt rows.
-        assert_eq!(planning_workload(&c, 0, 0), (w(16, 8), 0.5));
-        // Mostly decode, observed.
-        assert_eq!(planning_workload(&c, 1000, 9000), (w(9, 8), 0.1));
-        // Prompt-heavy traffic fills a micro-batch's part of the step's budget at most.
-        assert_eq!(planning_workload(&c, 99_000, 1000).0, w(64, 8));
-        assert_eq!(planning_workload(&config(1, 16, 128), 99_000, 1000).0, w(128, 16));
-        // Small budgets and one running sequence still plan at least one row.
-        assert_eq!(planning_workload(&config(3, 1, 1), 0, 0).0, w(1, 1));
+        let shapes = |c: &PipelineConfig| planning_shapes(c).map(|s| (s.name, s.workload));
+        // Two stages, 16 running, 128 tokens a step: 64-token chunks, 8 decode rows a micro-batch.
+        assert_eq!(
+            shapes(&config(2, 16, 128)),
+            [("prompt_chunk", w(64, 1)), ("decode", w(8, 8))]
+        );
+        assert_eq!(
+            shapes(&config(1, 16, 128)),
+            [("prompt_chunk", w(128, 1)), ("decode", w(16, 16))]
+        );
+        // Decode rows fit a micro-batch's budget; small budgets still plan at least one row.
+        assert_eq!(shapes(&config(2, 300, 128))[1], ("decode", w(64, 64)));
+        assert_eq!(
+            shapes(&config(3, 1, 1)),
+            [("prompt_chunk", w(1, 1)), ("decode", w(1, 1))]
+        );
     }
 }

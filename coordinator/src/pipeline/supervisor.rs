@@ -103,7 +103,6 @@ async fn build(
     config: &PipelineConfig,
     workers: &[WorkerEntry],
     profiles: &mut ProfileCache,
-    status: &PipelineStatus,
 ) -> Result<(Pipeline, SplitInfo), BuildError> {
     let mut clients = Vec::with_capacity(workers.len());
     for (i, w) in workers.iter().enumerate() {
@@ -117,7 +116,7 @@ async fn build(
     let config = &config;
     // The split planner takes the sized running limit as its decode rows; the limit is then
     // brought within the pool the chosen ranges really have (below).
-    let (mut ranges, mut split) = split::choose(config, workers, &clients, profiles, status).await?;
+    let (mut ranges, mut split) = split::choose(config, workers, &clients, profiles).await?;
     let kv_blocks = match kv_blocks(config, workers, &ranges) {
         Ok(b) => b,
         // The plan weighs weights, not KV: a stage it loads up may leave no room for a block.
@@ -467,7 +466,7 @@ pub(crate) async fn run(
                 // Traced with why it is built: the first build, or the re-plan that replaced a pipeline.
                 let trigger = recovery.as_ref().map_or("start", |r| r.reason.as_str());
                 let span = tracing::info_span!("pipeline.build", stages, wanted = config.stages, trigger);
-                let built = build(&built_config, &workers, &mut profiles, &status);
+                let built = build(&built_config, &workers, &mut profiles);
                 let built = tracing::Instrument::instrument(built, span);
                 // A build waits on workers (profiles, loads): meanwhile held requests still time out,
                 // and a worker that stops heartbeating ends the wait instead of stalling it forever.
@@ -514,8 +513,10 @@ pub(crate) async fn run(
         };
         publish_limits(&pipeline.limits, &status);
         let assignment: Vec<_> = pipeline.stages.iter().map(|(a, _)| a.clone()).collect();
-        for (i, secs) in split.predicted_seconds.iter().enumerate() {
-            metrics::gauge!("baton_stage_predicted_seconds", "stage" => i.to_string()).set(*secs);
+        for i in 0..stages {
+            for (shape, secs) in split.stage_seconds(i) {
+                metrics::gauge!("baton_stage_predicted_seconds", "stage" => i.to_string(), "shape" => shape).set(secs);
+            }
         }
         *status.split.lock().unwrap_or_else(|e| e.into_inner()) = Some(split);
         let _poller = stage_stats::start(&pipeline, &status);
@@ -605,17 +606,9 @@ async fn activate(
             return None;
         }
     }
-    let share = status
-        .split
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .as_ref()
-        .and_then(|s| s.workload)
-        .map_or(0.0, |w| w.1);
     let split = SplitInfo {
         policy: "measured",
-        workload: Some((staged.plan.workload, share)),
-        predicted_seconds: staged.plan.stage_seconds.clone(),
+        fits: staged.plan.fits.clone(),
         class_seconds: Vec::new(),
         note: Some("re-planned while serving: stages loaded beside the old ones, then activated".into()),
     };
@@ -651,6 +644,7 @@ fn watch_drift(
         layers: config.planned_layers(),
         costs: profiles.costs_for(workers)?,
         ranges: pipeline.stages.iter().map(|(a, _)| a.layers.clone()).collect(),
+        shapes: split::planning_shapes(config).to_vec(),
     };
     let staging = Staging {
         config: config.clone(),

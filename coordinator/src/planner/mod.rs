@@ -5,6 +5,10 @@
 
 use std::ops::Range;
 
+mod shapes;
+
+pub use shapes::{Drift, Shape, ShapeFit, ShapedPlan, drift, plan_shapes, shape_fits};
+
 /// How the coordinator splits layers when no explicit cuts are given.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SplitPolicy {
@@ -416,6 +420,69 @@ fn span_cost(
     (secs, bytes)
 }
 
+/// Every worker's stage costs for micro-batches of one shape: what [`min_max_split`] weighs.
+struct StageCosts<'a> {
+    workers: &'a [WorkerCosts],
+    rates: Vec<ClassRates>,
+    prefix: &'a Prefix,
+    /// The shape, at least one row and one sampled row.
+    batch: Workload,
+}
+
+impl<'a> StageCosts<'a> {
+    fn new(table: &LayerTable, prefix: &'a Prefix, workers: &'a [WorkerCosts], load: Workload) -> Self {
+        let batch = Workload {
+            tokens: load.tokens.max(1),
+            sampled: load.sampled.max(1).min(load.tokens.max(1)),
+        };
+        let rates = workers
+            .iter()
+            .map(|w| ClassRates::new(w, table, batch.tokens))
+            .collect();
+        Self {
+            workers,
+            rates,
+            prefix,
+            batch,
+        }
+    }
+
+    /// Seconds of stage `i` holding layers `a..b`, or None when its weights do not fit.
+    fn cost(&self, i: usize, a: usize, b: usize) -> Option<f64> {
+        let n = self.workers.len();
+        let (secs, bytes) = span_cost(
+            &self.workers[i],
+            &self.rates[i],
+            self.prefix,
+            (i, n),
+            (a, b),
+            self.batch,
+        );
+        let fits = self.workers[i].weight_budget.is_none_or(|budget| bytes <= budget);
+        fits.then_some(secs)
+    }
+
+    /// Seconds of each stage of `ranges` (memory aside).
+    fn stage_seconds(&self, ranges: &[Range<usize>]) -> Vec<f64> {
+        let n = self.workers.len();
+        ranges
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                span_cost(
+                    &self.workers[i],
+                    &self.rates[i],
+                    self.prefix,
+                    (i, n),
+                    (r.start, r.end),
+                    self.batch,
+                )
+                .0
+            })
+            .collect()
+    }
+}
+
 /// Seconds and weight bytes of stage `i` of `n` holding `layers` of `table` (the part of them
 /// the table has) on worker `w`, for a micro-batch of `load`.
 pub fn stage_cost(
@@ -453,21 +520,61 @@ pub fn plan_layers(table: &LayerTable, workers: &[WorkerCosts], workload: Worklo
             stages: n,
         });
     }
-    let batch = Workload {
-        tokens: workload.tokens.max(1),
-        sampled: workload.sampled.max(1).min(workload.tokens.max(1)),
-    };
-    let rates: Vec<ClassRates> = workers
-        .iter()
-        .map(|w| ClassRates::new(w, table, batch.tokens))
-        .collect();
-    let span = |i: usize, a: usize, b: usize| span_cost(&workers[i], &rates[i], &prefix, (i, n), (a, b), batch);
-    // cost(i, a, b): stage i holding layers a..b, or None when its weights do not fit.
-    let cost = |i: usize, a: usize, b: usize| {
-        let (secs, bytes) = span(i, a, b);
-        let fits = workers[i].weight_budget.is_none_or(|budget| bytes <= budget);
-        fits.then_some(secs)
-    };
+    let costs = StageCosts::new(table, &prefix, workers, workload);
+    let ranges = min_max_split(num_layers, n, &|i, a, b| costs.cost(i, a, b))
+        .map_err(|e| e.into_plan_error(num_layers, workers))?;
+    let stage_seconds = costs.stage_seconds(&ranges);
+    let batch = costs.batch;
+    Ok(Plan {
+        ranges,
+        stage_seconds,
+        workload: batch,
+    })
+}
+
+/// Why [`min_max_split`] found no split.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum NoSplit {
+    /// No assignment fits every stage's memory.
+    NothingFits,
+    /// The least bottleneck is finite but no split within it has a finite total.
+    NoFiniteTotal(f64),
+}
+
+impl NoSplit {
+    /// The planner's error for `workers` over `layers` layers.
+    fn into_plan_error(self, layers: usize, workers: &[WorkerCosts]) -> PlanError {
+        match self {
+            NoSplit::NothingFits => {
+                let detail = workers
+                    .iter()
+                    .enumerate()
+                    .map(|(i, w)| {
+                        let budget = w
+                            .weight_budget
+                            .map_or("unlimited".to_string(), |b| format!("{b} bytes"));
+                        format!("worker {i}: {} bytes per layer, budget {budget}", w.layer_bytes)
+                    })
+                    .collect::<Vec<_>>()
+                    .join("; ");
+                PlanError::DoesNotFit { layers, detail }
+            }
+            NoSplit::NoFiniteTotal(bottleneck) => PlanError::Costs(format!(
+                "stage times do not add up to a finite total at bottleneck {bottleneck} s"
+            )),
+        }
+    }
+}
+
+/// Contiguous ranges of `num_layers` layers over `n` stages (`1 <= n <= num_layers`) whose
+/// largest `cost(i, a, b)` (stage `i` holding layers `a..b`; None when it cannot) is least, and
+/// among those the one whose costs sum least. Exact: two dynamic programs over (stage, layers
+/// so far), O(stages × layers²) calls of `cost`.
+fn min_max_split(
+    num_layers: usize,
+    n: usize,
+    cost: &dyn Fn(usize, usize, usize) -> Option<f64>,
+) -> Result<Vec<Range<usize>>, NoSplit> {
     // Pass 1: the least achievable bottleneck. best[i][b]: stages 0..=i over layers 0..b.
     let mut best = vec![vec![f64::INFINITY; num_layers + 1]; n];
     for (b, slot) in best[0].iter_mut().enumerate().skip(1) {
@@ -482,24 +589,10 @@ pub fn plan_layers(table: &LayerTable, workers: &[WorkerCosts], workload: Worklo
     }
     let bottleneck = best[n - 1][num_layers];
     if !bottleneck.is_finite() {
-        let detail = workers
-            .iter()
-            .enumerate()
-            .map(|(i, w)| {
-                let budget = w
-                    .weight_budget
-                    .map_or("unlimited".to_string(), |b| format!("{b} bytes"));
-                format!("worker {i}: {} bytes per layer, budget {budget}", w.layer_bytes)
-            })
-            .collect::<Vec<_>>()
-            .join("; ");
-        return Err(PlanError::DoesNotFit {
-            layers: num_layers,
-            detail,
-        });
+        return Err(NoSplit::NothingFits);
     }
-    // Pass 2: the least total time among splits whose every stage is within the bottleneck
-    // (with room for rounding). sum[i][b] and the cut that achieves it.
+    // Pass 2: the least total among splits whose every stage is within the bottleneck (with
+    // room for rounding). sum[i][b] and the cut that achieves it.
     let limit = bottleneck * (1.0 + 1e-9) + 1e-15;
     let within = |i, a, b| cost(i, a, b).filter(|&c| c <= limit);
     let mut sum = vec![vec![f64::INFINITY; num_layers + 1]; n];
@@ -521,9 +614,7 @@ pub fn plan_layers(table: &LayerTable, workers: &[WorkerCosts], workload: Worklo
         }
     }
     if !sum[n - 1][num_layers].is_finite() {
-        return Err(PlanError::Costs(format!(
-            "stage times do not add up to a finite total at bottleneck {bottleneck} s"
-        )));
+        return Err(NoSplit::NoFiniteTotal(bottleneck));
     }
     let mut ranges = vec![0..0; n];
     let mut end = num_layers;
@@ -532,16 +623,7 @@ pub fn plan_layers(table: &LayerTable, workers: &[WorkerCosts], workload: Worklo
         ranges[i] = start..end;
         end = start;
     }
-    let stage_seconds = ranges
-        .iter()
-        .enumerate()
-        .map(|(i, r)| span(i, r.start, r.end).0)
-        .collect();
-    Ok(Plan {
-        ranges,
-        stage_seconds,
-        workload: batch,
-    })
+    Ok(ranges)
 }
 
 /// Split `num_layers` into `stages` contiguous ranges whose sizes differ by at most one
@@ -577,20 +659,6 @@ pub fn ranges_from_cuts(num_layers: usize, cuts: &[usize]) -> Result<Vec<Range<u
     Ok(bounds.windows(2).map(|w| w[0]..w[1]).collect())
 }
 
-/// A better split for workers whose speed drifted from their profiles.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Drift {
-    /// Each stage's worker speed against its profile, relative to the least slowed worker
-    /// (1.0 for it; 2.0: half as fast as profiled, relative to the others).
-    pub scales: Vec<f64>,
-    /// Each stage's predicted seconds at the served workload, from the profiles.
-    pub predicted: Vec<f64>,
-    /// The current split's slowest stage under those speeds, in the plan's seconds.
-    pub current: f64,
-    /// The plan for those speeds; its bottleneck is at least `threshold` times faster.
-    pub better: Plan,
-}
-
 /// Each stage's predicted seconds for one micro-batch of `workload` when worker `i` holds
 /// `ranges[i]`.
 pub fn stage_times(
@@ -608,59 +676,13 @@ pub fn stage_times(
         .collect()
 }
 
-/// Whether the current split should change, from `measured[i]`, stage `i`'s mean forward
-/// seconds over the micro-batches served, whose mean shape was `workload` (every stage runs
-/// the same batches). Each stage is predicted at that workload from `costs`, each worker's
-/// costs are scaled by its measured ÷ predicted ratio, and a new plan is made; it is returned
-/// when the current split's slowest stage is at least `threshold` times the new plan's and the
-/// ranges differ.
-pub fn drift(
-    table: &LayerTable,
-    costs: &[WorkerCosts],
-    current: &[Range<usize>],
-    measured: &[f64],
-    workload: Workload,
-    threshold: f64,
-) -> Option<Drift> {
-    let n = costs.len();
-    if n < 2 || current.len() != n || measured.len() != n {
-        return None;
-    }
-    let predicted = stage_times(table, costs, current, workload);
-    let ratios: Vec<f64> = predicted
-        .iter()
-        .zip(measured)
-        .map(|(&p, &m)| {
-            if p > 0.0 && m.is_finite() && m > 0.0 {
-                m / p
-            } else {
-                f64::NAN
-            }
-        })
-        .collect();
-    if ratios.iter().any(|r| !r.is_finite()) {
-        return None;
-    }
-    let least = ratios.iter().copied().fold(f64::INFINITY, f64::min);
-    let scales: Vec<f64> = ratios.iter().map(|r| r / least).collect();
-    let slowed: Vec<WorkerCosts> = costs.iter().zip(&scales).map(|(c, &f)| c.slowed(f)).collect();
-    let current_bottleneck = predicted.iter().zip(&scales).map(|(p, f)| p * f).fold(0.0, f64::max);
-    let better = plan_layers(table, &slowed, workload).ok()?;
-    (better.ranges != current && current_bottleneck >= threshold * better.bottleneck()).then_some(Drift {
-        scales,
-        predicted,
-        current: current_bottleneck,
-        better,
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// A worker whose layer costs `layer` seconds per token, embedding `embed` and head `head`
     /// per token, with no memory limit.
-    fn linear(layer: f64, embed: f64, head: f64) -> WorkerCosts {
+    pub(super) fn linear(layer: f64, embed: f64, head: f64) -> WorkerCosts {
         let curve = |s: f64| CostCurve::new(vec![(1, s), (64, 64.0 * s)]).unwrap();
         WorkerCosts {
             layer: curve(layer),
@@ -1031,38 +1053,5 @@ mod tests {
                 assert!(r.windows(2).all(|w| w[0].end == w[1].start));
             }
         }
-    }
-
-    #[test]
-    fn a_worker_slowed_against_its_profile_gets_fewer_layers() {
-        let workers = [linear(1e-3, 1e-4, 2e-3), linear(1e-3, 1e-4, 2e-3)];
-        let load = Workload { tokens: 8, sampled: 4 };
-        let costs = LayerTable::uniform(30);
-        let plan = plan_layers(&costs, &workers, load).unwrap();
-        assert_eq!(stage_times(&costs, &workers, &plan.ranges, load), plan.stage_seconds);
-        let drifted = |measured: &[f64], load| drift(&costs, &workers, &plan.ranges, measured, load, 1.15);
-        // Served batches took what the profile says (at whatever speed): nothing to change.
-        let half: Vec<f64> = plan.stage_seconds.iter().map(|s| s * 0.5).collect();
-        assert_eq!(drifted(&half, load), None);
-        // Decode-only traffic: the head weighs more than in the planned mix, but stage times
-        // that match the profiles at that workload are no drift.
-        let decode = Workload { tokens: 4, sampled: 4 };
-        let at_decode = stage_times(&costs, &workers, &plan.ranges, decode);
-        assert_eq!(drifted(&at_decode, decode), None);
-        // The second worker now takes twice as long as profiled (relative to the first).
-        let slowed = [plan.stage_seconds[0] * 0.5, plan.stage_seconds[1]];
-        let d = drifted(&slowed, load).unwrap();
-        assert_eq!(d.scales, [1.0, 2.0]);
-        assert_eq!(d.predicted, plan.stage_seconds);
-        assert!(d.better.ranges[1].len() < plan.ranges[1].len(), "{:?}", d.better.ranges);
-        assert!(d.current >= 1.15 * d.better.bottleneck());
-        // The same plan made from the slowed costs directly.
-        let direct = plan_layers(&costs, &[workers[0].clone(), workers[1].slowed(2.0)], load).unwrap();
-        assert_eq!(d.better, direct);
-        // A drift smaller than the threshold is left alone (hysteresis against noise).
-        let slight = [plan.stage_seconds[0], plan.stage_seconds[1] * 1.05];
-        assert_eq!(drifted(&slight, load), None);
-        // Nonsense measurements change nothing.
-        assert_eq!(drifted(&[0.0, plan.stage_seconds[1]], load), None);
     }
 }
