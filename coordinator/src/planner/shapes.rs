@@ -18,8 +18,10 @@
 //! split planned for decode rows (17/13, fewer layers beside the head) served 16 streams no
 //! faster than 15/15 (0.97× and 1.00× in two sessions), while it made a lone 1,060-token
 //! prompt's first token 12% later. Where decode is bound by its slowest stage instead (large
-//! stages with fast links), planning for prompt chunks costs decode up to the head's share of a
-//! stage (about 1% for an 8 B model on two GPUs, by the profiles' arithmetic).
+//! stages, fast links, cores to spare), planning for prompt chunks costs decode up to the
+//! head's share of the last stage, less what the round trip hides: an 8 B model's head weighs
+//! about 2.4 of its 32 layers, so the last of two stages does about 15% more per decode step.
+//! The admin view shows that cost as the decode shape's `slowdown`.
 
 use std::ops::Range;
 
@@ -28,7 +30,7 @@ use super::{LayerTable, PlanError, WorkerCosts, Workload, plan_layers, stage_tim
 /// A kind of micro-batch a split must serve.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Shape {
-    /// `prompt_chunk`, `decode` or `served` (what serving measured), for logs and the admin view.
+    /// `prompt_chunk` or `decode`, for logs, metrics and the admin view.
     pub name: &'static str,
     pub workload: Workload,
 }
