@@ -237,7 +237,7 @@ pub(crate) fn watch(
             };
             let reason = format!(
                 "stage times [{}] ms per micro-batch of {} rows ({} sampled) against [{}] ms from the profiles: \
-                 worker speeds x[{}] of their profiles; ranges {:?} would bring the worst planned shape from {:.2}x its best split to {:.2}x",
+                 worker speeds x[{}] of their profiles; ranges {:?} would bring the planned prompt chunk's slowest stage from {:.2}x its best split's to {:.2}x",
                 ms(&measured),
                 workload.tokens,
                 workload.sampled,

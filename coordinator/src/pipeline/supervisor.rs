@@ -114,7 +114,8 @@ async fn build(
     }
     let (config, limits) = size_limits(config, workers, &clients, profiles).await;
     let config = &config;
-    // The split planner takes the sized running limit as its decode rows; the limit is then
+    // The split planner sizes its shapes from the sized limits (a prompt chunk from the token
+    // budget, the decode step it reports from the running limit); the running limit is then
     // brought within the pool the chosen ranges really have (below).
     let (mut ranges, mut split) = split::choose(config, workers, &clients, profiles).await?;
     let kv_blocks = match kv_blocks(config, workers, &ranges) {

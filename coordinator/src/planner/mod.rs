@@ -420,69 +420,6 @@ fn span_cost(
     (secs, bytes)
 }
 
-/// Every worker's stage costs for micro-batches of one shape: what [`min_max_split`] weighs.
-struct StageCosts<'a> {
-    workers: &'a [WorkerCosts],
-    rates: Vec<ClassRates>,
-    prefix: &'a Prefix,
-    /// The shape, at least one row and one sampled row.
-    batch: Workload,
-}
-
-impl<'a> StageCosts<'a> {
-    fn new(table: &LayerTable, prefix: &'a Prefix, workers: &'a [WorkerCosts], load: Workload) -> Self {
-        let batch = Workload {
-            tokens: load.tokens.max(1),
-            sampled: load.sampled.max(1).min(load.tokens.max(1)),
-        };
-        let rates = workers
-            .iter()
-            .map(|w| ClassRates::new(w, table, batch.tokens))
-            .collect();
-        Self {
-            workers,
-            rates,
-            prefix,
-            batch,
-        }
-    }
-
-    /// Seconds of stage `i` holding layers `a..b`, or None when its weights do not fit.
-    fn cost(&self, i: usize, a: usize, b: usize) -> Option<f64> {
-        let n = self.workers.len();
-        let (secs, bytes) = span_cost(
-            &self.workers[i],
-            &self.rates[i],
-            self.prefix,
-            (i, n),
-            (a, b),
-            self.batch,
-        );
-        let fits = self.workers[i].weight_budget.is_none_or(|budget| bytes <= budget);
-        fits.then_some(secs)
-    }
-
-    /// Seconds of each stage of `ranges` (memory aside).
-    fn stage_seconds(&self, ranges: &[Range<usize>]) -> Vec<f64> {
-        let n = self.workers.len();
-        ranges
-            .iter()
-            .enumerate()
-            .map(|(i, r)| {
-                span_cost(
-                    &self.workers[i],
-                    &self.rates[i],
-                    self.prefix,
-                    (i, n),
-                    (r.start, r.end),
-                    self.batch,
-                )
-                .0
-            })
-            .collect()
-    }
-}
-
 /// Seconds and weight bytes of stage `i` of `n` holding `layers` of `table` (the part of them
 /// the table has) on worker `w`, for a micro-batch of `load`.
 pub fn stage_cost(
@@ -520,61 +457,21 @@ pub fn plan_layers(table: &LayerTable, workers: &[WorkerCosts], workload: Worklo
             stages: n,
         });
     }
-    let costs = StageCosts::new(table, &prefix, workers, workload);
-    let ranges = min_max_split(num_layers, n, &|i, a, b| costs.cost(i, a, b))
-        .map_err(|e| e.into_plan_error(num_layers, workers))?;
-    let stage_seconds = costs.stage_seconds(&ranges);
-    let batch = costs.batch;
-    Ok(Plan {
-        ranges,
-        stage_seconds,
-        workload: batch,
-    })
-}
-
-/// Why [`min_max_split`] found no split.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum NoSplit {
-    /// No assignment fits every stage's memory.
-    NothingFits,
-    /// The least bottleneck is finite but no split within it has a finite total.
-    NoFiniteTotal(f64),
-}
-
-impl NoSplit {
-    /// The planner's error for `workers` over `layers` layers.
-    fn into_plan_error(self, layers: usize, workers: &[WorkerCosts]) -> PlanError {
-        match self {
-            NoSplit::NothingFits => {
-                let detail = workers
-                    .iter()
-                    .enumerate()
-                    .map(|(i, w)| {
-                        let budget = w
-                            .weight_budget
-                            .map_or("unlimited".to_string(), |b| format!("{b} bytes"));
-                        format!("worker {i}: {} bytes per layer, budget {budget}", w.layer_bytes)
-                    })
-                    .collect::<Vec<_>>()
-                    .join("; ");
-                PlanError::DoesNotFit { layers, detail }
-            }
-            NoSplit::NoFiniteTotal(bottleneck) => PlanError::Costs(format!(
-                "stage times do not add up to a finite total at bottleneck {bottleneck} s"
-            )),
-        }
-    }
-}
-
-/// Contiguous ranges of `num_layers` layers over `n` stages (`1 <= n <= num_layers`) whose
-/// largest `cost(i, a, b)` (stage `i` holding layers `a..b`; None when it cannot) is least, and
-/// among those the one whose costs sum least. Exact: two dynamic programs over (stage, layers
-/// so far), O(stages × layers²) calls of `cost`.
-fn min_max_split(
-    num_layers: usize,
-    n: usize,
-    cost: &dyn Fn(usize, usize, usize) -> Option<f64>,
-) -> Result<Vec<Range<usize>>, NoSplit> {
+    let batch = Workload {
+        tokens: workload.tokens.max(1),
+        sampled: workload.sampled.max(1).min(workload.tokens.max(1)),
+    };
+    let rates: Vec<ClassRates> = workers
+        .iter()
+        .map(|w| ClassRates::new(w, table, batch.tokens))
+        .collect();
+    let span = |i: usize, a: usize, b: usize| span_cost(&workers[i], &rates[i], &prefix, (i, n), (a, b), batch);
+    // cost(i, a, b): stage i holding layers a..b, or None when its weights do not fit.
+    let cost = |i: usize, a: usize, b: usize| {
+        let (secs, bytes) = span(i, a, b);
+        let fits = workers[i].weight_budget.is_none_or(|budget| bytes <= budget);
+        fits.then_some(secs)
+    };
     // Pass 1: the least achievable bottleneck. best[i][b]: stages 0..=i over layers 0..b.
     let mut best = vec![vec![f64::INFINITY; num_layers + 1]; n];
     for (b, slot) in best[0].iter_mut().enumerate().skip(1) {
@@ -589,10 +486,24 @@ fn min_max_split(
     }
     let bottleneck = best[n - 1][num_layers];
     if !bottleneck.is_finite() {
-        return Err(NoSplit::NothingFits);
+        let detail = workers
+            .iter()
+            .enumerate()
+            .map(|(i, w)| {
+                let budget = w
+                    .weight_budget
+                    .map_or("unlimited".to_string(), |b| format!("{b} bytes"));
+                format!("worker {i}: {} bytes per layer, budget {budget}", w.layer_bytes)
+            })
+            .collect::<Vec<_>>()
+            .join("; ");
+        return Err(PlanError::DoesNotFit {
+            layers: num_layers,
+            detail,
+        });
     }
-    // Pass 2: the least total among splits whose every stage is within the bottleneck (with
-    // room for rounding). sum[i][b] and the cut that achieves it.
+    // Pass 2: the least total time among splits whose every stage is within the bottleneck
+    // (with room for rounding). sum[i][b] and the cut that achieves it.
     let limit = bottleneck * (1.0 + 1e-9) + 1e-15;
     let within = |i, a, b| cost(i, a, b).filter(|&c| c <= limit);
     let mut sum = vec![vec![f64::INFINITY; num_layers + 1]; n];
@@ -614,7 +525,9 @@ fn min_max_split(
         }
     }
     if !sum[n - 1][num_layers].is_finite() {
-        return Err(NoSplit::NoFiniteTotal(bottleneck));
+        return Err(PlanError::Costs(format!(
+            "stage times do not add up to a finite total at bottleneck {bottleneck} s"
+        )));
     }
     let mut ranges = vec![0..0; n];
     let mut end = num_layers;
@@ -623,7 +536,16 @@ fn min_max_split(
         ranges[i] = start..end;
         end = start;
     }
-    Ok(ranges)
+    let stage_seconds = ranges
+        .iter()
+        .enumerate()
+        .map(|(i, r)| span(i, r.start, r.end).0)
+        .collect();
+    Ok(Plan {
+        ranges,
+        stage_seconds,
+        workload: batch,
+    })
 }
 
 /// Split `num_layers` into `stages` contiguous ranges whose sizes differ by at most one
