@@ -8,6 +8,9 @@
 #
 #   ROUNDS=2 CONCURRENCY=16 REQUESTS=32 MAX_TOKENS=128 PROMPT_TOKENS=128   load (defaults shown)
 #   TEMPERATURE=1.0   sampling temperature sent with every request (0: greedy)
+#   LOAD_ARGS=        more `baton-bench load` flags, e.g. "--ignore-eos false" with TEMPERATURE=0:
+#                     greedy requests of different lengths, so prompts keep arriving while others
+#                     decode (the same work every round) instead of in waves
 #   WORKERS=1 WEIGHTS=q8_0 MAX_RUNNING=16 PORT=8291   how each server runs (MAX_RUNNING= empty:
 #                     each binary's default); WORKERS="1 2" runs
 #                     both worker counts in every round (1 × 2 threads, 2 × 1) and adds each
@@ -26,6 +29,7 @@ TEMPERATURE=${TEMPERATURE:-1.0}
 WORKERS=${WORKERS:-1}
 WEIGHTS=${WEIGHTS:-q8_0}
 MAX_RUNNING=${MAX_RUNNING-16}
+read -r -a LOAD_EXTRA <<<"${LOAD_ARGS:-}"
 PORT=${PORT:-8291}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 BATON_BENCH="$REPO/target/release/baton-bench"
@@ -53,7 +57,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
             --temperature "$TEMPERATURE" --format json >/dev/null 2>&1
         "$BATON_BENCH" load --url "$url" --concurrency "$CONCURRENCY" --requests "$REQUESTS" \
             --max-tokens "$MAX_TOKENS" --prompt-tokens "$PROMPT_TOKENS" --temperature "$TEMPERATURE" \
-            --format json >"$OUT/$label.$r.json" 2>"$OUT/$label.$r.load.log" || true
+            "${LOAD_EXTRA[@]}" --format json >"$OUT/$label.$r.json" 2>"$OUT/$label.$r.load.log" || true
         stop
     done; done
 done

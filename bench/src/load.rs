@@ -66,6 +66,11 @@ pub struct Args {
     /// Tokens to generate per request.
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
+    /// Spread the requests' `max_tokens` over this many ..= --max-tokens (a fixed draw per
+    /// request, the same every run), so requests end at different times and new prompts arrive
+    /// while others decode, instead of in waves; unset: every request asks for --max-tokens.
+    #[arg(long)]
+    max_tokens_from: Option<usize>,
     /// Endpoint to drive.
     #[arg(long, value_enum, default_value = "completions")]
     endpoint: Endpoint,
@@ -94,6 +99,14 @@ pub fn run(args: Args) -> Result<()> {
     }
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
+    }
+    if let Some(from) = args.max_tokens_from
+        && !(1..=args.max_tokens).contains(&from)
+    {
+        bail!(
+            "--max-tokens-from must be between 1 and --max-tokens ({})",
+            args.max_tokens
+        );
     }
     if !(args.timeout_s > 0.0 && args.timeout_s.is_finite()) {
         bail!("--timeout-s must be a positive number of seconds");
@@ -128,7 +141,7 @@ pub fn run(args: Args) -> Result<()> {
         };
         // Prompts continue across levels, so no level reuses another's (prefix caches).
         let bodies: Vec<String> = (next_prompt..next_prompt + requests)
-            .map(|i| request_body(&args, &model, &prompts.get(i)).to_string())
+            .map(|i| request_body(&args, &model, &prompts.get(i), max_tokens(&args, i)).to_string())
             .collect();
         next_prompt += requests;
         levels.push(run_level(
@@ -148,6 +161,7 @@ pub fn run(args: Args) -> Result<()> {
                 "shared_prefix_tokens": args.prompt_file.is_none().then_some(args.shared_prefix_tokens),
                 "prompt_file": args.prompt_file.as_ref().map(|p| p.display().to_string()),
                 "max_tokens": args.max_tokens,
+                "max_tokens_from": args.max_tokens_from,
                 "ignore_eos": args.ignore_eos,
                 "temperature": args.temperature,
                 "levels": levels.iter().map(Level::json).collect::<Vec<_>>(),
@@ -217,11 +231,25 @@ fn first_model(base: &str, key: Option<&str>) -> Result<String> {
         .with_context(|| format!("GET {url}: no model id in the answer ({hint})"))
 }
 
+/// Request `i`'s `max_tokens`: --max-tokens, or a fixed draw from --max-tokens-from ..=
+/// --max-tokens.
+fn max_tokens(args: &Args, i: usize) -> usize {
+    let Some(from) = args.max_tokens_from else {
+        return args.max_tokens;
+    };
+    // splitmix64: well spread for consecutive indices, and the same on every run.
+    let mut z = (i as u64).wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    from + (z % (args.max_tokens - from + 1) as u64) as usize
+}
+
 /// The JSON body of one streaming request.
-fn request_body(args: &Args, model: &str, prompt: &str) -> Value {
+fn request_body(args: &Args, model: &str, prompt: &str, max_tokens: usize) -> Value {
     let mut body = json!({
         "model": model,
-        "max_tokens": args.max_tokens,
+        "max_tokens": max_tokens,
         "temperature": args.temperature,
         "stream": true,
         // `continuous_usage_stats` (vLLM) puts cumulative usage on every chunk, which tells
@@ -583,12 +611,30 @@ mod tests {
             (&["--concurrency", "0"], "positive"),
             (&["--max-tokens", "0"], "--max-tokens"),
             (&["--timeout-s", "0"], "--timeout-s"),
+            (&["--max-tokens", "8", "--max-tokens-from", "9"], "--max-tokens-from"),
+            (&["--max-tokens-from", "0"], "--max-tokens-from"),
         ] {
             let e = run(parse(flags).unwrap()).unwrap_err().to_string();
             assert!(e.contains(message), "{flags:?}: {e}");
         }
         let e = run(parse(&["--prompt-file", "/no/such/file"]).unwrap()).unwrap_err();
         assert!(format!("{e:#}").contains("/no/such/file"), "{e:#}");
+    }
+
+    #[test]
+    fn spread_max_tokens_are_fixed_per_request_and_cover_the_range() {
+        let a = parse(&["--max-tokens", "256", "--max-tokens-from", "32"]).unwrap();
+        let drawn: Vec<usize> = (0..64).map(|i| max_tokens(&a, i)).collect();
+        assert_eq!(drawn, (0..64).map(|i| max_tokens(&a, i)).collect::<Vec<_>>());
+        assert!(drawn.iter().all(|t| (32..=256).contains(t)), "{drawn:?}");
+        // Spread, not clustered: both ends of the range are drawn from.
+        assert!(
+            drawn.iter().any(|&t| t < 88) && drawn.iter().any(|&t| t > 200),
+            "{drawn:?}"
+        );
+        let fixed = parse(&["--max-tokens", "40"]).unwrap();
+        assert!((0..8).all(|i| max_tokens(&fixed, i) == 40));
+        assert_eq!(request_body(&a, "m", "p", drawn[3])["max_tokens"], drawn[3]);
     }
 
     #[test]
