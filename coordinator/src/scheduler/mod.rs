@@ -675,8 +675,9 @@ impl<'a> Scheduler<'a> {
 
     /// Fill the free micro-batch slots: up to one micro-batch per stage in flight, over disjoint
     /// sequences, each taking an equal share of the decoding sequences and then prompt chunks up
-    /// to its token budget, so every stage has work under load. When KV blocks run out, the newest sequence is preempted (recomputed later)
-    /// to make room, or a lone sequence that fills the whole pool ends at its length limit.
+    /// to its token budget, so every stage has work under load. When KV blocks run out, the
+    /// newest sequence is preempted (recomputed later) to make room, or a lone sequence that
+    /// fills the whole pool ends at its length limit.
     pub fn schedule(&mut self, out: &mut Outbox) {
         loop {
             let mut starved: Vec<u64> = Vec::new();
