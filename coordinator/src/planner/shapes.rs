@@ -84,7 +84,14 @@ pub fn plan_shapes(table: &LayerTable, workers: &[WorkerCosts], shapes: &[Shape]
         .first()
         .ok_or_else(|| PlanError::Costs("no micro-batch shape to plan for".into()))?;
     let plan = plan_layers(table, workers, lead.workload)?;
-    let fits = shape_fits(table, workers, &plan.ranges, shapes)?;
+    // The lead shape's own best split is this plan: no second dynamic program for it.
+    let best = plan.bottleneck();
+    let mut fits = vec![ShapeFit {
+        shape: *lead,
+        stage_seconds: plan.stage_seconds,
+        best,
+    }];
+    fits.extend(shape_fits(table, workers, &plan.ranges, &shapes[1..])?);
     Ok(ShapedPlan {
         ranges: plan.ranges,
         fits,
@@ -165,8 +172,11 @@ pub fn drift(
     let slowed: Vec<WorkerCosts> = costs.iter().zip(&scales).map(|(c, &f)| c.slowed(f)).collect();
     let better = plan_shapes(table, &slowed, shapes).ok()?;
     let lead = better.fits.first()?;
-    let on_current = stage_times(table, &slowed, current, lead.shape.workload);
-    let current_slowdown = slowdown(on_current.into_iter().fold(0.0, f64::max), lead.best);
+    let on_current = ShapeFit {
+        stage_seconds: stage_times(table, &slowed, current, lead.shape.workload),
+        ..lead.clone()
+    };
+    let current_slowdown = on_current.slowdown();
     (better.ranges != current && current_slowdown >= threshold * better.slowdown()).then_some(Drift {
         scales,
         predicted,
