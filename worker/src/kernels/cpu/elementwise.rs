@@ -105,4 +105,37 @@ mod tests {
         let sum: f32 = x.iter().sum();
         assert!((sum - 1.0).abs() < 1e-5 && x.iter().all(|&p| (0.0..=1.0).contains(&p)));
     }
+
+    /// `exp` builds `2^n` from float bits; it must give the bits the integer cast gave (the
+    /// fixtures' logits and every cached result were made with that).
+    #[test]
+    fn exp_scales_by_the_same_power_of_two_as_the_integer_cast() {
+        let by_cast = |x: f32| {
+            let x = x.clamp(-87.0, 88.0);
+            let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
+            let r = x - n * (355.0 / 512.0) - n * -2.121_944_4e-4;
+            let mut p = 1.0 / 5040.0;
+            for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+                p = p * r + c;
+            }
+            p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+        };
+        for i in 0..=400_000 {
+            let x = -100.0 + 200.0 * i as f32 / 400_000.0;
+            assert_eq!(r::exp(x).to_bits(), by_cast(x).to_bits(), "x = {x}");
+        }
+        for x in [
+            f32::MIN,
+            -87.0,
+            -86.999,
+            87.999,
+            88.0,
+            f32::MAX,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+        ] {
+            assert_eq!(r::exp(x).to_bits(), by_cast(x).to_bits(), "x = {x}");
+        }
+        assert!(r::exp(f32::NAN).is_nan());
+    }
 }
