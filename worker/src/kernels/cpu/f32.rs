@@ -197,11 +197,14 @@ unsafe fn dot8_rows_avx512<const R: usize>(a: [&[f32]; R], rows: [&[f32]; 8]) ->
         }
         i += 16;
     }
-    std::array::from_fn(|r| {
-        let mut out = reduce8_avx512(acc[r]);
-        add_tails(&mut out, a[r], rows, n);
-        out
-    })
+    // A plain loop, not a closure: a closure borrowing `acc` kept it in memory, and the loop
+    // above stored every accumulator after each add.
+    let mut out = [[0f32; 8]; R];
+    for r in 0..R {
+        out[r] = reduce8_avx512(acc[r]);
+        add_tails(&mut out[r], a[r], rows, n);
+    }
+    out
 }
 
 /// Each of 8 lane-reduced products plus its sequential tail past `n` (the last full 16-lane
