@@ -20,6 +20,7 @@ use baton_worker::roofline;
 use baton_worker::threads::ThreadPool;
 use clap::{Parser, Subcommand};
 
+mod attention;
 mod kernels;
 mod load;
 mod perplexity;
@@ -89,6 +90,9 @@ enum Cmd {
         #[arg(long)]
         kernel_path: Option<KernelPath>,
     },
+    /// CPU attention of one prompt chunk over a paged cache at SmolLM2's shape, per kernel
+    /// path, thread count and context length.
+    Attention(attention::Args),
     /// Perplexity of a text per weight format and its change from f32 (the quality cost).
     Perplexity {
         /// Model path or name (default: smollm2-135m).
@@ -166,6 +170,7 @@ fn main() -> Result<()> {
             layers,
         } => kernels::run(&threads, &tokens, &weights, ms, reps, layers)?,
         Cmd::Load(args) => load::run(args)?,
+        Cmd::Attention(args) => attention::run(&args)?,
         Cmd::Synth(args) => synth::run(&args)?,
         Cmd::Perplexity {
             model,
