@@ -3,7 +3,9 @@
 //! dot) and the (sequence, head) pairs of a batch spread over the stage's thread pool.
 //!
 //! Each (query row, head) output depends only on its own inputs, so the result is the
-//! reference's bit for bit whatever the path or thread count.
+//! reference's bit for bit whatever the path or thread count. A chunk's rows over f32 caches
+//! go in tiles that read each block of keys and values into L1 once for all their rows
+//! ([`tile`]); other rows go one at a time ([`one_head`]).
 
 use super::dispatch::{KernelPath, Kernels};
 use super::elementwise::softmax;
@@ -69,11 +71,24 @@ impl Rows<'_> {
     /// length)`. Walking runs instead of calling [`Rows::row`] per position saves a division per
     /// key on a paged cache.
     fn runs(&self, n: usize) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
-        let step = match *self {
-            Rows::Contiguous => n.max(1),
+        self.runs_in(0, n, usize::MAX)
+    }
+
+    /// Positions `a..b` as runs of consecutive storage rows of at most `most` positions each.
+    fn runs_in(&self, a: usize, b: usize, most: usize) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+        let block = match *self {
+            Rows::Contiguous => usize::MAX,
             Rows::Paged { block_size, .. } => block_size,
         };
-        (0..n).step_by(step).map(move |p| (p, self.row(p), step.min(n - p)))
+        let mut p = a;
+        std::iter::from_fn(move || {
+            (p < b).then(|| {
+                let len = (block - p % block).min(b - p).min(most);
+                let run = (p, self.row(p), len);
+                p += len;
+                run
+            })
+        })
     }
 }
 
@@ -287,95 +302,161 @@ fn one_head(
     }
 }
 
-/// Query rows [`rows_together`] attends at once.
+/// Query rows a group kernel attends at once on the AVX-512 paths, where [`kf32::dot8_rows`]
+/// shares key loads between them (one row elsewhere).
 const ROWS: usize = kf32::DOT8_ROWS;
 
-/// Whether [`rows_together`] runs this attention: the AVX-512 paths (where [`kf32::dot8_rows`]
-/// shares key loads), causal rows, f32 caches and a head size its value kernel holds.
-fn rows_together_fits(kern: Kernels, s: &SeqAttn<'_>, shape: AttnShape, mask: AttnMask) -> bool {
-    matches!(kern.path(), KernelPath::Avx512 | KernelPath::Avx512Vnni)
-        && mask == AttnMask::Causal
+/// Query rows of one sequence and head a task attends as one tile. Their scores (a tile's rows ×
+/// the context, about 100 KiB at 1,000 positions) stay in L2, and each key block is read into L1
+/// once for the whole tile instead of once per row group: a row group alone streamed the head's
+/// keys and values from L2 (or, past the L2's size, from L3) for every three rows.
+const TILE: usize = 24;
+
+/// Positions per key block: its keys and values (16 KiB at head size 64) stay in L1 while every
+/// row group of a tile goes over them.
+const KEY_BLOCK: usize = 32;
+
+/// Whether [`tile`] runs this attention: causal rows over f32 caches, with a head size of whole
+/// 64-wide value slices.
+fn tile_fits(s: &SeqAttn<'_>, shape: AttnShape, mask: AttnMask) -> bool {
+    mask == AttnMask::Causal
         && matches!((s.k, s.v), (KvData::F32(_), KvData::F32(_)))
         && shape.head_dim.is_multiple_of(64)
 }
 
-/// [`one_head`] for `ROWS` consecutive causal query rows at positions `pos..pos + ROWS` of
-/// head `kvh`'s group, into `outs`: each row's scores, softmax and weighted values are
-/// [`one_head`]'s bit for bit, but the keys and values every row attends (`0..=pos`) are
-/// loaded once for all of them. `scores` holds `ROWS` rows of at least `pos + ROWS` each.
+/// A tile's row groups, `(first row, rows)`: [`ROWS`] at a time where `wide`, then one by one.
+fn row_groups(n: usize, wide: bool) -> impl Iterator<Item = (usize, usize)> {
+    let full = if wide { n / ROWS * ROWS } else { 0 };
+    (0..full)
+        .step_by(ROWS)
+        .map(|r| (r, ROWS))
+        .chain((full..n).map(|r| (r, 1)))
+}
+
+/// One tile: the query rows at batch rows `first_row..first_row + n` (positions `pos..pos + n`)
+/// of head `h`, over KV head `kvh`, into `out`. Each row's scores, softmax and weighted values
+/// are [`one_head`]'s bit for bit: every score is the same dot product, and every output element
+/// adds the same products in position order, whichever key block or row group carries them.
+/// `scores` holds `TILE` rows of `stride ≥ pos + n` positions.
 #[allow(clippy::too_many_arguments)]
-fn rows_together(
+fn tile(
     kern: Kernels,
-    qs: [&[f32]; ROWS],
+    q: &[f32],
+    h: usize,
+    first_row: usize,
+    n: usize,
     s: &SeqAttn<'_>,
     pos: usize,
     kvh: usize,
     shape: AttnShape,
     scores: &mut [f32],
-    mut outs: [&mut [f32]; ROWS],
+    stride: usize,
+    out: &SharedMut<f32>,
 ) {
     let (KvData::F32(k), KvData::F32(v)) = (s.k, s.v) else {
-        unreachable!("rows_together runs on f32 caches (rows_together_fits)")
+        unreachable!("tile runs on f32 caches (tile_fits)")
     };
-    let (hd, kv_dim) = (shape.head_dim, shape.num_kv_heads * shape.head_dim);
+    let (hd, kv_dim, q_dim) = (
+        shape.head_dim,
+        shape.num_kv_heads * shape.head_dim,
+        shape.num_heads * shape.head_dim,
+    );
     let off = kvh * hd;
     let scale = 1.0 / (hd as f32).sqrt();
-    let stride = scores.len() / ROWS;
-    let mut chunks = scores.chunks_mut(stride);
-    let mut sc: [&mut [f32]; ROWS] = std::array::from_fn(|_| chunks.next().expect("ROWS score rows"));
-    let shared = pos + 1;
-    let key = |p: usize| {
-        let at = s.layout.row(p) * kv_dim + off;
-        &k[at..at + hd]
-    };
-    // Scores over the keys every row sees, eight at a time for all rows at once.
-    for (p, row0, len) in s.layout.runs(shared) {
-        let groups = len / 8;
-        for g in 0..groups {
-            let at = |j: usize| (row0 + 8 * g + j) * kv_dim + off;
-            let d = kf32::dot8_rows(kern, qs, std::array::from_fn(|j| &k[at(j)..at(j) + hd]));
-            for (sc, d) in sc.iter_mut().zip(d) {
-                for (s, d) in sc[p + 8 * g..p + 8 * g + 8].iter_mut().zip(d) {
-                    *s = d * scale;
+    let wide = matches!(kern.path(), KernelPath::Avx512 | KernelPath::Avx512Vnni);
+    let q_row = |r: usize| &q[(first_row + r) * q_dim + h * hd..][..hd];
+    let key = |row: usize| &k[row * kv_dim + off..][..hd];
+    // Scores of group (g0, gn) over the run of positions p.. at storage rows row0..
+    let group_scores = |scores: &mut [f32], g0: usize, gn: usize, p: usize, row0: usize, len: usize| {
+        let mut i = 0;
+        while i + 8 <= len {
+            let keys: [&[f32]; 8] = std::array::from_fn(|j| key(row0 + i + j));
+            if gn == ROWS {
+                let d = kf32::dot8_rows::<ROWS>(kern, std::array::from_fn(|r| q_row(g0 + r)), keys);
+                for (r, d) in d.iter().enumerate() {
+                    let sc = &mut scores[(g0 + r) * stride + p + i..][..8];
+                    sc.iter_mut().zip(d).for_each(|(s, d)| *s = d * scale);
                 }
+            } else {
+                let d = kf32::dot8(kern, q_row(g0), keys);
+                let sc = &mut scores[g0 * stride + p + i..][..8];
+                sc.iter_mut().zip(d).for_each(|(s, d)| *s = d * scale);
+            }
+            i += 8;
+        }
+        for i in i..len {
+            for r in g0..g0 + gn {
+                scores[r * stride + p + i] = kf32::dot(kern, q_row(r), key(row0 + i)) * scale;
             }
         }
-        for i in groups * 8..len {
-            let kr = &k[(row0 + i) * kv_dim + off..][..hd];
-            for (r, q) in qs.iter().enumerate() {
-                sc[r][p + i] = kf32::dot(kern, q, kr) * scale;
-            }
+    };
+    // Keys every row of the tile sees, block by block; then those every row of a group sees;
+    // then each row's own last ones. Each row's softmax after.
+    for (p, row0, len) in s.layout.runs_in(0, pos + 1, KEY_BLOCK) {
+        for (g0, gn) in row_groups(n, wide) {
+            group_scores(scores, g0, gn, p, row0, len);
         }
     }
-    // The later rows' own last keys (positions after `pos`, up to each row's).
-    for (r, (q, sc)) in qs.iter().zip(sc.iter_mut()).enumerate() {
-        for (p, score) in sc.iter_mut().enumerate().take(pos + r + 1).skip(shared) {
-            *score = kf32::dot(kern, q, key(p)) * scale;
+    for (g0, gn) in row_groups(n, wide) {
+        for (p, row0, len) in s.layout.runs_in(pos + 1, pos + g0 + 1, KEY_BLOCK) {
+            group_scores(scores, g0, gn, p, row0, len);
         }
-        softmax(kern, &mut sc[..pos + r + 1]);
+        for r in g0..g0 + gn {
+            for p in pos + g0 + 1..=pos + r {
+                scores[r * stride + p] = kf32::dot(kern, q_row(r), key(s.layout.row(p))) * scale;
+            }
+            softmax(kern, &mut scores[r * stride..][..pos + r + 1]);
+        }
     }
     // Weighted values, 64 dimensions at a time (each output element sums on its own, so the
-    // split changes no bit): the shared positions for all rows, then each row's own.
+    // split changes no bit), in the same three parts.
+    let mut acc = [[0f32; 64]; TILE];
     for half in 0..hd / 64 {
         let off = off + 64 * half;
-        let mut acc = [[0f32; 64]; ROWS];
-        for (p, row0, len) in s.layout.runs(shared) {
-            let w: [&[f32]; ROWS] = std::array::from_fn(|r| &sc[r][p..p + len]);
-            // SAFETY: `rows_together_fits` admitted only the AVX-512 paths.
-            #[cfg(target_arch = "x86_64")]
-            unsafe {
-                pv_rows_avx512::<64, ROWS>(&mut acc, w, v, row0, kv_dim, off)
-            };
-            #[cfg(not(target_arch = "x86_64"))]
-            pv_rows::<64, ROWS>(&mut acc, w, v, row0, kv_dim, off);
-        }
-        for (r, acc) in acc.iter_mut().enumerate() {
-            for p in shared..=pos + r {
-                pv_dispatch(kern, acc, &sc[r][p..=p], v, s.layout.row(p), kv_dim, off);
+        acc[..n].iter_mut().for_each(|a| *a = [0.0; 64]);
+        let group_pv = |acc: &mut [[f32; 64]; TILE], g0: usize, gn: usize, p: usize, row0: usize, len: usize| {
+            if gn == ROWS {
+                let w: [&[f32]; ROWS] = std::array::from_fn(|r| &scores[(g0 + r) * stride + p..][..len]);
+                let a: &mut [[f32; 64]; ROWS] = (&mut acc[g0..g0 + ROWS]).try_into().expect("a row group");
+                // SAFETY: groups of ROWS are formed on the AVX-512 paths only (`wide`).
+                #[cfg(target_arch = "x86_64")]
+                unsafe {
+                    pv_rows_avx512::<64, ROWS>(a, w, v, row0, kv_dim, off)
+                };
+                #[cfg(not(target_arch = "x86_64"))]
+                pv_rows::<64, ROWS>(a, w, v, row0, kv_dim, off);
+            } else {
+                for r in g0..g0 + gn {
+                    pv_dispatch(
+                        kern,
+                        &mut acc[r],
+                        &scores[r * stride + p..][..len],
+                        v,
+                        row0,
+                        kv_dim,
+                        off,
+                    );
+                }
+            }
+        };
+        for (p, row0, len) in s.layout.runs_in(0, pos + 1, KEY_BLOCK) {
+            for (g0, gn) in row_groups(n, wide) {
+                group_pv(&mut acc, g0, gn, p, row0, len);
             }
         }
-        for (out, acc) in outs.iter_mut().zip(&acc) {
-            out[64 * half..64 * (half + 1)].copy_from_slice(acc);
+        for (g0, gn) in row_groups(n, wide) {
+            for (p, row0, len) in s.layout.runs_in(pos + 1, pos + g0 + 1, KEY_BLOCK) {
+                group_pv(&mut acc, g0, gn, p, row0, len);
+            }
+            for r in g0..g0 + gn {
+                for p in pos + g0 + 1..=pos + r {
+                    let w = &scores[r * stride + p..][..1];
+                    pv_dispatch(kern, &mut acc[r], w, v, s.layout.row(p), kv_dim, off);
+                }
+                // SAFETY: the caller's task alone writes head h of rows first_row..first_row + n.
+                let o = unsafe { out.slice((first_row + r) * q_dim + h * hd + 64 * half, 64) };
+                o.copy_from_slice(&acc[r]);
+            }
         }
     }
 }
@@ -396,8 +477,9 @@ pub fn attention_batch<'a>(
     let q_dim = shape.num_heads * shape.head_dim;
     let group = shape.num_heads / shape.num_kv_heads;
     let tasks = n_seqs * shape.num_heads;
-    // Each task's scores: one row, or ROWS rows attended together.
-    let per_task = ROWS * longest;
+    // Each task's scores: one row, or a tile's rows.
+    let tile_rows = (0..n_seqs).map(|i| seq(i).rows).max().unwrap_or(0).clamp(1, TILE);
+    let per_task = tile_rows * longest;
     if scores.len() < tasks * per_task {
         scores.resize(tasks * per_task, 0.0);
     }
@@ -409,15 +491,13 @@ pub fn attention_batch<'a>(
         assert!(s.pos0 + s.rows <= longest, "attention_batch: sequence beyond `longest`");
         // SAFETY: each task owns its scores buffer and the (row, head h) outputs of sequence si.
         let sc = unsafe { scores.slice(task * per_task, per_task) };
-        let q_row = |row: usize| &q[row * q_dim + h * shape.head_dim..][..shape.head_dim];
         let mut first = 0;
-        if rows_together_fits(kern, &s, shape, mask) {
-            while first + ROWS <= s.rows {
-                let rows: [usize; ROWS] = std::array::from_fn(|r| s.offset + first + r);
-                // SAFETY: as above; the rows are distinct, so their outputs do not overlap.
-                let outs = rows.map(|row| unsafe { shared.slice(row * q_dim + h * shape.head_dim, shape.head_dim) });
-                rows_together(kern, rows.map(q_row), &s, s.pos0 + first, h / group, shape, sc, outs);
-                first += ROWS;
+        if tile_fits(&s, shape, mask) {
+            while first < s.rows {
+                let n = (s.rows - first).min(tile_rows);
+                let (row, pos) = (s.offset + first, s.pos0 + first);
+                tile(kern, q, h, row, n, &s, pos, h / group, shape, sc, longest, &shared);
+                first += n;
             }
         }
         let sc = &mut sc[..longest];
@@ -467,9 +547,10 @@ mod tests {
 
     fn check_batched_attention(shape: AttnShape, f16: bool, paths: &mut PathsRun) {
         let (qd, kvd) = (shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim);
-        // Four sequences: a decode row at 37, a 5-row chunk from 0, 3 rows from 10, 21 from 19
-        // (rows attended three at a time, keys in groups of eight and a remainder).
-        let spans = [(37, 1), (0, 5), (10, 3), (19, 21)];
+        // Five sequences: a decode row at 37, a 5-row chunk from 0, 3 rows from 10, 21 from 19
+        // (rows attended three at a time, keys in groups of eight and a remainder) and 30 from
+        // 40 (two tiles, the second of 6 rows; keys in several blocks).
+        let spans = [(37, 1), (0, 5), (10, 3), (19, 21), (40, 30)];
         let to_bits = |v: Vec<f32>| -> Vec<u16> { v.iter().map(|&x| HalfKind::F16.from_f32(x)).collect() };
         let widened = |b: &[u16]| -> Vec<f32> { b.iter().map(|&x| HalfKind::F16.to_f32(x)).collect() };
         let caches: Vec<(Vec<u16>, Vec<u16>)> = spans
@@ -494,7 +575,7 @@ mod tests {
             offset += n;
         }
         // The same caches paged: blocks of 16 positions stored out of order.
-        let (table, block) = ([2u32, 0, 1], 16);
+        let (table, block) = ([2u32, 0, 4, 1, 3], 16);
         let page = |rows: &[f32]| -> Vec<f32> {
             let mut out = vec![0f32; table.len() * block * kvd];
             for (p, row) in rows.chunks_exact(kvd).enumerate() {
@@ -552,7 +633,7 @@ mod tests {
                         &q,
                         seqs.len(),
                         &seq,
-                        40,
+                        70,
                         shape,
                         AttnMask::Causal,
                         &mut Vec::new(),
