@@ -492,7 +492,9 @@ pub fn attention_batch<'a>(
         // SAFETY: each task owns its scores buffer and the (row, head h) outputs of sequence si.
         let sc = unsafe { scores.slice(task * per_task, per_task) };
         let mut first = 0;
-        if tile_fits(&s, shape, mask) {
+        // A lone row (a decode) has nothing to share a key block with: one_head spares it the
+        // tile's set-up, about a tenth of its attention (`baton-bench attention --rows 1`).
+        if s.rows > 1 && tile_fits(&s, shape, mask) {
             while first < s.rows {
                 let n = (s.rows - first).min(tile_rows);
                 let (row, pos) = (s.offset + first, s.pos0 + first);

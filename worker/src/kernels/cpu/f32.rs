@@ -197,11 +197,14 @@ unsafe fn dot8_rows_avx512<const R: usize>(a: [&[f32]; R], rows: [&[f32]; 8]) ->
         }
         i += 16;
     }
-    // A plain loop, not a closure: a closure borrowing `acc` kept it in memory, and the loop
-    // above stored every accumulator after each add.
+    // Plain loops, not a closure: a closure borrowing `acc` kept it in memory, and the loop
+    // above stored every accumulator after each add. The reductions alone in their loop, which
+    // LLVM unrolls, so `acc` is never indexed at run time and needs no stack copy either.
     let mut out = [[0f32; 8]; R];
     for r in 0..R {
         out[r] = reduce8_avx512(acc[r]);
+    }
+    for r in 0..R {
         add_tails(&mut out[r], a[r], rows, n);
     }
     out
