@@ -337,7 +337,7 @@ fn row_groups(n: usize, wide: bool) -> impl Iterator<Item = (usize, usize)> {
 /// of head `h`, over KV head `kvh`, into `out`. Each row's scores, softmax and weighted values
 /// are [`one_head`]'s bit for bit: every score is the same dot product, and every output element
 /// adds the same products in position order, whichever key block or row group carries them.
-/// `scores` holds `TILE` rows of `stride ≥ pos + n` positions.
+/// `scores` holds at least `n` rows of `stride ≥ pos + n` positions.
 #[allow(clippy::too_many_arguments)]
 fn tile(
     kern: Kernels,
