@@ -391,7 +391,7 @@ fn tile(
         }
     };
     // Keys every row of the tile sees, block by block; then those every row of a group sees;
-    // then each row's own last ones. Each row's softmax after.
+    // then each row's own last ones (a group of one). Each row's softmax after.
     for (p, row0, len) in s.layout.runs_in(0, pos + 1, KEY_BLOCK) {
         for (g0, gn) in row_groups(n, wide) {
             group_scores(scores, g0, gn, p, row0, len);
@@ -402,8 +402,8 @@ fn tile(
             group_scores(scores, g0, gn, p, row0, len);
         }
         for r in g0..g0 + gn {
-            for p in pos + g0 + 1..=pos + r {
-                scores[r * stride + p] = kf32::dot(kern, q_row(r), key(s.layout.row(p))) * scale;
+            for (p, row0, len) in s.layout.runs_in(pos + g0 + 1, pos + r + 1, KEY_BLOCK) {
+                group_scores(scores, r, 1, p, row0, len);
             }
             softmax(kern, &mut scores[r * stride..][..pos + r + 1]);
         }
@@ -449,9 +449,8 @@ fn tile(
                 group_pv(&mut acc, g0, gn, p, row0, len);
             }
             for r in g0..g0 + gn {
-                for p in pos + g0 + 1..=pos + r {
-                    let w = &scores[r * stride + p..][..1];
-                    pv_dispatch(kern, &mut acc[r], w, v, s.layout.row(p), kv_dim, off);
+                for (p, row0, len) in s.layout.runs_in(pos + g0 + 1, pos + r + 1, KEY_BLOCK) {
+                    group_pv(&mut acc, r, 1, p, row0, len);
                 }
                 // SAFETY: the caller's task alone writes head h of rows first_row..first_row + n.
                 let o = unsafe { out.slice((first_row + r) * q_dim + h * hd + 64 * half, 64) };
