@@ -87,6 +87,15 @@ serve_run() {
     curl -s "localhost:$port/v1/completions" -H 'content-type: application/json' \
       -d '{"prompt":"The quick brown fox","max_tokens":128,"temperature":0,"ignore_eos":true}' > "$OUT/serve-$name.json"
     t1=$(date +%s.%N)
+    # Sampled on the device (temperature, top-p, min-p): twice with one seed, so the same text.
+    local sampled='{"prompt":"Once upon a time","max_tokens":32,"temperature":0.8,"top_p":0.9,"min_p":0.02,"seed":7}'
+    curl -s "localhost:$port/v1/completions" -H 'content-type: application/json' -d "$sampled" > "$OUT/serve-$name-sampled-1.json"
+    curl -s "localhost:$port/v1/completions" -H 'content-type: application/json' -d "$sampled" > "$OUT/serve-$name-sampled-2.json"
+    local same=no
+    if cmp -s <(grep -o '"text":"[^"]*"' "$OUT/serve-$name-sampled-1.json") \
+      <(grep -o '"text":"[^"]*"' "$OUT/serve-$name-sampled-2.json") \
+      && grep -q '"text"' "$OUT/serve-$name-sampled-1.json"; then same=yes; fi
+    echo "$name seeded sampling repeats: $same" >> "$OUT/pipelines.txt"
     curl -s "localhost:$port/admin/cluster" > "$OUT/cluster-$name.json" 2>/dev/null
     echo "$name workers=$workers devices=$devices seconds=$(awk "BEGIN{print $t1 - $t0}")" >> "$OUT/pipelines.txt"
   else

@@ -8,6 +8,8 @@
 //!   rows attend to more keys than one round of the attention kernel's warps covers) in f32,
 //!   Q8_0, Q4_0 and f16-K/V modes against the CPU in the same mode;
 //! * `batch_invariance`: a sequence's rows alone and beside others, bit for bit;
+//! * `sampling`: the GPU's `sample_rows` (temperature, top-k, top-p, min-p) against the host
+//!   reference of the same rule, over batches of 1, 8 and 32 rows of two vocabulary sizes;
 //! * `bandwidth` and `speed`: the Q8_0 product's GB/s against the device's copy bandwidth,
 //!   decode tokens/s at batch 1, 8 and 32 and a 2,048-token prefill.
 //!
@@ -82,6 +84,7 @@ pub fn run(a: &CheckArgs) -> anyhow::Result<Value> {
     };
     part("kernels", &mut report, &|| kernels_on(device));
     part("bandwidth", &mut report, &|| bandwidth_on(device));
+    part("sampling", &mut report, &|| sampling_on(device));
     for model in &a.parity_models {
         let name = format!("parity:{}", model.display());
         part(&name, &mut report, &|| parity(model, device, a.greedy_steps));
@@ -156,6 +159,77 @@ fn kernel_cases<O: Ops>(ops: &O) -> Value {
     }
     let failed = cases.iter().filter(|c| c["ok"] == json!(false)).count();
     json!({ "cases": cases, "failed": failed })
+}
+
+/// The device's sampler against [`sample_row_reference`](crate::kernels::cuda::sample_row_reference).
+/// The GPU's `exp` may differ from the host's by an ulp, which moves a weight by one unit in
+/// 2^40: a row may then differ only where its draw falls that close to a boundary between two
+/// tokens (or a cut that close to a token's weight). Every mismatch is listed with its row's
+/// settings.
+fn sampling_on(device: Device) -> anyhow::Result<Value> {
+    match device {
+        Device::Cpu { .. } => Ok(json!({ "skipped": "the CPU samples on the host (no device sampler to check)" })),
+        #[cfg(feature = "cuda")]
+        Device::Cuda { gpu } => sampling_cases(&crate::ops::cuda::CudaOps::open(gpu)?),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda { .. } => anyhow::bail!("this build has no CUDA backend"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn sampling_cases(ops: &crate::ops::cuda::CudaOps) -> anyhow::Result<Value> {
+    use crate::kernels::cuda::{SampleRow, sample_row_reference};
+    let mut cases = Vec::new();
+    let mut buf = crate::ops::cuda::CudaBuf::default();
+    let mut ids = Vec::new();
+    for vocab in [49_152usize, 151_936] {
+        for rows in [1usize, 8, 32] {
+            // Logits spread like a model's (a few tokens far ahead), some repeated so cuts
+            // fall inside ties.
+            let mut logits: Vec<f32> = values(rows * vocab, (vocab + rows) as u64)
+                .iter()
+                .map(|v| v * 8.0)
+                .collect();
+            for (i, l) in logits.iter_mut().enumerate() {
+                if i % 997 == 0 {
+                    *l = 9.0;
+                }
+            }
+            let draws = values(rows, 77 + rows as u64);
+            let settings: Vec<SampleRow> = (0..rows)
+                .map(|r| {
+                    let pick = |options: &[f32]| options[r % options.len()];
+                    SampleRow {
+                        temperature: pick(&[1.0, 0.7, 1.3, 0.2]),
+                        top_k: [0, 1, 40, 20, 0][r % 5],
+                        top_p: pick(&[1.0, 0.9, 0.5]),
+                        min_p: pick(&[0.0, 0.0, 0.05]),
+                        u: draws[r].abs().min(0.999_999),
+                    }
+                })
+                .collect();
+            ops.upload(&logits, &mut buf);
+            ops.sample_rows(&buf, vocab, &settings, &mut ids);
+            if let Some(e) = ops.gpu().take_error() {
+                anyhow::bail!("sampling {rows} rows of {vocab}: {e}");
+            }
+            let want: Vec<u32> = settings
+                .iter()
+                .enumerate()
+                .map(|(r, s)| sample_row_reference(&logits[r * vocab..(r + 1) * vocab], s))
+                .collect();
+            let mismatches: Vec<Value> = (0..rows)
+                .filter(|&r| ids[r] != want[r])
+                .map(|r| json!({ "row": r, "device": ids[r], "reference": want[r], "settings": format!("{:?}", settings[r]) }))
+                .collect();
+            cases.push(
+                json!({ "vocab": vocab, "rows": rows, "equal": rows - mismatches.len(), "mismatches": mismatches }),
+            );
+        }
+    }
+    let rows: usize = cases.iter().map(|c| c["rows"].as_u64().unwrap_or(0) as usize).sum();
+    let equal: usize = cases.iter().map(|c| c["equal"].as_u64().unwrap_or(0) as usize).sum();
+    Ok(json!({ "cases": cases, "rows": rows, "equal": equal }))
 }
 
 fn case(name: &str, rows: usize, bias: bool, got: &[f32], want: &[f32], tol: f32) -> Value {

@@ -73,6 +73,18 @@ impl Sampler {
         }
     }
 
+    /// The settings it samples with.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// The next uniform number in [0, 1) of its stream: the one draw a sampled token takes
+    /// (for a sampler that runs where the logits are, such as the GPU's `sample_rows`); the
+    /// same number [`Sampler::sample`] draws.
+    pub fn draw(&mut self) -> f32 {
+        self.rng.next_f64() as f32
+    }
+
     /// Whether this sampler always takes the most likely token.
     pub fn is_greedy(&self) -> bool {
         self.params.is_greedy()

@@ -1,7 +1,8 @@
 //! The CUDA backend: the model on [`CudaOps`] (Baton's kernels on one GPU), a paged f32 or f16
 //! K/V pool in GPU memory allocated once at load, and sampling on the GPU: greedy rows are
-//! reduced to their token ids there (only the ids cross to the host); other sampling settings
-//! and log-probabilities read the logits on the host.
+//! reduced to their token ids there, and so are sampled rows (temperature, top-k, top-p,
+//! min-p, with the draw the host's seeded stream makes); only ids cross to the host.
+//! Log-probabilities, and sampled rows that verify a draft, read the logits on the host.
 
 use baton_shared::model_files::ModelFiles;
 
@@ -9,6 +10,7 @@ use super::{
     Backend, BackendError, BackendInfo, BackendOptions, Device, KvGeometry, SampleSlot, SeqChunk, StageShape,
     model_info, sample_ids, sample_rows, sample_rows_wanted,
 };
+use crate::kernels::cuda::SampleRow;
 use crate::model::dflash::DflashFiles;
 use crate::model::spec::{FfnKind, LayerKind, LayerSpec, uniform_kv_dim};
 use crate::model::{ForwardError, Scratch, StageModel, registry};
@@ -23,7 +25,43 @@ pub struct CudaBackend {
     kv: CudaKvPool,
     scratch: Scratch<CudaOps>,
     ids: Vec<u32>,
+    settings: Vec<SampleRow>,
     logits: Vec<f32>,
+}
+
+/// Where a step's rows are sampled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SamplingSite {
+    /// Every row greedy: `argmax_rows` on the GPU.
+    Argmax,
+    /// `sample_rows` on the GPU (temperature, top-k, top-p, min-p); only ids come back.
+    Device,
+    /// The logits go to the host: a row wants log-probabilities, or a sampled slot verifies a
+    /// draft (whose rows draw only while proposals are accepted, which the host decides).
+    Host,
+}
+
+impl SamplingSite {
+    fn of(slots: &[SampleSlot]) -> Self {
+        if slots.iter().any(|s| s.top_logprobs.is_some()) {
+            return Self::Host;
+        }
+        if slots.iter().all(|s| s.sampler.is_greedy()) {
+            return Self::Argmax;
+        }
+        match slots.iter().all(|s| s.sampler.is_greedy() || s.draft.is_empty()) {
+            true => Self::Device,
+            false => Self::Host,
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Self::Argmax => "gpu_argmax",
+            Self::Device => "gpu",
+            Self::Host => "host",
+        }
+    }
 }
 
 impl CudaBackend {
@@ -72,6 +110,7 @@ impl CudaBackend {
             kv,
             scratch: Scratch::default(),
             ids: Vec::new(),
+            settings: Vec::new(),
             logits: Vec::new(),
         })
     }
@@ -203,21 +242,34 @@ impl Backend for CudaBackend {
         let (h, vocab) = (self.shape.config.hidden_size, self.shape.config.vocab_size);
         let wanted = sample_rows_wanted(rows, slots, h)?;
         let r = self.model.head_into(rows, &mut self.scratch);
-        // Greedy rows: only their token ids leave the GPU.
-        let greedy = slots.iter().all(|s| s.sampler.is_greedy() && s.top_logprobs.is_none());
+        let on_device = SamplingSite::of(slots);
         if r.is_ok() {
-            match greedy {
-                true => self.model.ops.argmax_rows(&self.scratch.logits, vocab, &mut self.ids),
-                false => {
+            match on_device {
+                SamplingSite::Argmax => self.model.ops.argmax_rows(&self.scratch.logits, vocab, &mut self.ids),
+                SamplingSite::Device => {
+                    self.settings.clear();
+                    for slot in slots.iter_mut() {
+                        // A greedy slot's draft rows are greedy too; a sampled slot has one row.
+                        let first = SampleRow::next(&mut slot.sampler);
+                        self.settings.push(first);
+                        self.settings
+                            .extend(std::iter::repeat_n(SampleRow::GREEDY, slot.rows() - 1));
+                    }
+                    self.model
+                        .ops
+                        .sample_rows(&self.scratch.logits, vocab, &self.settings, &mut self.ids);
+                }
+                SamplingSite::Host => {
                     self.logits.resize(wanted * vocab, 0.0);
                     self.model.ops.download(&self.scratch.logits, &mut self.logits);
                 }
             }
         }
         self.finish(r)?;
-        match greedy {
-            true => sample_ids(&self.ids, slots),
-            false => sample_rows(&self.logits, vocab, slots),
+        metrics::counter!("baton_sampled_rows_total", "site" => on_device.label()).increment(wanted as u64);
+        match on_device {
+            SamplingSite::Argmax | SamplingSite::Device => sample_ids(&self.ids, slots),
+            SamplingSite::Host => sample_rows(&self.logits, vocab, slots),
         }
         Ok(())
     }

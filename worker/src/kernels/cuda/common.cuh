@@ -35,6 +35,7 @@ __device__ __forceinline__ float block_sum(float v, float* shared) {
     return total;
 }
 
+#ifndef BATON_EMULATION // emulation/emu.h defines these three for the CPU emulation
 __device__ __forceinline__ float h2f(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -53,3 +54,4 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
     asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
 }
+#endif

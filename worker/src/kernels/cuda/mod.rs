@@ -10,6 +10,7 @@ use baton_shared::dtype::DType;
 use crate::kernels::cpu::q4::{Q4Error, ggml_q4_head};
 use crate::kernels::cpu::q8::{Q8Error, ggml_blocks_per_row};
 use crate::kv_cache::PagedSeq;
+use crate::sampler::Sampler;
 
 /// Activation rows one warp of `matmul_f32` / `matmul_q8` serves with each weight row it reads
 /// (`TILE` in matmul.cu).
@@ -24,6 +25,9 @@ pub const MAX_HEAD_DIM: usize = 256;
 pub const ELEMENTWISE_THREADS: u32 = 256;
 /// Threads of the argmax block (a power of two; `argmax_rows` reduces pairwise).
 pub const ARGMAX_THREADS: u32 = 1024;
+
+/// Threads of a `sample_rows` block (one block per row).
+pub const SAMPLE_THREADS: u32 = 1024;
 
 /// `(grid, block)` of a CUDA launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,6 +116,14 @@ pub fn attention_geometry(rows: usize, heads: usize) -> Geometry {
     Geometry {
         grid: (rows as u32, heads as u32, 1),
         block: (ATTENTION_WARPS * 32, 1, 1),
+    }
+}
+
+/// Sampling: a block per row.
+pub fn sample_geometry(rows: usize) -> Geometry {
+    Geometry {
+        grid: (rows as u32, 1, 1),
+        block: (SAMPLE_THREADS, 1, 1),
     }
 }
 
@@ -290,6 +302,115 @@ pub mod embedded {
     }
 }
 
+/// One row's sampling settings and draw, as `sample_rows` (sampling.cu) reads them.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SampleRow {
+    /// Greater than 0 (a greedy row is top-k 1 at temperature 1).
+    pub temperature: f32,
+    /// 0: no limit.
+    pub top_k: i32,
+    /// 1: no limit.
+    pub top_p: f32,
+    /// 0: no limit.
+    pub min_p: f32,
+    /// The row's uniform draw in [0, 1); 0 for a greedy row, which draws nothing.
+    pub u: f32,
+}
+
+impl SampleRow {
+    /// The most likely token (the lowest id on ties), as `argmax`.
+    pub const GREEDY: Self = Self {
+        temperature: 1.0,
+        top_k: 1,
+        top_p: 1.0,
+        min_p: 0.0,
+        u: 0.0,
+    };
+
+    /// The next row of `sampler`'s sequence: its settings, and one draw from its stream unless
+    /// it is greedy (as the CPU path draws).
+    pub fn next(sampler: &mut Sampler) -> Self {
+        if sampler.is_greedy() {
+            return Self::GREEDY;
+        }
+        let p = sampler.params();
+        let (temperature, top_k, top_p, min_p) = (p.temperature, p.top_k, p.top_p, p.min_p);
+        Self {
+            temperature,
+            top_k: i32::try_from(top_k).unwrap_or(0),
+            top_p,
+            min_p,
+            u: sampler.draw(),
+        }
+    }
+}
+
+/// A weight of 1 (the most likely token's) in `sample_rows`' integer units.
+const MASS_ONE: f32 = (1u64 << 40) as f32;
+
+/// A logit's bits in the order of the values, NaN lowest (`order_key` in sampling.cu).
+fn order_key(l: f32) -> u32 {
+    if l.is_nan() {
+        return 0;
+    }
+    let b = l.to_bits();
+    if b & 0x8000_0000 != 0 { !b } else { b | 0x8000_0000 }
+}
+
+/// What `sample_rows` picks for one row of logits, computed the plain way: rank every token,
+/// cut, and walk the kept ones in id order. The kernel must give the same id wherever its
+/// `exp` gives the same bits as this one (the CPU emulation's does; a GPU's may differ by an
+/// ulp, which moves a weight by one unit in 2^40 and a draw's token only at a boundary).
+pub fn sample_row_reference(logits: &[f32], s: &SampleRow) -> u32 {
+    let n = logits.len();
+    let m = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) / s.temperature;
+    let w = |i: usize| (logits[i] / s.temperature - m).exp();
+    let mass = |i: usize| {
+        let w = w(i);
+        if w > 0.0 { (w * MASS_ONE) as u64 } else { 0 }
+    };
+    let mut ranked: Vec<usize> = (0..n).collect();
+    ranked.sort_by(|&a, &b| order_key(logits[b]).cmp(&order_key(logits[a])).then(a.cmp(&b)));
+    if s.top_k > 0 && (s.top_k as usize) < n {
+        ranked.truncate(s.top_k as usize);
+    }
+    if s.top_p < 1.0 {
+        let total: u64 = ranked.iter().map(|&i| mass(i)).sum();
+        let want = ((f64::from(s.top_p) * total as f64) as u64).max(1);
+        let mut before = 0;
+        let keep = ranked
+            .iter()
+            .take_while(|&&i| {
+                let inside = before < want;
+                before += mass(i);
+                inside
+            })
+            .count();
+        ranked.truncate(keep);
+    }
+    let mut kept = vec![false; n];
+    for &i in &ranked {
+        kept[i] = w(i) >= s.min_p;
+    }
+    let total: u64 = (0..n).filter(|&i| kept[i]).map(mass).sum();
+    if total == 0 {
+        return (0..n).find(|&i| kept[i]).unwrap_or(0) as u32;
+    }
+    let r = ((f64::from(s.u) * total as f64) as u64).min(total - 1);
+    let mut acc = 0;
+    for i in (0..n).filter(|&i| kept[i]) {
+        acc += mass(i);
+        if r < acc {
+            return i as u32;
+        }
+    }
+    unreachable!("the draw falls below the total")
+}
+
+#[cfg(test)]
+mod emulated;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -426,5 +547,87 @@ mod tests {
         );
         // Position 6 is block 1 (id 1) offset 2; 7 → id 1 offset 3; 8 → id 7 offset 0.
         assert_eq!(meta.slots, vec![6, 7, 28, 0, 1]);
+    }
+
+    /// The device sampler's contract keeps what the CPU sampler keeps, with the same odds:
+    /// 20,000 evenly spread draws through the reference against 20,000 seeded CPU samples.
+    #[test]
+    fn the_device_sampling_reference_draws_as_the_cpu_sampler() {
+        use baton_shared::sampling::SamplingParams;
+        let vocab = 200;
+        let mut rng = crate::sampler::Rng::new(9);
+        let logits: Vec<f32> = (0..vocab).map(|_| rng.next_f64() as f32 * 4.0 - 2.0).collect();
+        let draws = 20_000;
+        for (top_k, top_p, min_p, temperature) in [
+            (10, 1.0, 0.0, 1.0),
+            (0, 0.5, 0.0, 1.0),
+            (0, 1.0, 0.3, 0.8),
+            (40, 0.7, 0.1, 1.5),
+        ] {
+            let params = SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+                min_p,
+                ..Default::default()
+            };
+            let mut cpu = vec![0usize; vocab];
+            let mut device = vec![0usize; vocab];
+            for i in 0..draws {
+                let mut sampler = Sampler::new(&SamplingParams {
+                    seed: Some(i as u64),
+                    ..params.clone()
+                });
+                cpu[sampler.sample(&logits) as usize] += 1;
+                let row = SampleRow {
+                    temperature,
+                    top_k: top_k as i32,
+                    top_p,
+                    min_p,
+                    u: (i as f32 + 0.5) / draws as f32,
+                };
+                device[sample_row_reference(&logits, &row) as usize] += 1;
+            }
+            let kept = |counts: &[usize]| (0..vocab).filter(|&i| counts[i] > 0).collect::<Vec<_>>();
+            assert_eq!(
+                kept(&device),
+                kept(&cpu),
+                "kept tokens, top-k {top_k} top-p {top_p} min-p {min_p}"
+            );
+            for i in 0..vocab {
+                let (a, b) = (cpu[i] as f64 / draws as f64, device[i] as f64 / draws as f64);
+                assert!((a - b).abs() < 0.015, "token {i}: CPU {a:.4}, device reference {b:.4}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_device_sample_row_takes_the_draw_the_cpu_would() {
+        use baton_shared::sampling::SamplingParams;
+        let mut greedy = Sampler::new(&SamplingParams {
+            temperature: 0.0,
+            seed: Some(1),
+            ..Default::default()
+        });
+        let before = greedy.clone().draw();
+        assert_eq!(SampleRow::next(&mut greedy), SampleRow::GREEDY);
+        assert_eq!(greedy.draw(), before, "a greedy row draws nothing");
+        let params = SamplingParams {
+            temperature: 0.9,
+            top_k: 7,
+            top_p: 0.8,
+            min_p: 0.05,
+            seed: Some(5),
+            ..Default::default()
+        };
+        let mut sampler = Sampler::new(&params);
+        let mut twin = sampler.clone();
+        let row = SampleRow::next(&mut sampler);
+        assert_eq!((row.temperature, row.top_k, row.top_p, row.min_p), (0.9, 7, 0.8, 0.05));
+        assert_eq!(row.u, twin.draw());
+        assert_eq!(sampler.draw(), twin.draw(), "exactly one draw per row");
+        // The settings' layout is sampling.cu's: five 4-byte fields.
+        assert_eq!(size_of::<SampleRow>(), 20);
+        assert!(include_str!("sampling.cu").contains(&format!("#define SAMPLE_THREADS {SAMPLE_THREADS}\n")));
     }
 }

@@ -285,6 +285,7 @@ mod tests {
             "quantize_q8",
             "rmsnorm",
             "rope",
+            "sample_rows",
             "sigmoid_mul",
             "silu_mul",
             "store_kv_f16",

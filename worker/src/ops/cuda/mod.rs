@@ -22,7 +22,7 @@ use super::{AttnMask, AttnShape, HostMatrix, LinearAttnShape, Ops, OpsInfo, Prod
 use crate::kernels::cpu::matmul::WeightFormat;
 use baton_shared::dtype::DType;
 
-use crate::kernels::cuda::{self as geometry, Geometry, MatmulGroup, Q4Device, Q8Device};
+use crate::kernels::cuda::{self as geometry, Geometry, MatmulGroup, Q4Device, Q8Device, SampleRow};
 use crate::model::ForwardError;
 pub use device::{CudaError, Gpu, GpuInfo, KernelTime};
 use kv::KvStore;
@@ -79,6 +79,7 @@ struct Staging {
     cos_host: Vec<f32>,
     sin_host: Vec<f32>,
     ids: Option<CudaSlice<u32>>,
+    sample_rows: Option<CudaSlice<SampleRow>>,
 }
 
 /// f32 rows in GPU memory; keeps its largest allocation.
@@ -153,6 +154,10 @@ pub struct CudaWorkspace {
 // SAFETY: `MatmulGroup` is `repr(C)` plain data laid out as matmul.cu's `Group` (checked by a
 // test), passed by value as a kernel parameter.
 unsafe impl DeviceRepr for MatmulGroup {}
+// SAFETY: `SampleRow` is `repr(C)` plain data laid out as sampling.cu's `SampleRow`, read by
+// the kernel from an array in GPU memory; all-zero bits are a valid value.
+unsafe impl DeviceRepr for SampleRow {}
+unsafe impl ValidAsZeroBits for SampleRow {}
 
 /// Mixture-of-experts routing has no GPU implementation yet.
 #[derive(Default)]
@@ -220,6 +225,48 @@ impl CudaOps {
         };
         launch!(self.gpu, "argmax_rows", g, x, ids, &cols);
         let r = self.gpu.stream.memcpy_dtoh(&ids.slice(0..rows), out.as_mut_slice());
+        self.gpu.check("downloading token ids", r);
+        self.gpu.check("synchronizing", self.gpu.stream.synchronize());
+    }
+
+    /// The token each `vocab`-wide row of `logits` samples under its settings in `rows` (one
+    /// per row: its temperature, top-k, top-p, min-p and draw), on the GPU; only the settings
+    /// go up and the ids come back.
+    pub fn sample_rows(&self, logits: &CudaBuf, vocab: usize, rows: &[SampleRow], out: &mut Vec<u32>) {
+        let n = rows.len();
+        out.clear();
+        out.resize(n, 0);
+        if n == 0 {
+            return;
+        }
+        if logits.len < n * vocab {
+            self.gpu
+                .record(format!("sampling {n} rows of {vocab} from {} logits", logits.len));
+            return;
+        }
+        let Some(x) = self.dev(logits) else { return };
+        let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        let Staging { ids, sample_rows, .. } = &mut *staging;
+        if !self.stage(rows, sample_rows) {
+            return;
+        }
+        if ids.as_ref().is_none_or(|d| d.len() < n) {
+            *ids = self.alloc::<u32>(n);
+        }
+        let (Some(ids), Some(settings)) = (ids.as_ref(), sample_rows.as_ref()) else {
+            return;
+        };
+        let cols = vocab as i32;
+        launch!(
+            self.gpu,
+            "sample_rows",
+            geometry::sample_geometry(n),
+            x,
+            settings,
+            ids,
+            &cols
+        );
+        let r = self.gpu.stream.memcpy_dtoh(&ids.slice(0..n), out.as_mut_slice());
         self.gpu.check("downloading token ids", r);
         self.gpu.check("synchronizing", self.gpu.stream.synchronize());
     }

@@ -1,0 +1,181 @@
+// A CPU emulation of the CUDA execution model, just wide enough for Baton's kernels: it lets
+// the `.cu` files compile as plain C++ and run in unit tests on machines with no GPU (CI, and
+// most sessions), so a kernel's indexing, synchronisation and arithmetic are checked against
+// the CPU reference before a GPU is ever lent. It does not check what only a GPU shows
+// (speed, the memory model between blocks, the CUDA compiler's code).
+//
+// Every thread of a block is an OS thread; the blocks of a launch run one after another, so a
+// `__shared__` variable (a function-local `static` here) is the running block's own.
+// `__syncthreads`, `__syncwarp` and the warp shuffles are barriers; a thread that returns
+// drops out of them, as an exited GPU thread does. Launches are serialised.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#define BATON_EMULATION 1
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __launch_bounds__(...)
+#define __shared__ static
+
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+struct alignas(16) int4 {
+    int x, y, z, w;
+};
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
+
+inline thread_local dim3 threadIdx, blockIdx;
+inline dim3 blockDim, gridDim;
+
+namespace emu {
+
+// The running block: its barriers and one exchange slot per thread for shuffles.
+struct Block {
+    std::barrier<> all;
+    std::vector<std::unique_ptr<std::barrier<>>> warps;
+    std::vector<uint64_t> slots;
+    explicit Block(int threads) : all(threads), slots(threads) {
+        for (int w = 0; w < threads; w += 32) warps.push_back(std::make_unique<std::barrier<>>(32));
+    }
+};
+
+inline thread_local Block* block = nullptr;
+
+inline std::barrier<>& warp_barrier() { return *block->warps[threadIdx.x / 32]; }
+
+// Lane `src`'s `v` of this thread's warp.
+template <class T> T exchange(T v, unsigned src) {
+    static_assert(sizeof(T) <= 8, "a shuffle moves at most 8 bytes");
+    uint64_t bits = 0;
+    std::memcpy(&bits, &v, sizeof v);
+    const unsigned base = threadIdx.x & ~31u;
+    block->slots[threadIdx.x] = bits;
+    warp_barrier().arrive_and_wait();
+    const uint64_t got = block->slots[base + (src & 31u)];
+    warp_barrier().arrive_and_wait();
+    T r;
+    std::memcpy(&r, &got, sizeof r);
+    return r;
+}
+
+inline std::mutex launch_lock;
+
+// Run `kernel` over `grid` blocks of `block_dim` threads (one-dimensional blocks of whole warps).
+template <class F> void launch(dim3 grid, dim3 block_dim, F kernel) {
+    std::lock_guard<std::mutex> serial(launch_lock);
+    const int threads = (int)block_dim.x;
+    if (threads <= 0 || threads % 32 != 0 || threads > 1024 || block_dim.y != 1 || block_dim.z != 1) std::abort();
+    gridDim = grid;
+    blockDim = block_dim;
+    for (unsigned z = 0; z < grid.z; ++z)
+        for (unsigned y = 0; y < grid.y; ++y)
+            for (unsigned x = 0; x < grid.x; ++x) {
+                Block b(threads);
+                std::vector<std::thread> pool;
+                pool.reserve(threads);
+                for (int t = 0; t < threads; ++t)
+                    pool.emplace_back([&b, &kernel, t, x, y, z] {
+                        threadIdx = {(unsigned)t, 0, 0};
+                        blockIdx = {x, y, z};
+                        block = &b;
+                        kernel();
+                        b.warps[t / 32]->arrive_and_drop();
+                        b.all.arrive_and_drop();
+                    });
+                for (auto& th : pool) th.join();
+            }
+}
+
+} // namespace emu
+
+inline void __syncthreads() { emu::block->all.arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_barrier().arrive_and_wait(); }
+
+template <class T> T __shfl_sync(unsigned, T v, int src) { return emu::exchange(v, (unsigned)src); }
+template <class T> T __shfl_xor_sync(unsigned, T v, int mask) {
+    return emu::exchange(v, (threadIdx.x & 31u) ^ (unsigned)mask);
+}
+template <class T> T __shfl_up_sync(unsigned, T v, unsigned delta) {
+    const unsigned lane = threadIdx.x & 31u;
+    return emu::exchange(v, lane >= delta ? lane - delta : lane);
+}
+template <class T> T __shfl_down_sync(unsigned, T v, unsigned delta) {
+    const unsigned lane = threadIdx.x & 31u;
+    return emu::exchange(v, lane + delta < 32 ? lane + delta : lane);
+}
+
+template <class T> T __ldg(const T* p) { return *p; }
+
+template <class T> T atomicAdd(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); }
+template <class T> T atomicMin(T* p, T v) {
+    std::atomic_ref<T> a(*p);
+    T old = a.load();
+    while (v < old && !a.compare_exchange_weak(old, v)) {
+    }
+    return old;
+}
+
+inline float __int_as_float(int i) {
+    float f;
+    std::memcpy(&f, &i, 4);
+    return f;
+}
+inline int __float_as_int(float f) {
+    int i;
+    std::memcpy(&i, &f, 4);
+    return i;
+}
+inline float __uint_as_float(unsigned i) {
+    float f;
+    std::memcpy(&f, &i, 4);
+    return f;
+}
+inline unsigned __float_as_uint(float f) {
+    unsigned i;
+    std::memcpy(&i, &f, 4);
+    return i;
+}
+
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+inline unsigned long long min(unsigned long long a, unsigned long long b) { return a < b ? a : b; }
+inline unsigned long long max(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
+
+// What common.cuh writes as inline PTX.
+inline float h2f(unsigned short h) {
+    _Float16 v;
+    std::memcpy(&v, &h, 2);
+    return (float)v;
+}
+inline unsigned short f2h(float f) {
+    const _Float16 v = (_Float16)f;
+    unsigned short h;
+    std::memcpy(&h, &v, 2);
+    return h;
+}
+inline int dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+    return c;
+}

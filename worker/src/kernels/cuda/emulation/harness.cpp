@@ -1,0 +1,24 @@
+// Baton's CUDA kernels compiled for the CPU emulation (emu.h), each behind a C entry point
+// `emu_<kernel>(grid, block, arguments...)` that the unit tests in emulated.rs call.
+#include "emu.h"
+
+#include "../attention.cu"
+#include "../elementwise.cu"
+#include "../matmul.cu"
+#include "../sampling.cu"
+
+#define EMULATE(name, params, args)                                                                                \
+    extern "C" void emu_##name(dim3 grid, dim3 block, params) {                                                   \
+        emu::launch(grid, block, [=] { name args; });                                                              \
+    }
+#define P(...) __VA_ARGS__
+
+EMULATE(rmsnorm, P(const float* x, const float* w, float* out, int width, float eps), (x, w, out, width, eps))
+EMULATE(argmax_rows, P(const float* x, u32* out, int cols), (x, out, cols))
+EMULATE(quantize_q8, P(const float* x, i8* q, float* d, u64 blocks), (x, q, d, blocks))
+EMULATE(matmul_q8, P(const i8* xq, const float* xd, Group g, int rows_x, int cols), (xq, xd, g, rows_x, cols))
+EMULATE(attention_f32,
+        P(const float* q, const float* kp, const float* vp, const int* meta, const u32* tables, float* out, int heads,
+          int kv_heads, int head_dim, int block_size, int mask_block, float scale),
+        (q, kp, vp, meta, tables, out, heads, kv_heads, head_dim, block_size, mask_block, scale))
+EMULATE(sample_rows, P(const float* logits, const SampleRow* rows, u32* out, int vocab), (logits, rows, out, vocab))
