@@ -2,8 +2,8 @@
 //! measured on, as one JSON report. Each part runs the same code on the device under test and
 //! on the CPU reference, through the public [`Ops`] and [`Backend`] interfaces:
 //!
-//! * `kernels`: every operation against the single-thread CPU operations over batches of 1, 8,
-//!   32 and 128 rows;
+//! * `kernels`: every operation (products of f32, f16, bf16, Q8_0, Q4_0 and Q4_1 weights)
+//!   against the single-thread CPU operations over batches of 1, 8, 32 and 128 rows;
 //! * `parity`: whole models (logits at every position of a prompt, 180 greedy steps, so decode
 //!   rows attend to more keys than one round of the attention kernel's warps covers) in f32,
 //!   Q8_0, Q4_0 and f16-K/V modes against the CPU in the same mode;
@@ -143,6 +143,8 @@ fn kernel_cases<O: Ops>(ops: &O) -> Value {
             ("matmul_q8_0", WeightFormat::Q8_0, 1e-5),
             ("matmul_q4_0", WeightFormat::Q4_0, 1e-5),
             ("matmul_q4_1", WeightFormat::Q4_1, 1e-5),
+            ("matmul_f16", WeightFormat::F16, 1e-5),
+            ("matmul_bf16", WeightFormat::Bf16, 1e-5),
         ] {
             for with_bias in [false, true] {
                 let run = |o: &dyn Fn(&[f32]) -> Vec<f32>| o(&x);

@@ -35,7 +35,7 @@ __device__ __forceinline__ float block_sum(float v, float* shared) {
     return total;
 }
 
-#ifndef BATON_EMULATION // emulation/emu.h defines these three for the CPU emulation
+#ifndef BATON_EMULATION // emulation/emu.h defines these for the CPU emulation
 __device__ __forceinline__ float h2f(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -46,6 +46,16 @@ __device__ __forceinline__ u16 f2h(float f) {
     u16 h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
+}
+
+// Both f16 values packed in `v` (low half first), widened in one step: the 16-bit registers stay
+// inside the asm, which keeps ptxas from spilling around them in wide loops.
+__device__ __forceinline__ float2 h2f2(u32 v) {
+    float2 r;
+    asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %2; cvt.f32.f16 %0, lo; cvt.f32.f16 %1, hi; }"
+        : "=f"(r.x), "=f"(r.y)
+        : "r"(v));
+    return r;
 }
 
 // Four signed byte products added to `c`.

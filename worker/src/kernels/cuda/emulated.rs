@@ -206,6 +206,75 @@ fn q8_products_of_two_weights_in_one_launch_match_integer_dot_products() {
     }
 }
 
+#[test]
+fn half_precision_products_equal_f32_products_of_the_rounded_weights() {
+    type Product = unsafe extern "C" fn(Dim3, Dim3, *const f32, MatmulGroup, i32, i32);
+    let kernels: [Product; 3] = [kernel("matmul_f32"), kernel("matmul_f16"), kernel("matmul_bf16")];
+    let rows_x = 9;
+    // 260 wide reads four values a lane at a time (and each lane more than once); 70 one.
+    for cols in [260usize, 70] {
+        let x = values(rows_x * cols, 50);
+        let bias = values(6, 51);
+        for (kind, round) in [
+            (1, (|v| half::f16::from_f32(v).to_bits()) as fn(f32) -> u16),
+            (2, |v| half::bf16::from_f32(v).to_bits()),
+        ] {
+            let widen = |b: u16| match kind {
+                1 => half::f16::from_bits(b).to_f32(),
+                _ => half::bf16::from_bits(b).to_f32(),
+            };
+            // Two products in one launch (5 and 6 rows), the second with a bias.
+            let halves: Vec<Vec<u16>> = [5usize, 6]
+                .iter()
+                .map(|&rows| {
+                    values(rows * cols, (rows + cols) as u64)
+                        .into_iter()
+                        .map(round)
+                        .collect()
+                })
+                .collect();
+            let wide: Vec<Vec<f32>> = halves.iter().map(|h| h.iter().map(|&b| widen(b)).collect()).collect();
+            let run = |k: Product, weights: [u64; 2]| -> Vec<Vec<f32>> {
+                let mut outs = vec![vec![0f32; rows_x * 5], vec![0f32; rows_x * 6]];
+                let mut g = MatmulGroup::default();
+                for p in 0..2 {
+                    g.w[p] = weights[p];
+                    g.out[p] = outs[p].as_mut_ptr() as u64;
+                    g.rows[p] = [5, 6][p];
+                }
+                g.bias[1] = bias.as_ptr() as u64;
+                let (grid, block) = dims(matmul_geometry(rows_x, g.total_rows()));
+                // SAFETY: the group's addresses are live buffers of its rows times `cols`.
+                unsafe { k(grid, block, x.as_ptr(), g, rows_x as i32, cols as i32) };
+                outs
+            };
+            let f32_out = run(kernels[0], [wide[0].as_ptr() as u64, wide[1].as_ptr() as u64]);
+            let half_out = run(kernels[kind], [halves[0].as_ptr() as u64, halves[1].as_ptr() as u64]);
+            assert!(
+                f32_out
+                    .iter()
+                    .flatten()
+                    .zip(half_out.iter().flatten())
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "kind {kind}, {cols} wide: the half kernel must give the f32 kernel's bits"
+            );
+            for (p, w) in wide.iter().enumerate() {
+                let rows = w.len() / cols;
+                for t in 0..rows_x {
+                    for r in 0..rows {
+                        let dot: f64 = (0..cols)
+                            .map(|c| f64::from(w[r * cols + c]) * f64::from(x[t * cols + c]))
+                            .sum();
+                        let want = dot + if p == 1 { f64::from(bias[r]) } else { 0.0 };
+                        let got = f64::from(f32_out[p][t * rows + r]);
+                        assert!((got - want).abs() < 1e-5, "product {p} row {t},{r}: {got} vs {want}");
+                    }
+                }
+            }
+        }
+    }
+}
+
 type Sample = unsafe extern "C" fn(Dim3, Dim3, *const f32, *const SampleRow, *mut u32, i32);
 
 /// `sample_rows` over `logits` (rows of `vocab`), one launch.

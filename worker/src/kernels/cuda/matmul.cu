@@ -35,14 +35,43 @@ __device__ __forceinline__ int pick_rows(const Group& g, int p) {
     return p == 0 ? g.rows[0] : (p == 1 ? g.rows[1] : g.rows[2]);
 }
 
-// f32 weights. `vec4` (chosen from `cols` alone) reads 16 bytes per lane per step.
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
-matmul_f32(const float* x, Group g, int rows_x, int cols) {
+// Weights held as f32, f16 or bf16 (KIND 0, 1, 2), read as f32: the half formats widen
+// exactly, so a product computes with the same values in the same order as on f32 weights
+// holding the rounded values, at half the memory and half the bytes streamed.
+#define W_F32 0
+#define W_F16 1
+#define W_BF16 2
+
+__device__ __forceinline__ float bf2f(u32 bits16) { return __uint_as_float(bits16 << 16); }
+
+template <int KIND> __device__ __forceinline__ float widen1(const void* w, u64 i) {
+    if constexpr (KIND == W_F32) return ((const float*)w)[i];
+    else if constexpr (KIND == W_F16) return h2f2((u32)((const u16*)w)[i]).x; // (h2f spills on sm_86/89 here)
+    else return bf2f(((const u16*)w)[i]);
+}
+
+// Values 4c .. 4c + 3 (16 bytes of f32, 8 of a half format per lane).
+template <int KIND> __device__ __forceinline__ float4 widen4(const void* w, u64 c) {
+    if constexpr (KIND == W_F32) {
+        return ((const float4*)w)[c];
+    } else {
+        const uint2 v = ((const uint2*)w)[c];
+        if constexpr (KIND == W_F16) {
+            const float2 a = h2f2(v.x), b = h2f2(v.y);
+            return make_float4(a.x, a.y, b.x, b.y);
+        } else {
+            return make_float4(bf2f(v.x & 0xffffu), bf2f(v.x >> 16), bf2f(v.y & 0xffffu), bf2f(v.y >> 16));
+        }
+    }
+}
+
+// `vec4` (chosen from `cols` alone) reads four values per lane per step.
+template <int KIND> __device__ __forceinline__ void matmul_wide(const float* x, Group g, int rows_x, int cols) {
     const int lane = threadIdx.x & 31;
     int p, r;
     if (!locate(g, blockIdx.x * WARPS + (threadIdx.x >> 5), p, r)) return;
     const int rows_w = pick_rows(g, p);
-    const float* w = (const float*)pick(p, g.w[0], g.w[1], g.w[2]);
+    const void* w = (const void*)pick(p, g.w[0], g.w[1], g.w[2]);
     const float* bias = (const float*)pick(p, g.bias[0], g.bias[1], g.bias[2]);
     float* out = (float*)pick(p, g.out[0], g.out[1], g.out[2]);
     const int t0 = blockIdx.y * TILE;
@@ -50,11 +79,10 @@ matmul_f32(const float* x, Group g, int rows_x, int cols) {
     float acc[TILE];
 #pragma unroll
     for (int j = 0; j < TILE; ++j) acc[j] = 0.0f;
-    const float* wr = w + (u64)r * cols;
+    const u64 row0 = (u64)r * cols;
     if ((cols & 3) == 0) {
-        const float4* w4 = (const float4*)wr;
         for (int c = lane; c < cols / 4; c += 32) {
-            const float4 a = w4[c];
+            const float4 a = widen4<KIND>(w, row0 / 4 + c);
 #pragma unroll
             for (int j = 0; j < TILE; ++j) {
                 if (j < nt) {
@@ -65,7 +93,7 @@ matmul_f32(const float* x, Group g, int rows_x, int cols) {
         }
     } else {
         for (int c = lane; c < cols; c += 32) {
-            const float a = wr[c];
+            const float a = widen1<KIND>(w, row0 + c);
 #pragma unroll
             for (int j = 0; j < TILE; ++j)
                 if (j < nt) acc[j] += a * x[(u64)(t0 + j) * cols + c];
@@ -77,6 +105,18 @@ matmul_f32(const float* x, Group g, int rows_x, int cols) {
         const float s = warp_sum(acc[j]);
         if (lane == 0 && j < nt) out[(u64)(t0 + j) * rows_w + r] = s + b;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) matmul_f32(const float* x, Group g, int rows_x, int cols) {
+    matmul_wide<W_F32>(x, g, rows_x, cols);
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) matmul_f16(const float* x, Group g, int rows_x, int cols) {
+    matmul_wide<W_F16>(x, g, rows_x, cols);
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) matmul_bf16(const float* x, Group g, int rows_x, int cols) {
+    matmul_wide<W_BF16>(x, g, rows_x, cols);
 }
 
 // Quantize each 32-value block of x to i8 with scale max|x|/127, rounding half away from zero

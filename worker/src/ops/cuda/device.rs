@@ -279,6 +279,8 @@ mod tests {
             "attention_f32",
             "deinterleave",
             "embed_f32",
+            "matmul_bf16",
+            "matmul_f16",
             "matmul_f32",
             "matmul_q4",
             "matmul_q8",

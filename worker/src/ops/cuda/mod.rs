@@ -6,13 +6,14 @@
 //! and reported by the backend after the call ([`Gpu::take_error`]), since the operations
 //! themselves return nothing.
 //!
-//! What runs here: dense decoders (Llama, Qwen2, Qwen3) with f32, f16/bf16 (widened to f32),
-//! Q8_0, Q4_0 and Q4_1 weights, f32 or f16 K/V. Mixture-of-experts routing and Gated DeltaNet have no GPU
-//! kernels yet: a CUDA backend refuses such layers at load, and these operations only record
-//! an error if reached.
+//! What runs here: dense decoders (Llama, Qwen2, Qwen3) with f32, f16/bf16 (held at 16 bits,
+//! widened in the product), Q8_0, Q4_0 and Q4_1 weights, f32 or f16 K/V. Mixture-of-experts
+//! routing and Gated DeltaNet have no GPU kernels yet: a CUDA backend refuses such layers at
+//! load, and these operations only record an error if reached.
 
 pub mod device;
 pub mod kv;
+pub mod pinned;
 
 use std::sync::{Arc, Mutex};
 
@@ -27,6 +28,7 @@ use crate::model::ForwardError;
 pub use device::{CudaError, Gpu, GpuInfo, KernelTime};
 use kv::KvStore;
 pub use kv::{CudaBatch, CudaKvPool};
+use pinned::PinnedRows;
 
 fn config(g: Geometry) -> LaunchConfig {
     LaunchConfig {
@@ -80,6 +82,9 @@ struct Staging {
     sin_host: Vec<f32>,
     ids: Option<CudaSlice<u32>>,
     sample_rows: Option<CudaSlice<SampleRow>>,
+    /// Page-locked buffers for the rows uploaded and downloaded (made on first use).
+    rows_in: Option<PinnedRows>,
+    rows_out: Option<PinnedRows>,
 }
 
 /// f32 rows in GPU memory; keeps its largest allocation.
@@ -89,10 +94,25 @@ pub struct CudaBuf {
     len: usize,
 }
 
+/// `values` rounded to f16 (or bf16) bits, as the CPU rounds them.
+fn half_bits(values: &[f32], bf16: bool) -> Vec<u16> {
+    match bf16 {
+        true => values.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect(),
+        false => values.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect(),
+    }
+}
+
 /// A weight matrix in GPU memory.
 pub enum CudaMat {
     F32 {
         w: CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+    },
+    /// f16 or bf16 bits, widened to f32 as the product reads them.
+    Half {
+        w: CudaSlice<u16>,
+        bf16: bool,
         rows: usize,
         cols: usize,
     },
@@ -116,22 +136,37 @@ pub enum CudaMat {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
     F32,
+    F16,
+    Bf16,
     Q8,
     Q4,
+}
+
+impl Kind {
+    /// Every kind, in the order a step's products are launched.
+    const ALL: [Kind; 5] = [Kind::F32, Kind::F16, Kind::Bf16, Kind::Q8, Kind::Q4];
+
+    /// Whether its product reads the f32 activations as they are (no quantization).
+    fn reads_f32(self) -> bool {
+        matches!(self, Kind::F32 | Kind::F16 | Kind::Bf16)
+    }
 }
 
 impl CudaMat {
     fn shape(&self) -> (usize, usize) {
         match self {
-            CudaMat::F32 { rows, cols, .. } | CudaMat::Q8 { rows, cols, .. } | CudaMat::Q4 { rows, cols, .. } => {
-                (*rows, *cols)
-            }
+            CudaMat::F32 { rows, cols, .. }
+            | CudaMat::Half { rows, cols, .. }
+            | CudaMat::Q8 { rows, cols, .. }
+            | CudaMat::Q4 { rows, cols, .. } => (*rows, *cols),
         }
     }
 
     fn kind(&self) -> Kind {
         match self {
             CudaMat::F32 { .. } => Kind::F32,
+            CudaMat::Half { bf16: false, .. } => Kind::F16,
+            CudaMat::Half { bf16: true, .. } => Kind::Bf16,
             CudaMat::Q8 { .. } => Kind::Q8,
             CudaMat::Q4 { .. } => Kind::Q4,
         }
@@ -193,6 +228,16 @@ impl CudaOps {
     fn stage<T: DeviceRepr + ValidAsZeroBits>(&self, host: &[T], dev: &mut Option<CudaSlice<T>>) -> bool {
         let r = device::upload_into(&self.gpu.stream, host, dev);
         self.gpu.check("uploading", r).is_some()
+    }
+
+    /// `slot`'s page-locked buffer, made on first use.
+    fn pinned<'b>(&self, slot: &'b mut Option<PinnedRows>) -> Option<&'b mut PinnedRows> {
+        if slot.is_none() {
+            *slot = self
+                .gpu
+                .check("allocating page-locked memory", PinnedRows::new(&self.gpu.stream));
+        }
+        slot.as_mut()
     }
 
     fn dev<'b>(&self, buf: &'b CudaBuf) -> Option<&'b CudaSlice<f32>> {
@@ -318,6 +363,10 @@ impl CudaOps {
                     g.w[i] = self.address(w);
                     g.rows[i] = *rows as i32;
                 }
+                CudaMat::Half { w, rows, .. } => {
+                    g.w[i] = self.address(w);
+                    g.rows[i] = *rows as i32;
+                }
                 CudaMat::Q8 { q, d, rows, .. } => {
                     g.w[i] = self.address(q);
                     g.d[i] = self.address(d);
@@ -335,14 +384,20 @@ impl CudaOps {
         }
         let geom = geometry::matmul_geometry(t, g.total_rows());
         let (t32, c32) = (t as i32, cols as i32);
-        if kind == Kind::F32 {
-            launch!(self.gpu, "matmul_f32", geom, x, &g, &t32, &c32);
+        let name = match kind {
+            Kind::F32 => "matmul_f32",
+            Kind::F16 => "matmul_f16",
+            Kind::Bf16 => "matmul_bf16",
+            Kind::Q8 => "matmul_q8",
+            Kind::Q4 => "matmul_q4",
+        };
+        if kind.reads_f32() {
+            launch!(self.gpu, name, geom, x, &g, &t32, &c32);
             return;
         }
         let (Some(xq), Some(xd)) = (ws.xq.as_ref(), ws.xd.as_ref()) else {
             return;
         };
-        let name = if kind == Kind::Q8 { "matmul_q8" } else { "matmul_q4" };
         launch!(self.gpu, name, geom, xq, xd, &g, &t32, &c32);
     }
 
@@ -465,22 +520,20 @@ impl Ops for CudaOps {
                         };
                         q4(Q4Device::from_ggml(dtype, &bytes, rows, cols).map_err(|e| e.to_string())?)
                     }
-                    WeightFormat::F16 | WeightFormat::Bf16 => {
-                        // Rounded as the CPU rounds them, then widened: the same weights, at
-                        // f32's memory until the GPU has half-precision products.
-                        let wide: Vec<f32> = match format {
-                            WeightFormat::F16 if values.iter().all(|v| v.abs() <= 65504.0) => {
-                                values.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect()
-                            }
-                            WeightFormat::Bf16 => values.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect(),
-                            _ => values,
-                        };
-                        Ok(CudaMat::F32 {
-                            w: self.upload_new(&wide)?,
-                            rows,
-                            cols,
-                        })
-                    }
+                    // Rounded as the CPU rounds them and held at 16 bits; a matrix with values
+                    // past f16's range stays f32, as on the CPU.
+                    WeightFormat::F16 if values.iter().all(|v| v.abs() <= 65504.0) => Ok(CudaMat::Half {
+                        w: self.upload_new(&half_bits(&values, false))?,
+                        bf16: false,
+                        rows,
+                        cols,
+                    }),
+                    WeightFormat::Bf16 => Ok(CudaMat::Half {
+                        w: self.upload_new(&half_bits(&values, true))?,
+                        bf16: true,
+                        rows,
+                        cols,
+                    }),
                     _ => Ok(CudaMat::F32 {
                         w: self.upload_new(&values)?,
                         rows,
@@ -505,6 +558,7 @@ impl Ops for CudaOps {
     fn matrix_bytes(&self, m: &CudaMat) -> usize {
         match m {
             CudaMat::F32 { w, .. } => 4 * w.len(),
+            CudaMat::Half { w, .. } => 2 * w.len(),
             CudaMat::Q8 { q, d, .. } => q.len() + 2 * d.len(),
             CudaMat::Q4 { codes, d, m, .. } => codes.len() + 2 * (d.len() + m.as_ref().map_or(0, |m| m.len())),
         }
@@ -527,10 +581,14 @@ impl Ops for CudaOps {
 
     fn upload(&self, host: &[f32], buf: &mut CudaBuf) {
         self.resize(buf, host.len());
-        if let Some(d) = buf.data.as_mut() {
-            let r = self.gpu.stream.memcpy_htod(host, &mut d.slice_mut(0..host.len()));
-            self.gpu.check("uploading rows", r);
-        }
+        let Some(d) = buf.data.as_ref() else { return };
+        let dst = self.address(d);
+        let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(pinned) = self.pinned(&mut staging.rows_in) else {
+            return;
+        };
+        let r = pinned.upload(&self.gpu.stream, host, dst);
+        self.gpu.check("uploading rows", r);
     }
 
     fn finish(&self) {
@@ -540,9 +598,13 @@ impl Ops for CudaOps {
     fn download(&self, buf: &CudaBuf, host: &mut [f32]) {
         let Some(d) = self.dev(buf) else { return };
         let n = host.len().min(buf.len);
-        let r = self.gpu.stream.memcpy_dtoh(&d.slice(0..n), &mut host[..n]);
+        let src = self.address(d);
+        let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(pinned) = self.pinned(&mut staging.rows_out) else {
+            return;
+        };
+        let r = pinned.download(&self.gpu.stream, src, &mut host[..n]);
         self.gpu.check("downloading rows", r);
-        self.gpu.check("synchronizing", self.gpu.stream.synchronize());
     }
 
     fn embed(&self, table: &CudaMat, tokens: &[u32], out: &mut CudaBuf) -> Result<(), ForwardError> {
@@ -588,11 +650,11 @@ impl Ops for CudaOps {
         }
         // Quantized products share one quantization of the activations; each format's
         // products go out as one launch (a group of up to three).
-        let quantized = products.iter().any(|p| p.0.kind() != Kind::F32);
+        let quantized = products.iter().any(|p| !p.0.kind().reads_f32());
         if quantized && !self.quantize(ws, xd, t * cols) {
             return;
         }
-        for kind in [Kind::F32, Kind::Q8, Kind::Q4] {
+        for kind in Kind::ALL {
             let mut group = Vec::with_capacity(N);
             for (w, bias, out) in &products {
                 if w.kind() != kind {

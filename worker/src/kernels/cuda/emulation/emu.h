@@ -32,11 +32,17 @@
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
 };
+struct alignas(8) float2 {
+    float x, y;
+};
 struct alignas(16) float4 {
     float x, y, z, w;
 };
 struct alignas(16) int4 {
     int x, y, z, w;
+};
+struct alignas(8) uint2 {
+    unsigned x, y;
 };
 struct alignas(16) uint4 {
     unsigned x, y, z, w;
@@ -175,6 +181,7 @@ inline unsigned short f2h(float f) {
     std::memcpy(&h, &v, 2);
     return h;
 }
+inline float2 h2f2(unsigned v) { return {h2f((unsigned short)(v & 0xffffu)), h2f((unsigned short)(v >> 16))}; }
 inline int dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
     return c;

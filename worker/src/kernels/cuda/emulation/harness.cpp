@@ -15,6 +15,9 @@
 
 EMULATE(rmsnorm, P(const float* x, const float* w, float* out, int width, float eps), (x, w, out, width, eps))
 EMULATE(argmax_rows, P(const float* x, u32* out, int cols), (x, out, cols))
+EMULATE(matmul_f32, P(const float* x, Group g, int rows_x, int cols), (x, g, rows_x, cols))
+EMULATE(matmul_f16, P(const float* x, Group g, int rows_x, int cols), (x, g, rows_x, cols))
+EMULATE(matmul_bf16, P(const float* x, Group g, int rows_x, int cols), (x, g, rows_x, cols))
 EMULATE(quantize_q8, P(const float* x, i8* q, float* d, u64 blocks), (x, q, d, blocks))
 EMULATE(matmul_q8, P(const i8* xq, const float* xd, Group g, int rows_x, int cols), (xq, xd, g, rows_x, cols))
 EMULATE(attention_f32,
