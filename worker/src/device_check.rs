@@ -343,7 +343,12 @@ fn bandwidth_on(device: Device) -> anyhow::Result<Value> {
             let ops = crate::ops::cuda::CudaOps::open(gpu)?;
             let copy = ops.copy_bandwidth(1 << 30, 20)?;
             let shapes: Vec<_> = BANDWIDTH_SHAPES.iter().chain(&LAYER_SHAPES).copied().collect();
-            Ok(bandwidth(&ops, Some(copy), 100, &shapes))
+            let mut report = bandwidth(&ops, Some(copy), 100, &shapes);
+            // The same products with every batch on matmul_q8 (dp4a), to weigh the tensor cores.
+            let dp4a = bandwidth(&ops.with_mma_from(usize::MAX), Some(copy), 100, &shapes);
+            report["tensor_cores"] = json!(ops.tensor_cores());
+            report["q8_0_products_dp4a"] = dp4a["q8_0_products"].clone();
+            Ok(report)
         }
         #[cfg(not(feature = "cuda"))]
         Device::Cuda { .. } => anyhow::bail!("this build has no CUDA backend"),
@@ -358,7 +363,7 @@ fn bandwidth<O: Ops>(ops: &O, copy_gb_s: Option<f64>, reps: usize, shapes: &[(us
             .matrix(HostMatrix::F32 { values: w, cols }, WeightFormat::Q8_0)
             .expect("a valid matrix");
         let bytes = ops.matrix_bytes(&m);
-        for rows in [1usize, 8] {
+        for rows in [1usize, 8, 32] {
             let (mut xb, mut out, mut ws) = (O::Buf::default(), O::Buf::default(), O::Workspace::default());
             ops.upload(&values(rows * cols, 5), &mut xb);
             ops.matmul(&mut ws, &xb, &m, None, &mut out);

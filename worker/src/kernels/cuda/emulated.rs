@@ -206,6 +206,72 @@ fn q8_products_of_two_weights_in_one_launch_match_integer_dot_products() {
     }
 }
 
+/// A Q8_0 matrix of random quants and scales.
+fn q8_matrix(rows: usize, cols: usize, seed: u64) -> Q8Device {
+    let nb = cols / QK;
+    Q8Device {
+        rows,
+        cols,
+        quants: values(rows * cols, seed).iter().map(|&f| (f * 127.0) as i8).collect(),
+        scales: values(rows * nb, seed + 1)
+            .iter()
+            .map(|&s| half::f16::from_f32(s * 0.01).to_bits())
+            .collect(),
+    }
+}
+
+#[test]
+fn tensor_core_q8_products_give_the_dp4a_kernels_bits() {
+    type Quantize = unsafe extern "C" fn(Dim3, Dim3, *const f32, *mut i8, *mut f32, u64);
+    type Product = unsafe extern "C" fn(Dim3, Dim3, *const i8, *const f32, MatmulGroup, i32, i32);
+    let quantize: Quantize = kernel("quantize_q8");
+    let (dp4a, mma): (Product, Product) = (kernel("matmul_q8"), kernel("matmul_q8_mma"));
+    // Two products of 5 and 27 rows, so 16-row tiles straddle them and end part-way; 9 and 17
+    // activation rows end 8-row tiles part-way. 2,048 columns: 64 blocks, two per partial;
+    // 64 columns: 2 blocks, so most partials hold none.
+    for (rows_x, cols) in [(9usize, 2048usize), (17, 64), (1, 2048)] {
+        let nb = cols / QK;
+        let x = values(rows_x * cols, 60 + rows_x as u64);
+        let (mut xq, mut xd) = (vec![0i8; rows_x * cols], vec![0f32; rows_x * nb]);
+        let (grid, block) = dims(quantize_geometry(rows_x * nb));
+        // SAFETY: `rows_x * nb` blocks in, their quants and scales out.
+        unsafe {
+            quantize(
+                grid,
+                block,
+                x.as_ptr(),
+                xq.as_mut_ptr(),
+                xd.as_mut_ptr(),
+                (rows_x * nb) as u64,
+            )
+        };
+        let weights = [q8_matrix(5, cols, 70), q8_matrix(27, cols, 72)];
+        let bias = values(27, 74);
+        let run = |k: Product, geometry: Geometry| -> Vec<Vec<f32>> {
+            let mut outs: Vec<Vec<f32>> = weights.iter().map(|w| vec![f32::NAN; rows_x * w.rows]).collect();
+            let mut g = MatmulGroup::default();
+            for (p, w) in weights.iter().enumerate() {
+                g.w[p] = w.quants.as_ptr() as u64;
+                g.d[p] = w.scales.as_ptr() as u64;
+                g.out[p] = outs[p].as_mut_ptr() as u64;
+                g.rows[p] = w.rows as i32;
+            }
+            g.bias[1] = bias.as_ptr() as u64;
+            let (grid, block) = dims(geometry);
+            // SAFETY: the group's addresses are live buffers of the sizes its row counts imply.
+            unsafe { k(grid, block, xq.as_ptr(), xd.as_ptr(), g, rows_x as i32, cols as i32) };
+            outs
+        };
+        let want = run(dp4a, matmul_geometry(rows_x, 32));
+        let got = run(mma, matmul_mma_geometry(rows_x, 32));
+        for p in 0..2 {
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert!(want[p].iter().all(|v| v.is_finite()), "every output written");
+            assert_eq!(bits(&got[p]), bits(&want[p]), "product {p}, {rows_x} rows of {cols}");
+        }
+    }
+}
+
 #[test]
 fn half_precision_products_equal_f32_products_of_the_rounded_weights() {
     type Product = unsafe extern "C" fn(Dim3, Dim3, *const f32, MatmulGroup, i32, i32);

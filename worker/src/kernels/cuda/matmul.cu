@@ -195,7 +195,8 @@ matmul_q8(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, int 
                         const u64 row = (u64)(t0 + j);
                         const int4* xr = (const int4*)(xq + row * cols);
                         const int dot = dot_block(w0[u], w1[u], __ldg(xr + 2 * b), __ldg(xr + 2 * b + 1));
-                        acc[j] += (ws[u] * __ldg(xd + row * nb + b)) * (float)dot;
+                        // An explicit fma (not left to contraction), as matmul_q8_mma adds.
+                        acc[j] = fmaf(ws[u] * __ldg(xd + row * nb + b), (float)dot, acc[j]);
                     }
                 }
             }
@@ -206,6 +207,114 @@ matmul_q8(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, int 
     for (int j = 0; j < TILE; ++j) {
         const float s = warp_sum(acc[j]);
         if (lane == 0 && j < nt) out[(u64)(t0 + j) * rows_w + r] = s + bv;
+    }
+}
+
+// Q8_0 products on the tensor cores, for batches: one warp computes a tile of 16 weight rows by
+// 8 activation rows per Q8_0 block with one int8 `mma` (m16n8k32: a block is exactly its k).
+// The result has matmul_q8's bits, so a row's output never depends on which kernel its batch
+// took: per output, block b's dot (exact in int32) is scaled and added by fma into partial
+// b mod 32, blocks in increasing order, as lane b mod 32 of matmul_q8 adds it; the 32
+// partials are then summed in the tree of `warp_sum`'s butterfly, built bottom-up by a stack
+// over the partials in bit-reversed order (no shared memory).
+#define MMA_WARPS 4
+
+// d = a · b for one 16 × 32 tile of s8 (a: rows g and g + 8, k 4t .. 4t + 3 and 16 + 4t ..)
+// and one 32 × 8 tile (b: column g, the same k), g = lane / 4 and t = lane % 4; d holds
+// rows g and g + 8 by columns 2t and 2t + 1.
+#ifndef BATON_EMULATION
+__device__ __forceinline__ void mma_s8(int d[4], const int a[4], const int b[2]) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%10, %11, %12, %13};"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(0), "r"(0), "r"(0), "r"(0));
+}
+#endif
+
+// Where weight row `r` of the group lives: its quants and scales, or none past the last row.
+struct WRow {
+    const i8* q;
+    const u16* d;
+};
+
+__device__ __forceinline__ WRow weight_row(const Group& g, int r, int cols, int& product, int& row) {
+    if (!locate(g, r, product, row)) return WRow{nullptr, nullptr};
+    const i8* q = (const i8*)pick(product, g.w[0], g.w[1], g.w[2]);
+    const u16* d = (const u16*)pick(product, g.d[0], g.d[1], g.d[2]);
+    return WRow{q + (u64)row * cols, d + (u64)row * (cols / QK)};
+}
+
+__device__ __forceinline__ int load4(const i8* p) { return __ldg((const int*)p); }
+
+extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, 4)
+matmul_q8_mma(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, int rows_x, int cols) {
+    const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+    const int r0 = (blockIdx.x * MMA_WARPS + (threadIdx.x >> 5)) * 16;
+    const int total = g.rows[0] + g.rows[1] + g.rows[2];
+    if (r0 >= total) return; // the whole warp: mma needs every lane
+    const int nb = cols / QK;
+    int p_lo, row_lo, p_hi, row_hi;
+    const WRow lo = weight_row(g, r0 + gid, cols, p_lo, row_lo);
+    const WRow hi = weight_row(g, r0 + gid + 8, cols, p_hi, row_hi);
+    const int t0 = blockIdx.y * 8;
+    const int tb = t0 + gid;        // the activation row this lane loads for b
+    const int tc = t0 + 2 * tig;    // the activation rows of its outputs: tc, tc + 1
+    const i8* xb = tb < rows_x ? xq + (u64)tb * cols : nullptr;
+    const bool c0 = tc < rows_x, c1 = tc + 1 < rows_x;
+    // The bottom-up tree: stack[l] holds a finished subtree of 2^l partials.
+    float stack[5][4];
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
+        // Partial k's blocks: bit-reversed k, so neighbours in k pair as the butterfly does.
+        const int first = ((k & 1) << 4) | ((k & 2) << 2) | (k & 4) | ((k & 8) >> 2) | ((k & 16) >> 4);
+        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int b = first; b < nb; b += 32) {
+            const int o = b * QK + 4 * tig;
+            const int a[4] = {lo.q ? load4(lo.q + o) : 0, hi.q ? load4(hi.q + o) : 0, lo.q ? load4(lo.q + o + 16) : 0,
+                              hi.q ? load4(hi.q + o + 16) : 0};
+            const int bx[2] = {xb ? load4(xb + o) : 0, xb ? load4(xb + o + 16) : 0};
+            int d[4];
+            mma_s8(d, a, bx);
+            const float w_lo = lo.d ? h2f(__ldg(lo.d + b)) : 0.0f, w_hi = hi.d ? h2f(__ldg(hi.d + b)) : 0.0f;
+            const float x0 = c0 ? __ldg(xd + (u64)tc * nb + b) : 0.0f;
+            const float x1 = c1 ? __ldg(xd + (u64)(tc + 1) * nb + b) : 0.0f;
+            part[0] = fmaf(w_lo * x0, (float)d[0], part[0]);
+            part[1] = fmaf(w_lo * x1, (float)d[1], part[1]);
+            part[2] = fmaf(w_hi * x0, (float)d[2], part[2]);
+            part[3] = fmaf(w_hi * x1, (float)d[3], part[3]);
+        }
+        // Fold: each trailing one bit of k closes a subtree with the one on the stack.
+        int level = 0;
+#pragma unroll
+        for (int l = 0; l < 5; ++l) {
+            if (level == l && ((k >> l) & 1)) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) part[i] = stack[l][i] + part[i];
+                level = l + 1;
+            }
+        }
+#pragma unroll
+        for (int l = 0; l < 5; ++l) {
+            if (level == l && k != 31) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) stack[l][i] = part[i];
+            }
+        }
+        if (k == 31) {
+            // The root: the four outputs.
+            const int rows_w[2] = {lo.q ? pick_rows(g, p_lo) : 0, hi.q ? pick_rows(g, p_hi) : 0};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const bool upper = i >= 2;
+                const WRow& w = upper ? hi : lo;
+                const int t = tc + (i & 1);
+                if (!w.q || t >= rows_x) continue;
+                const int p = upper ? p_hi : p_lo, r = upper ? row_hi : row_lo;
+                const float* bias = (const float*)pick(p, g.bias[0], g.bias[1], g.bias[2]);
+                float* out = (float*)pick(p, g.out[0], g.out[1], g.out[2]);
+                out[(u64)t * rows_w[upper] + r] = part[i] + (bias ? bias[r] : 0.0f);
+            }
+        }
     }
 }
 

@@ -49,6 +49,22 @@ pub fn matmul_geometry(rows_x: usize, rows_w: usize) -> Geometry {
     }
 }
 
+/// Warps of a `matmul_q8_mma` block, each a tile of 16 weight rows by 8 activation rows
+/// (`MMA_WARPS` in matmul.cu).
+pub const MMA_WARPS: u32 = 4;
+
+/// Activation rows from which Q8_0 products take the tensor cores (`matmul_q8_mma`, the same
+/// bits as `matmul_q8`): one row streams the weights best with `matmul_q8`'s 16-byte loads.
+pub const MMA_MIN_ROWS: usize = 8;
+
+/// `matmul_q8_mma` over `rows_x` activation rows by `rows_w` weight rows.
+pub fn matmul_mma_geometry(rows_x: usize, rows_w: usize) -> Geometry {
+    Geometry {
+        grid: ((rows_w as u32).div_ceil(16 * MMA_WARPS), (rows_x as u32).div_ceil(8), 1),
+        block: (MMA_WARPS * 32, 1, 1),
+    }
+}
+
 /// Products one `matmul_*` launch computes at most (`Group` in matmul.cu).
 pub const GROUP: usize = 3;
 
@@ -423,6 +439,7 @@ mod tests {
         let attention = include_str!("attention.cu");
         assert!(matmul.contains(&format!("#define TILE {MATMUL_TILE}\n")));
         assert!(matmul.contains(&format!("#define WARPS {MATMUL_WARPS}\n")));
+        assert!(matmul.contains(&format!("#define MMA_WARPS {MMA_WARPS}\n")));
         // The group's layout: four arrays of GROUP addresses, then GROUP + 1 row counts.
         assert!(
             matmul.contains("    u64 w[3];") && matmul.contains("    u64 m[3];") && matmul.contains("    int rows[4];")

@@ -284,6 +284,7 @@ mod tests {
             "matmul_f32",
             "matmul_q4",
             "matmul_q8",
+            "matmul_q8_mma",
             "quantize_q8",
             "rmsnorm",
             "rope",

@@ -63,6 +63,9 @@ macro_rules! launch {
 pub struct CudaOps {
     gpu: Arc<Gpu>,
     staging: Arc<Mutex<Staging>>,
+    /// Activation rows from which Q8_0 products run on the tensor cores (`matmul_q8_mma`);
+    /// `usize::MAX` when its check at open did not give `matmul_q8`'s bits.
+    mma_min_rows: usize,
 }
 
 impl std::fmt::Debug for CudaOps {
@@ -201,10 +204,71 @@ pub struct CudaRouting;
 impl CudaOps {
     /// Operations on GPU `ordinal`.
     pub fn open(ordinal: u32) -> Result<Self, CudaError> {
-        Ok(Self {
+        let mut ops = Self {
             gpu: Arc::new(Gpu::open(ordinal)?),
             staging: Arc::default(),
-        })
+            mma_min_rows: usize::MAX,
+        };
+        ops.mma_min_rows = match ops.tensor_cores_agree() {
+            Ok(true) => geometry::MMA_MIN_ROWS,
+            Ok(false) => {
+                tracing::warn!(
+                    gpu = ordinal,
+                    "the tensor-core Q8_0 product differs from matmul_q8 on this GPU; batches use matmul_q8"
+                );
+                usize::MAX
+            }
+            Err(e) => {
+                tracing::warn!(gpu = ordinal, error = %e, "checking the tensor-core Q8_0 product failed; batches use matmul_q8");
+                usize::MAX
+            }
+        };
+        Ok(ops)
+    }
+
+    /// These operations with Q8_0 products on the tensor cores from `rows` activation rows
+    /// (`usize::MAX`: never), for measuring one kernel against the other.
+    pub fn with_mma_from(&self, rows: usize) -> Self {
+        Self {
+            mma_min_rows: rows,
+            ..self.clone()
+        }
+    }
+
+    /// Whether batched Q8_0 products run on the tensor cores.
+    pub fn tensor_cores(&self) -> bool {
+        self.mma_min_rows != usize::MAX
+    }
+
+    /// One small Q8_0 product (tiles cut part-way, a bias) through `matmul_q8_mma` and through
+    /// `matmul_q8`: the tensor cores are used only where both give the same bits, so a row's
+    /// result never depends on which kernel its batch took.
+    fn tensor_cores_agree(&self) -> Result<bool, String> {
+        let (rows_w, cols, rows_x) = (40usize, 2048usize, 11usize);
+        let wave = |n: usize, k: f32| -> Vec<f32> { (0..n).map(|i| ((i as f32) * k).sin()).collect() };
+        let w = self.matrix(
+            HostMatrix::F32 {
+                values: wave(rows_w * cols, 0.37),
+                cols,
+            },
+            WeightFormat::Q8_0,
+        )?;
+        let bias = self.vector(wave(rows_w, 1.3));
+        let mut x = CudaBuf::default();
+        self.upload(&wave(rows_x * cols, 0.11), &mut x);
+        let mut outs = [vec![0f32; rows_x * rows_w], vec![0f32; rows_x * rows_w]];
+        for (ops, host) in [self.with_mma_from(1), self.with_mma_from(usize::MAX)]
+            .iter()
+            .zip(outs.iter_mut())
+        {
+            let (mut ws, mut out) = (CudaWorkspace::default(), CudaBuf::default());
+            ops.matmul(&mut ws, &x, &w, Some(&bias), &mut out);
+            ops.download(&out, host);
+        }
+        if let Some(e) = self.gpu.take_error() {
+            return Err(e);
+        }
+        Ok(outs[0].iter().zip(&outs[1]).all(|(a, b)| a.to_bits() == b.to_bits()))
     }
 
     /// The GPU.
@@ -382,12 +446,17 @@ impl CudaOps {
             g.bias[i] = bias.map_or(0, |b| self.address(&b.data));
             g.out[i] = self.address(*out);
         }
-        let geom = geometry::matmul_geometry(t, g.total_rows());
+        let mma = kind == Kind::Q8 && t >= self.mma_min_rows;
+        let geom = match mma {
+            true => geometry::matmul_mma_geometry(t, g.total_rows()),
+            false => geometry::matmul_geometry(t, g.total_rows()),
+        };
         let (t32, c32) = (t as i32, cols as i32);
         let name = match kind {
             Kind::F32 => "matmul_f32",
             Kind::F16 => "matmul_f16",
             Kind::Bf16 => "matmul_bf16",
+            Kind::Q8 if mma => "matmul_q8_mma",
             Kind::Q8 => "matmul_q8",
             Kind::Q4 => "matmul_q4",
         };
@@ -466,7 +535,15 @@ impl Ops for CudaOps {
 
     fn info(&self) -> OpsInfo {
         OpsInfo {
-            kernels: format!("cuda sm_{} ({})", self.gpu.info.sm, self.gpu.info.name),
+            kernels: format!(
+                "cuda sm_{} ({}){}",
+                self.gpu.info.sm,
+                self.gpu.info.name,
+                match self.tensor_cores() {
+                    true => ", int8 tensor cores",
+                    false => "",
+                }
+            ),
             threads: 1,
         }
     }

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <barrier>
 #include <cmath>
@@ -60,7 +61,8 @@ struct Block {
     std::barrier<> all;
     std::vector<std::unique_ptr<std::barrier<>>> warps;
     std::vector<uint64_t> slots;
-    explicit Block(int threads) : all(threads), slots(threads) {
+    std::vector<std::array<int, 6>> fragments;
+    explicit Block(int threads) : all(threads), slots(threads), fragments(threads) {
         for (int w = 0; w < threads; w += 32) warps.push_back(std::make_unique<std::barrier<>>(32));
     }
 };
@@ -185,4 +187,34 @@ inline float2 h2f2(unsigned v) { return {h2f((unsigned short)(v & 0xffffu)), h2f
 inline int dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
     return c;
+}
+
+// `mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32` with a zero accumulator, as the PTX ISA
+// lays its fragments out (groupID g = lane / 4, threadID_in_group t = lane % 4): A's registers
+// hold row g, k 4t..4t+3; row g + 8, the same k; row g, k 16 + 4t..; row g + 8, k 16 + 4t..
+// (the low byte first); B's hold column g at k 4t.. and k 16 + 4t..; D holds rows g and g + 8
+// by columns 2t and 2t + 1. Written from that description, not from the kernels' loads, so a
+// kernel that lays out its tiles otherwise fails its test here.
+inline void mma_s8(int d[4], const int a[4], const int b[2]) {
+    emu::Block* blk = emu::block;
+    const unsigned t = threadIdx.x, base = t & ~31u, lane = t & 31u;
+    blk->fragments[t] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+    emu::warp_barrier().arrive_and_wait();
+    auto byte = [](int reg, int k) { return (int)(signed char)(reg >> (8 * (k & 3))); };
+    auto a_at = [&](int row, int k) {
+        const auto& f = blk->fragments[base + (row & 7) * 4 + ((k & 15) >> 2)];
+        return byte(f[(row >= 8 ? 1 : 0) + (k >= 16 ? 2 : 0)], k);
+    };
+    auto b_at = [&](int k, int col) {
+        const auto& f = blk->fragments[base + col * 4 + ((k & 15) >> 2)];
+        return byte(f[4 + (k >= 16 ? 1 : 0)], k);
+    };
+    const int g = (int)(lane >> 2), tg = (int)(lane & 3);
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + (i >= 2 ? 8 : 0), col = 2 * tg + (i & 1);
+        int sum = 0;
+        for (int k = 0; k < 32; ++k) sum += a_at(row, k) * b_at(k, col);
+        d[i] = sum;
+    }
+    emu::warp_barrier().arrive_and_wait();
 }

@@ -20,6 +20,7 @@ EMULATE(matmul_f16, P(const float* x, Group g, int rows_x, int cols), (x, g, row
 EMULATE(matmul_bf16, P(const float* x, Group g, int rows_x, int cols), (x, g, rows_x, cols))
 EMULATE(quantize_q8, P(const float* x, i8* q, float* d, u64 blocks), (x, q, d, blocks))
 EMULATE(matmul_q8, P(const i8* xq, const float* xd, Group g, int rows_x, int cols), (xq, xd, g, rows_x, cols))
+EMULATE(matmul_q8_mma, P(const i8* xq, const float* xd, Group g, int rows_x, int cols), (xq, xd, g, rows_x, cols))
 EMULATE(attention_f32,
         P(const float* q, const float* kp, const float* vp, const int* meta, const u32* tables, float* out, int heads,
           int kv_heads, int head_dim, int block_size, int mask_block, float scale),
