@@ -121,29 +121,28 @@ fn argmax_takes_the_first_largest() {
     assert_eq!(out, [17, 2999]);
 }
 
+/// `quantize_q8` over `x`: each 32-value block's quants and scale.
+fn quantize(x: &[f32]) -> (Vec<i8>, Vec<f32>) {
+    type F = unsafe extern "C" fn(Dim3, Dim3, *const f32, *mut i8, *mut f32, u64);
+    let run: F = kernel("quantize_q8");
+    let blocks = x.len() / QK;
+    let (mut xq, mut xd) = (vec![0i8; x.len()], vec![0f32; blocks]);
+    let (grid, block) = dims(quantize_geometry(blocks));
+    // SAFETY: `blocks` blocks of 32 values in, their quants and scales out.
+    unsafe { run(grid, block, x.as_ptr(), xq.as_mut_ptr(), xd.as_mut_ptr(), blocks as u64) };
+    (xq, xd)
+}
+
 #[test]
 fn q8_products_of_two_weights_in_one_launch_match_integer_dot_products() {
-    type Quantize = unsafe extern "C" fn(Dim3, Dim3, *const f32, *mut i8, *mut f32, u64);
     type Product = unsafe extern "C" fn(Dim3, Dim3, *const i8, *const f32, MatmulGroup, i32, i32);
-    let (quantize, product): (Quantize, Product) = (kernel("quantize_q8"), kernel("matmul_q8"));
+    let product: Product = kernel("matmul_q8");
     // 9 activation rows: a whole tile of 8 and one more. 32 blocks a row: a lane's loop runs
     // past its first UNROLL step only at 256 blocks, so make it 288 (9,216 columns).
     let (rows_x, cols) = (9usize, 9216usize);
     let nb = cols / QK;
     let x = values(rows_x * cols, 4);
-    let (mut xq, mut xd) = (vec![0i8; rows_x * cols], vec![0f32; rows_x * nb]);
-    let (grid, block) = dims(quantize_geometry(rows_x * nb));
-    // SAFETY: `rows_x * nb` blocks of 32 values in, their quants and scales out.
-    unsafe {
-        quantize(
-            grid,
-            block,
-            x.as_ptr(),
-            xq.as_mut_ptr(),
-            xd.as_mut_ptr(),
-            (rows_x * nb) as u64,
-        )
-    };
+    let (xq, xd) = quantize(&x);
     let mut q = [0i8; QK];
     for b in 0..rows_x * nb {
         let d = crate::kernels::cpu::q8::quantize_block(&x[b * QK..(b + 1) * QK], &mut q);
@@ -155,33 +154,10 @@ fn q8_products_of_two_weights_in_one_launch_match_integer_dot_products() {
     }
 
     // Two weight matrices (5 and 7 rows) in one group, the second with a bias.
-    let weights: Vec<Q8Device> = [5usize, 7]
-        .iter()
-        .enumerate()
-        .map(|(i, &rows)| {
-            let v = values(rows * cols, 10 + i as u64);
-            let scales = values(rows * nb, 20 + i as u64);
-            Q8Device {
-                rows,
-                cols,
-                quants: v.iter().map(|&f| (f * 127.0) as i8).collect(),
-                scales: scales
-                    .iter()
-                    .map(|&s| half::f16::from_f32(s * 0.01).to_bits())
-                    .collect(),
-            }
-        })
-        .collect();
+    let weights = [q8_matrix(5, cols, 10), q8_matrix(7, cols, 12)];
     let bias = values(7, 30);
     let mut outs = [vec![0f32; rows_x * 5], vec![0f32; rows_x * 7]];
-    let mut g = MatmulGroup::default();
-    for (p, w) in weights.iter().enumerate() {
-        g.w[p] = w.quants.as_ptr() as u64;
-        g.d[p] = w.scales.as_ptr() as u64;
-        g.out[p] = outs[p].as_mut_ptr() as u64;
-        g.rows[p] = w.rows as i32;
-    }
-    g.bias[1] = bias.as_ptr() as u64;
+    let g = q8_group(&weights, &mut outs, &bias);
     let (grid, block) = dims(matmul_geometry(rows_x, g.total_rows()));
     // SAFETY: the group's addresses are live buffers of the sizes its row counts imply.
     unsafe { product(grid, block, xq.as_ptr(), xd.as_ptr(), g, rows_x as i32, cols as i32) };
@@ -220,43 +196,34 @@ fn q8_matrix(rows: usize, cols: usize, seed: u64) -> Q8Device {
     }
 }
 
+/// A launch's group of Q8_0 `weights` writing into `outs`, the second product with `bias`.
+fn q8_group(weights: &[Q8Device], outs: &mut [Vec<f32>], bias: &[f32]) -> MatmulGroup {
+    let mut g = MatmulGroup::default();
+    for (p, (w, out)) in weights.iter().zip(outs.iter_mut()).enumerate() {
+        g.w[p] = w.quants.as_ptr() as u64;
+        g.d[p] = w.scales.as_ptr() as u64;
+        g.out[p] = out.as_mut_ptr() as u64;
+        g.rows[p] = w.rows as i32;
+    }
+    g.bias[1] = bias.as_ptr() as u64;
+    g
+}
+
 #[test]
 fn tensor_core_q8_products_give_the_dp4a_kernels_bits() {
-    type Quantize = unsafe extern "C" fn(Dim3, Dim3, *const f32, *mut i8, *mut f32, u64);
     type Product = unsafe extern "C" fn(Dim3, Dim3, *const i8, *const f32, MatmulGroup, i32, i32);
-    let quantize: Quantize = kernel("quantize_q8");
     let (dp4a, mma): (Product, Product) = (kernel("matmul_q8"), kernel("matmul_q8_mma"));
     // Two products of 5 and 27 rows, so 16-row tiles straddle them and end part-way; 9 and 17
     // activation rows end 8-row tiles part-way. 2,048 columns: 64 blocks, two per partial;
     // 64 columns: 2 blocks, so most partials hold none.
     for (rows_x, cols) in [(9usize, 2048usize), (17, 64), (1, 2048)] {
-        let nb = cols / QK;
         let x = values(rows_x * cols, 60 + rows_x as u64);
-        let (mut xq, mut xd) = (vec![0i8; rows_x * cols], vec![0f32; rows_x * nb]);
-        let (grid, block) = dims(quantize_geometry(rows_x * nb));
-        // SAFETY: `rows_x * nb` blocks in, their quants and scales out.
-        unsafe {
-            quantize(
-                grid,
-                block,
-                x.as_ptr(),
-                xq.as_mut_ptr(),
-                xd.as_mut_ptr(),
-                (rows_x * nb) as u64,
-            )
-        };
+        let (xq, xd) = quantize(&x);
         let weights = [q8_matrix(5, cols, 70), q8_matrix(27, cols, 72)];
         let bias = values(27, 74);
         let run = |k: Product, geometry: Geometry| -> Vec<Vec<f32>> {
             let mut outs: Vec<Vec<f32>> = weights.iter().map(|w| vec![f32::NAN; rows_x * w.rows]).collect();
-            let mut g = MatmulGroup::default();
-            for (p, w) in weights.iter().enumerate() {
-                g.w[p] = w.quants.as_ptr() as u64;
-                g.d[p] = w.scales.as_ptr() as u64;
-                g.out[p] = outs[p].as_mut_ptr() as u64;
-                g.rows[p] = w.rows as i32;
-            }
-            g.bias[1] = bias.as_ptr() as u64;
+            let g = q8_group(&weights, &mut outs, &bias);
             let (grid, block) = dims(geometry);
             // SAFETY: the group's addresses are live buffers of the sizes its row counts imply.
             unsafe { k(grid, block, xq.as_ptr(), xd.as_ptr(), g, rows_x as i32, cols as i32) };

@@ -281,6 +281,13 @@ impl CudaOps {
             .check("allocating GPU memory", self.gpu.stream.alloc_zeros::<T>(n.max(1)))
     }
 
+    /// `slot` grown to hold at least `n` values (what it held is not kept).
+    fn reserve<T: DeviceRepr + ValidAsZeroBits>(&self, slot: &mut Option<CudaSlice<T>>, n: usize) {
+        if slot.as_ref().is_none_or(|d| d.len() < n) {
+            *slot = self.alloc::<T>(n);
+        }
+    }
+
     fn upload_new<T: DeviceRepr + ValidAsZeroBits>(&self, host: &[T]) -> Result<CudaSlice<T>, String> {
         self.gpu
             .stream
@@ -323,9 +330,7 @@ impl CudaOps {
         }
         let Some(x) = self.dev(logits) else { return };
         let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
-        if staging.ids.as_ref().is_none_or(|d| d.len() < rows) {
-            staging.ids = self.alloc::<u32>(rows);
-        }
+        self.reserve(&mut staging.ids, rows);
         let Some(ids) = staging.ids.as_ref() else { return };
         let cols = vocab as i32;
         let g = Geometry {
@@ -359,9 +364,7 @@ impl CudaOps {
         if !self.stage(rows, sample_rows) {
             return;
         }
-        if ids.as_ref().is_none_or(|d| d.len() < n) {
-            *ids = self.alloc::<u32>(n);
-        }
+        self.reserve(ids, n);
         let (Some(ids), Some(settings)) = (ids.as_ref(), sample_rows.as_ref()) else {
             return;
         };
@@ -382,12 +385,8 @@ impl CudaOps {
 
     fn quantize(&self, ws: &mut CudaWorkspace, x: &CudaSlice<f32>, values: usize) -> bool {
         let blocks = values / baton_shared::dtype::QK;
-        if ws.xq.as_ref().is_none_or(|d| d.len() < values) {
-            ws.xq = self.alloc::<i8>(values);
-        }
-        if ws.xd.as_ref().is_none_or(|d| d.len() < blocks) {
-            ws.xd = self.alloc::<f32>(blocks);
-        }
+        self.reserve(&mut ws.xq, values);
+        self.reserve(&mut ws.xd, blocks);
         let (Some(xq), Some(xd)) = (ws.xq.as_ref(), ws.xd.as_ref()) else {
             return false;
         };

@@ -143,33 +143,21 @@ template <class T> T atomicMin(T* p, T v) {
     return old;
 }
 
-inline float __int_as_float(int i) {
-    float f;
-    std::memcpy(&f, &i, 4);
-    return f;
+// The bits of one 4-byte value as another type.
+template <class To, class From> To bit_cast4(From v) {
+    static_assert(sizeof(To) == 4 && sizeof(From) == 4, "4-byte values");
+    To r;
+    std::memcpy(&r, &v, 4);
+    return r;
 }
-inline int __float_as_int(float f) {
-    int i;
-    std::memcpy(&i, &f, 4);
-    return i;
-}
-inline float __uint_as_float(unsigned i) {
-    float f;
-    std::memcpy(&f, &i, 4);
-    return f;
-}
-inline unsigned __float_as_uint(float f) {
-    unsigned i;
-    std::memcpy(&i, &f, 4);
-    return i;
-}
+inline float __int_as_float(int i) { return bit_cast4<float>(i); }
+inline int __float_as_int(float f) { return bit_cast4<int>(f); }
+inline float __uint_as_float(unsigned i) { return bit_cast4<float>(i); }
+inline unsigned __float_as_uint(float f) { return bit_cast4<unsigned>(f); }
 
-inline int min(int a, int b) { return a < b ? a : b; }
-inline int max(int a, int b) { return a > b ? a : b; }
-inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
-inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
-inline unsigned long long min(unsigned long long a, unsigned long long b) { return a < b ? a : b; }
-inline unsigned long long max(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
+// CUDA's integer min and max (both arguments of one type in Baton's kernels).
+template <class T> T min(T a, T b) { return a < b ? a : b; }
+template <class T> T max(T a, T b) { return a > b ? a : b; }
 
 // What common.cuh writes as inline PTX.
 inline float h2f(unsigned short h) {
