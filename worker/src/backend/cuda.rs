@@ -242,9 +242,9 @@ impl Backend for CudaBackend {
         let (h, vocab) = (self.shape.config.hidden_size, self.shape.config.vocab_size);
         let wanted = sample_rows_wanted(rows, slots, h)?;
         let r = self.model.head_into(rows, &mut self.scratch);
-        let on_device = SamplingSite::of(slots);
+        let site = SamplingSite::of(slots);
         if r.is_ok() {
-            match on_device {
+            match site {
                 SamplingSite::Argmax => self.model.ops.argmax_rows(&self.scratch.logits, vocab, &mut self.ids),
                 SamplingSite::Device => {
                     self.settings.clear();
@@ -266,8 +266,8 @@ impl Backend for CudaBackend {
             }
         }
         self.finish(r)?;
-        metrics::counter!("baton_sampled_rows_total", "site" => on_device.label()).increment(wanted as u64);
-        match on_device {
+        metrics::counter!("baton_sampled_rows_total", "site" => site.label()).increment(wanted as u64);
+        match site {
             SamplingSite::Argmax | SamplingSite::Device => sample_ids(&self.ids, slots),
             SamplingSite::Host => sample_rows(&self.logits, vocab, slots),
         }
@@ -294,5 +294,45 @@ impl Backend for CudaBackend {
 
     fn layer_times(&mut self, on: bool) -> Vec<f64> {
         self.scratch.layer_times(on)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampler::Sampler;
+    use baton_shared::sampling::SamplingParams;
+
+    fn slot(temperature: f32, logprobs: Option<usize>, draft: &[u32]) -> SampleSlot {
+        let mut s = SampleSlot::new(
+            Sampler::new(&SamplingParams {
+                temperature,
+                seed: Some(1),
+                ..Default::default()
+            }),
+            logprobs,
+        );
+        s.draft = draft.to_vec();
+        s
+    }
+
+    #[test]
+    fn rows_are_sampled_on_the_gpu_unless_the_host_must_see_the_logits() {
+        let (greedy, sampled) = (0.0, 0.8);
+        let site = |slots: &[SampleSlot]| SamplingSite::of(slots);
+        assert_eq!(
+            site(&[slot(greedy, None, &[]), slot(greedy, None, &[5, 6])]),
+            SamplingSite::Argmax
+        );
+        assert_eq!(
+            site(&[slot(greedy, None, &[5]), slot(sampled, None, &[])]),
+            SamplingSite::Device
+        );
+        // A sampled slot verifying a draft draws only while proposals hold: the host decides.
+        assert_eq!(site(&[slot(sampled, None, &[5])]), SamplingSite::Host);
+        assert_eq!(
+            site(&[slot(greedy, Some(2), &[]), slot(sampled, None, &[])]),
+            SamplingSite::Host
+        );
     }
 }
