@@ -57,6 +57,52 @@ fn kernel<F: Copy>(name: &str) -> F {
     unsafe { *kernels().get::<F>(symbol.as_bytes()).expect("an emulated kernel") }
 }
 
+/// The `extern "C"` kernels a `.cu` source defines.
+fn kernel_names(src: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    for part in src.split("extern \"C\" __global__ void").skip(1) {
+        let mut rest = part.trim_start();
+        if let Some(after) = rest.strip_prefix("__launch_bounds__(") {
+            rest = after.split_once(')').map_or("", |(_, r)| r).trim_start();
+        }
+        names.push(rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect());
+    }
+    names
+}
+
+#[test]
+fn every_kernel_runs_on_the_emulation() {
+    let harness = include_str!("emulation/harness.cpp");
+    let sources = [
+        include_str!("attention.cu"),
+        include_str!("elementwise.cu"),
+        include_str!("matmul.cu"),
+        include_str!("sampling.cu"),
+    ];
+    let names: Vec<String> = sources.iter().flat_map(|s| kernel_names(s)).collect();
+    assert!(
+        names.len() >= 20 && names.contains(&"matmul_q8_mma".to_string()),
+        "{names:?}"
+    );
+    for name in names {
+        assert!(
+            harness.contains(&format!("EMULATE({name},")),
+            "{name} has no entry in harness.cpp"
+        );
+    }
+    // Every source file is one the harness includes.
+    let on_disk = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/src/kernels/cuda"))
+        .expect("the kernel folder")
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.ends_with(".cu"))
+        .count();
+    assert_eq!(
+        on_disk,
+        sources.len(),
+        "a new .cu file needs its place here and in harness.cpp"
+    );
+}
+
 /// Deterministic values in [-1, 1).
 fn values(n: usize, seed: u64) -> Vec<f32> {
     let mut rng = crate::sampler::Rng::new(seed);
@@ -404,14 +450,23 @@ fn sampling_a_small_vocabulary_and_draws_across_it() {
     assert_eq!(got, want);
 }
 
+/// K/V values as the pool holds them: f32, or f16 bits.
+#[derive(Clone, Copy, PartialEq)]
+enum Pool {
+    F32,
+    F16,
+}
+
 #[test]
-fn paged_attention_gives_the_reference_rows() {
-    type F = unsafe extern "C" fn(
+fn stored_rows_and_paged_attention_give_the_reference_rows() {
+    use std::ffi::c_void;
+    type Store = unsafe extern "C" fn(Dim3, Dim3, *const f32, *const f32, *mut c_void, *mut c_void, *const i32, i32);
+    type Attend = unsafe extern "C" fn(
         Dim3,
         Dim3,
         *const f32,
-        *const f32,
-        *const f32,
+        *const c_void,
+        *const c_void,
         *const i32,
         *const u32,
         *mut f32,
@@ -422,7 +477,6 @@ fn paged_attention_gives_the_reference_rows() {
         i32,
         f32,
     );
-    let run: F = kernel("attention_f32");
     let (heads, kv_heads, block_size, blocks) = (4usize, 2usize, 16usize, 24usize);
     // Two decode-like rows 300 keys in (more keys than the block's eight warps take in one
     // round of 32-key tiles) beside a 40-row prompt chunk; tables out of order.
@@ -449,23 +503,69 @@ fn paged_attention_gives_the_reference_rows() {
     meta.build(&seqs, block_size);
     let rows = meta.rows.len() / META_WIDTH;
     // 64 wide takes the kernel's compiled width; 40 its general loop.
-    for head_dim in [64usize, 40] {
+    for (pool, head_dim) in [(Pool::F32, 64usize), (Pool::F32, 40), (Pool::F16, 64), (Pool::F16, 40)] {
+        let (store, attend): (Store, Attend) = match pool {
+            Pool::F32 => (kernel("store_kv_f32"), kernel("attention_f32")),
+            Pool::F16 => (kernel("store_kv_f16"), kernel("attention_f16")),
+        };
         let kv_dim = kv_heads * head_dim;
         let q = values(rows * heads * head_dim, 40 + head_dim as u64);
-        let kp = values(blocks * block_size * kv_dim, 41);
-        let vp = values(blocks * block_size * kv_dim, 42);
+        let (new_k, new_v) = (values(rows * kv_dim, 43), values(rows * kv_dim, 44));
+        // What the pools hold once the batch's rows are stored, as the kernels will read it.
+        let round = |v: f32| match pool {
+            Pool::F32 => v,
+            Pool::F16 => half::f16::from_f32(v).to_f32(),
+        };
+        let mut want_k: Vec<f32> = values(blocks * block_size * kv_dim, 41)
+            .into_iter()
+            .map(round)
+            .collect();
+        let mut want_v: Vec<f32> = values(blocks * block_size * kv_dim, 42)
+            .into_iter()
+            .map(round)
+            .collect();
+        let (mut kp32, mut vp32) = (want_k.clone(), want_v.clone());
+        let bits = |v: &[f32]| {
+            v.iter()
+                .map(|&x| half::f16::from_f32(x).to_bits())
+                .collect::<Vec<u16>>()
+        };
+        let (mut kp16, mut vp16) = (bits(&want_k), bits(&want_v));
+        let (kp, vp): (*mut c_void, *mut c_void) = match pool {
+            Pool::F32 => (kp32.as_mut_ptr().cast(), vp32.as_mut_ptr().cast()),
+            Pool::F16 => (kp16.as_mut_ptr().cast(), vp16.as_mut_ptr().cast()),
+        };
+        for (t, &slot) in meta.slots.iter().enumerate() {
+            let at = slot as usize * kv_dim;
+            for c in 0..kv_dim {
+                want_k[at + c] = round(new_k[t * kv_dim + c]);
+                want_v[at + c] = round(new_v[t * kv_dim + c]);
+            }
+        }
         let mut out = vec![0f32; rows * heads * head_dim];
         let scale = 1.0 / (head_dim as f32).sqrt();
-        let (grid, block) = dims(attention_geometry(rows, heads));
-        // SAFETY: the pools hold `blocks` blocks, the tables name only those, and q and out
-        // hold `rows` rows of `heads` heads.
+        let (grid, block) = dims(copy_geometry(rows, kv_dim));
+        // SAFETY: `rows` new rows of `kv_dim` go to the slots the metadata names, all inside
+        // the pools; the attention reads the pools through the tables, and q and out hold
+        // `rows` rows of `heads` heads.
         unsafe {
-            run(
+            store(
+                grid,
+                block,
+                new_k.as_ptr(),
+                new_v.as_ptr(),
+                kp,
+                vp,
+                meta.slots.as_ptr(),
+                kv_dim as i32,
+            );
+            let (grid, block) = dims(attention_geometry(rows, heads));
+            attend(
                 grid,
                 block,
                 q.as_ptr(),
-                kp.as_ptr(),
-                vp.as_ptr(),
+                kp,
+                vp,
                 meta.rows.as_ptr(),
                 meta.tables.as_ptr(),
                 out.as_mut_ptr(),
@@ -477,6 +577,11 @@ fn paged_attention_gives_the_reference_rows() {
                 scale,
             )
         };
+        if pool == Pool::F32 {
+            assert!(kp32 == want_k && vp32 == want_v, "stored f32 rows");
+        } else {
+            assert!(kp16 == bits(&want_k) && vp16 == bits(&want_v), "stored f16 rows");
+        }
         for t in 0..rows {
             let m = &meta.rows[t * META_WIDTH..(t + 1) * META_WIDTH];
             let (keys, table) = (m[1] as usize, &meta.tables[m[3] as usize..]);
@@ -487,7 +592,7 @@ fn paged_attention_gives_the_reference_rows() {
                     |j: usize| (table[j / block_size] as usize * block_size + j % block_size) * kv_dim + kvh * head_dim;
                 let scores: Vec<f64> = (0..keys)
                     .map(|j| {
-                        let k = &kp[at(j)..][..head_dim];
+                        let k = &want_k[at(j)..][..head_dim];
                         qh.iter().zip(k).map(|(x, y)| f64::from(x * y)).sum::<f64>() * f64::from(scale)
                     })
                     .collect();
@@ -495,14 +600,200 @@ fn paged_attention_gives_the_reference_rows() {
                 let p: Vec<f64> = scores.iter().map(|s| (s - top).exp()).collect();
                 let total: f64 = p.iter().sum();
                 for d in 0..head_dim {
-                    let want: f64 = (0..keys).map(|j| p[j] * f64::from(vp[at(j) + d])).sum::<f64>() / total;
+                    let want: f64 = (0..keys).map(|j| p[j] * f64::from(want_v[at(j) + d])).sum::<f64>() / total;
                     let got = f64::from(out[(t * heads + h) * head_dim + d]);
                     assert!(
                         (got - want).abs() < 1e-5,
-                        "head_dim {head_dim} row {t} head {h} dim {d}: {got} vs {want}"
+                        "{head_dim} wide, row {t} head {h} dim {d}: {got} vs {want}"
                     );
                 }
             }
         }
     }
+}
+
+#[test]
+fn rope_rotates_each_heads_leading_pairs() {
+    type F = unsafe extern "C" fn(Dim3, Dim3, *mut f32, *const f32, *const f32, i32, i32, i32, i32);
+    let run: F = kernel("rope");
+    let (rows, heads, head_dim) = (3usize, 4usize, 16usize);
+    let width = heads * head_dim;
+    // Full rotary, and partial (a quarter of each head), as Qwen3-Next and Phi use.
+    for rotary in [16usize, 4] {
+        let half = rotary / 2;
+        let x0 = values(rows * width, 80);
+        let (cos, sin): (Vec<f32>, Vec<f32>) = values(rows * half, 81).iter().map(|a| (a.cos(), a.sin())).unzip();
+        let mut x = x0.clone();
+        let n = rows * heads * half;
+        let (grid, block) = dims(elementwise_geometry(n));
+        // SAFETY: x holds `rows` rows of `width`; the tables `rows` × `half`.
+        unsafe {
+            run(
+                grid,
+                block,
+                x.as_mut_ptr(),
+                cos.as_ptr(),
+                sin.as_ptr(),
+                rows as i32,
+                width as i32,
+                head_dim as i32,
+                rotary as i32,
+            )
+        };
+        let mut want = x0.clone();
+        for t in 0..rows {
+            for h in 0..heads {
+                let at = t * width + h * head_dim;
+                for p in 0..half {
+                    let (a, b) = (x0[at + p], x0[at + p + half]);
+                    let (c, s) = (cos[t * half + p], sin[t * half + p]);
+                    want[at + p] = a * c - b * s;
+                    want[at + p + half] = b * c + a * s;
+                }
+            }
+        }
+        assert_eq!(x, want, "rotary {rotary}: rotated pairs, and the rest untouched");
+    }
+}
+
+#[test]
+fn q4_products_match_integer_dot_products() {
+    type Product = unsafe extern "C" fn(Dim3, Dim3, *const i8, *const f32, MatmulGroup, i32, i32);
+    let product: Product = kernel("matmul_q4");
+    let (rows_x, rows_w, cols) = (9usize, 6usize, 4608usize);
+    let nb = cols / QK;
+    let x = values(rows_x * cols, 90);
+    let (xq, xd) = quantize(&x);
+    for q4_1 in [false, true] {
+        let codes: Vec<u8> = values(rows_w * nb * 16, 91)
+            .iter()
+            .map(|v| (v.abs() * 255.0) as u8)
+            .collect();
+        let f16s = |seed: u64| -> Vec<u16> {
+            values(rows_w * nb, seed)
+                .iter()
+                .map(|v| half::f16::from_f32(v * 0.02).to_bits())
+                .collect()
+        };
+        let w = Q4Device {
+            rows: rows_w,
+            cols,
+            codes,
+            scales: f16s(92),
+            mins: if q4_1 { f16s(93) } else { Vec::new() },
+        };
+        let mut out = vec![0f32; rows_x * rows_w];
+        let mut g = MatmulGroup::default();
+        g.w[0] = w.codes.as_ptr() as u64;
+        g.d[0] = w.scales.as_ptr() as u64;
+        g.m[0] = if q4_1 { w.mins.as_ptr() as u64 } else { 0 };
+        g.out[0] = out.as_mut_ptr() as u64;
+        g.rows[0] = rows_w as i32;
+        let (grid, block) = dims(matmul_geometry(rows_x, rows_w));
+        // SAFETY: the group's addresses are live buffers of `rows_w` rows of `cols`.
+        unsafe { product(grid, block, xq.as_ptr(), xd.as_ptr(), g, rows_x as i32, cols as i32) };
+        for t in 0..rows_x {
+            for r in 0..rows_w {
+                let mut want = 0f64;
+                for b in 0..nb {
+                    let d = f64::from(half::f16::from_bits(w.scales[r * nb + b]).to_f32());
+                    let m = match q4_1 {
+                        true => f64::from(half::f16::from_bits(w.mins[r * nb + b]).to_f32()),
+                        false => -8.0 * d,
+                    };
+                    let block = &w.codes[(r * nb + b) * 16..][..16];
+                    // Byte j holds code j (low nibble) and code j + 16 (high).
+                    let code = |k: usize| i32::from(if k < 16 { block[k] & 15 } else { block[k - 16] >> 4 });
+                    let xs = &xq[t * cols + b * QK..][..QK];
+                    let dot: i32 = (0..QK).map(|k| code(k) * i32::from(xs[k])).sum();
+                    let sum: i32 = xs.iter().map(|&v| i32::from(v)).sum();
+                    let dx = f64::from(xd[t * nb + b]);
+                    want += d * dx * f64::from(dot) + m * dx * f64::from(sum);
+                }
+                let got = f64::from(out[t * rows_w + r]);
+                assert!(
+                    (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                    "q4_1 {q4_1} row {t},{r}: {got} vs {want}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_element_wise_kernels_give_the_reference_values() {
+    type Embed = unsafe extern "C" fn(Dim3, Dim3, *const f32, *const u32, *mut f32, i32);
+    type Pair = unsafe extern "C" fn(Dim3, Dim3, *mut f32, *const f32, u64);
+    let (embed, silu, add): (Embed, Pair, Pair) = (kernel("embed_f32"), kernel("silu_mul"), kernel("add"));
+    let (vocab, cols) = (50usize, 300usize);
+    let table = values(vocab * cols, 100);
+    let tokens = [7u32, 0, 49, 7];
+    let mut rows = vec![0f32; tokens.len() * cols];
+    let (grid, block) = dims(copy_geometry(tokens.len(), cols));
+    // SAFETY: every token is below `vocab`; `rows` holds one row per token.
+    unsafe {
+        embed(
+            grid,
+            block,
+            table.as_ptr(),
+            tokens.as_ptr(),
+            rows.as_mut_ptr(),
+            cols as i32,
+        )
+    };
+    for (t, &id) in tokens.iter().enumerate() {
+        assert_eq!(
+            &rows[t * cols..][..cols],
+            &table[id as usize * cols..][..cols],
+            "token {id}"
+        );
+    }
+    let n = rows.len();
+    let other = values(n, 101);
+    let (grid, block) = dims(elementwise_geometry(n));
+    let mut gate = rows.clone();
+    // SAFETY: both buffers hold `n` values.
+    unsafe { silu(grid, block, gate.as_mut_ptr(), other.as_ptr(), n as u64) };
+    for i in 0..n {
+        let g = rows[i];
+        let want = g / (1.0 + (-g).exp()) * other[i];
+        assert!((gate[i] - want).abs() <= 1e-6 * want.abs().max(1.0), "silu·up at {i}");
+    }
+    let mut sum = rows.clone();
+    // SAFETY: as above.
+    unsafe { add(grid, block, sum.as_mut_ptr(), other.as_ptr(), n as u64) };
+    assert!((0..n).all(|i| sum[i] == rows[i] + other[i]), "x += y");
+
+    type Split = unsafe extern "C" fn(Dim3, Dim3, *const f32, *mut f32, *mut f32, i32, u64);
+    let (sigmoid, split): (Pair, Split) = (kernel("sigmoid_mul"), kernel("deinterleave"));
+    let mut gated = rows.clone();
+    // SAFETY: both buffers hold `n` values.
+    unsafe { sigmoid(grid, block, gated.as_mut_ptr(), other.as_ptr(), n as u64) };
+    for i in 0..n {
+        let want = rows[i] * (1.0 / (1.0 + (-other[i]).exp()));
+        assert!(
+            (gated[i] - want).abs() <= 1e-6 * want.abs().max(1.0),
+            "x·sigmoid(g) at {i}"
+        );
+    }
+    // Runs of 2 × 25: the first 25 of each to a, the next 25 to b.
+    let piece = 25;
+    let (mut first, mut second) = (vec![0f32; n / 2], vec![0f32; n / 2]);
+    let (grid, block) = dims(elementwise_geometry(n / 2));
+    // SAFETY: `rows` holds `n` values, each half `n / 2`.
+    unsafe {
+        split(
+            grid,
+            block,
+            rows.as_ptr(),
+            first.as_mut_ptr(),
+            second.as_mut_ptr(),
+            piece,
+            (n / 2) as u64,
+        )
+    };
+    let runs: Vec<&[f32]> = rows.chunks(2 * piece as usize).collect();
+    let want_a: Vec<f32> = runs.iter().flat_map(|r| r[..piece as usize].to_vec()).collect();
+    let want_b: Vec<f32> = runs.iter().flat_map(|r| r[piece as usize..].to_vec()).collect();
+    assert_eq!((first, second), (want_a, want_b), "deinterleaved halves");
 }

@@ -21,6 +21,22 @@ EMULATE(matmul_bf16, P(const float* x, Group g, int rows_x, int cols), (x, g, ro
 EMULATE(quantize_q8, P(const float* x, i8* q, float* d, u64 blocks), (x, q, d, blocks))
 EMULATE(matmul_q8, P(const i8* xq, const float* xd, Group g, int rows_x, int cols), (xq, xd, g, rows_x, cols))
 EMULATE(matmul_q8_mma, P(const i8* xq, const float* xd, Group g, int rows_x, int cols), (xq, xd, g, rows_x, cols))
+EMULATE(embed_f32, P(const float* table, const u32* tokens, float* out, int cols), (table, tokens, out, cols))
+EMULATE(rope, P(float* x, const float* c, const float* s, int rows, int width, int head_dim, int rotary),
+        (x, c, s, rows, width, head_dim, rotary))
+EMULATE(silu_mul, P(float* gate, const float* up, u64 n), (gate, up, n))
+EMULATE(add, P(float* x, const float* y, u64 n), (x, y, n))
+EMULATE(sigmoid_mul, P(float* x, const float* gate, u64 n), (x, gate, n))
+EMULATE(deinterleave, P(const float* x, float* a, float* b, int piece, u64 n_half), (x, a, b, piece, n_half))
+EMULATE(matmul_q4, P(const i8* xq, const float* xd, Group g, int rows_x, int cols), (xq, xd, g, rows_x, cols))
+EMULATE(store_kv_f32, P(const float* k, const float* v, float* kp, float* vp, const int* slots, int kv_dim),
+        (k, v, kp, vp, slots, kv_dim))
+EMULATE(store_kv_f16, P(const float* k, const float* v, u16* kp, u16* vp, const int* slots, int kv_dim),
+        (k, v, kp, vp, slots, kv_dim))
+EMULATE(attention_f16,
+        P(const float* q, const u16* kp, const u16* vp, const int* meta, const u32* tables, float* out, int heads,
+          int kv_heads, int head_dim, int block_size, int mask_block, float scale),
+        (q, kp, vp, meta, tables, out, heads, kv_heads, head_dim, block_size, mask_block, scale))
 EMULATE(attention_f32,
         P(const float* q, const float* kp, const float* vp, const int* meta, const u32* tables, float* out, int heads,
           int kv_heads, int head_dim, int block_size, int mask_block, float scale),
