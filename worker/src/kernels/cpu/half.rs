@@ -32,6 +32,12 @@ impl HalfKind {
         }
     }
 
+    /// Whether every value of `w` is within this format's range: bf16 has f32's, f16 ends at
+    /// ±65504 (a matrix past it stays f32 rather than turn into infinities).
+    pub fn holds(self, w: &[f32]) -> bool {
+        self == Self::Bf16 || w.iter().all(|v| v.abs() <= 65504.0)
+    }
+
     /// Round one f32 to this format (nearest, ties to even).
     pub fn from_f32(self, v: f32) -> u16 {
         match self {

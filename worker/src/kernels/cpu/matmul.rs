@@ -39,6 +39,15 @@ pub enum WeightFormat {
 }
 
 impl WeightFormat {
+    /// The 16-bit float this format holds weights in, if it is one.
+    pub fn half_kind(self) -> Option<HalfKind> {
+        match self {
+            Self::Bf16 => Some(HalfKind::Bf16),
+            Self::F16 => Some(HalfKind::F16),
+            _ => None,
+        }
+    }
+
     /// The name used on command lines.
     pub fn name(self) -> &'static str {
         match self {
@@ -115,11 +124,10 @@ impl Matrix {
                 Ok(m) => Some(Self::Q8_0(m)),
                 Err(Q8Error::RowLength(_) | Q8Error::Bytes { .. }) => None,
             },
-            WeightFormat::Bf16 => Some(Self::Half(HalfMatrix::from_f32(&data, cols, HalfKind::Bf16))),
-            WeightFormat::F16 if data.iter().all(|v| v.abs() <= 65504.0) => {
-                Some(Self::Half(HalfMatrix::from_f32(&data, cols, HalfKind::F16)))
-            }
-            WeightFormat::F16 => None,
+            WeightFormat::Bf16 | WeightFormat::F16 => format
+                .half_kind()
+                .filter(|kind| kind.holds(&data))
+                .map(|kind| Self::Half(HalfMatrix::from_f32(&data, cols, kind))),
             WeightFormat::Q4_0 => q4(DType::Q4_0),
             WeightFormat::Q4_1 => q4(DType::Q4_1),
             WeightFormat::F32 | WeightFormat::Native => None,

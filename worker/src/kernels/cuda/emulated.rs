@@ -11,6 +11,7 @@ use std::sync::OnceLock;
 use libloading::Library;
 
 use super::*;
+use crate::kernels::cpu::half::HalfKind;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -294,25 +295,21 @@ fn half_precision_products_equal_f32_products_of_the_rounded_weights() {
     for cols in [260usize, 70] {
         let x = values(rows_x * cols, 50);
         let bias = values(6, 51);
-        for (kind, round) in [
-            (1, (|v| half::f16::from_f32(v).to_bits()) as fn(f32) -> u16),
-            (2, |v| half::bf16::from_f32(v).to_bits()),
-        ] {
-            let widen = |b: u16| match kind {
-                1 => half::f16::from_bits(b).to_f32(),
-                _ => half::bf16::from_bits(b).to_f32(),
-            };
+        for (kernel_index, kind) in [(1, HalfKind::F16), (2, HalfKind::Bf16)] {
             // Two products in one launch (5 and 6 rows), the second with a bias.
             let halves: Vec<Vec<u16>> = [5usize, 6]
                 .iter()
                 .map(|&rows| {
                     values(rows * cols, (rows + cols) as u64)
                         .into_iter()
-                        .map(round)
+                        .map(|v| kind.from_f32(v))
                         .collect()
                 })
                 .collect();
-            let wide: Vec<Vec<f32>> = halves.iter().map(|h| h.iter().map(|&b| widen(b)).collect()).collect();
+            let wide: Vec<Vec<f32>> = halves
+                .iter()
+                .map(|h| h.iter().map(|&b| kind.to_f32(b)).collect())
+                .collect();
             let run = |k: Product, weights: [u64; 2]| -> Vec<Vec<f32>> {
                 let mut outs = vec![vec![0f32; rows_x * 5], vec![0f32; rows_x * 6]];
                 let mut g = MatmulGroup::default();
@@ -328,14 +325,17 @@ fn half_precision_products_equal_f32_products_of_the_rounded_weights() {
                 outs
             };
             let f32_out = run(kernels[0], [wide[0].as_ptr() as u64, wide[1].as_ptr() as u64]);
-            let half_out = run(kernels[kind], [halves[0].as_ptr() as u64, halves[1].as_ptr() as u64]);
+            let half_out = run(
+                kernels[kernel_index],
+                [halves[0].as_ptr() as u64, halves[1].as_ptr() as u64],
+            );
             assert!(
                 f32_out
                     .iter()
                     .flatten()
                     .zip(half_out.iter().flatten())
                     .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "kind {kind}, {cols} wide: the half kernel must give the f32 kernel's bits"
+                "{kind:?}, {cols} wide: the half kernel must give the f32 kernel's bits"
             );
             for (p, w) in wide.iter().enumerate() {
                 let rows = w.len() / cols;
@@ -514,7 +514,7 @@ fn stored_rows_and_paged_attention_give_the_reference_rows() {
         // What the pools hold once the batch's rows are stored, as the kernels will read it.
         let round = |v: f32| match pool {
             Pool::F32 => v,
-            Pool::F16 => half::f16::from_f32(v).to_f32(),
+            Pool::F16 => HalfKind::F16.to_f32(HalfKind::F16.from_f32(v)),
         };
         let mut want_k: Vec<f32> = values(blocks * block_size * kv_dim, 41)
             .into_iter()
@@ -525,11 +525,7 @@ fn stored_rows_and_paged_attention_give_the_reference_rows() {
             .map(round)
             .collect();
         let (mut kp32, mut vp32) = (want_k.clone(), want_v.clone());
-        let bits = |v: &[f32]| {
-            v.iter()
-                .map(|&x| half::f16::from_f32(x).to_bits())
-                .collect::<Vec<u16>>()
-        };
+        let bits = |v: &[f32]| v.iter().map(|&x| HalfKind::F16.from_f32(x)).collect::<Vec<u16>>();
         let (mut kp16, mut vp16) = (bits(&want_k), bits(&want_v));
         let (kp, vp): (*mut c_void, *mut c_void) = match pool {
             Pool::F32 => (kp32.as_mut_ptr().cast(), vp32.as_mut_ptr().cast()),

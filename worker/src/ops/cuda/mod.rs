@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits};
 
 use super::{AttnMask, AttnShape, HostMatrix, LinearAttnShape, Ops, OpsInfo, Product};
+use crate::kernels::cpu::half::HalfKind;
 use crate::kernels::cpu::matmul::WeightFormat;
 use baton_shared::dtype::DType;
 
@@ -97,14 +98,6 @@ pub struct CudaBuf {
     len: usize,
 }
 
-/// `values` rounded to f16 (or bf16) bits, as the CPU rounds them.
-fn half_bits(values: &[f32], bf16: bool) -> Vec<u16> {
-    match bf16 {
-        true => values.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect(),
-        false => values.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect(),
-    }
-}
-
 /// A weight matrix in GPU memory.
 pub enum CudaMat {
     F32 {
@@ -115,7 +108,7 @@ pub enum CudaMat {
     /// f16 or bf16 bits, widened to f32 as the product reads them.
     Half {
         w: CudaSlice<u16>,
-        bf16: bool,
+        kind: HalfKind,
         rows: usize,
         cols: usize,
     },
@@ -168,8 +161,12 @@ impl CudaMat {
     fn kind(&self) -> Kind {
         match self {
             CudaMat::F32 { .. } => Kind::F32,
-            CudaMat::Half { bf16: false, .. } => Kind::F16,
-            CudaMat::Half { bf16: true, .. } => Kind::Bf16,
+            CudaMat::Half {
+                kind: HalfKind::F16, ..
+            } => Kind::F16,
+            CudaMat::Half {
+                kind: HalfKind::Bf16, ..
+            } => Kind::Bf16,
             CudaMat::Q8 { .. } => Kind::Q8,
             CudaMat::Q4 { .. } => Kind::Q4,
         }
@@ -584,6 +581,17 @@ impl Ops for CudaOps {
             HostMatrix::Blocks { dtype, .. } => Err(format!("{dtype} is not a block format the GPU reads")),
             HostMatrix::F32 { values, cols } => {
                 let rows = values.len() / cols.max(1);
+                // 16-bit formats: rounded as the CPU rounds them and held at 16 bits; a matrix
+                // past f16's range stays f32, as on the CPU.
+                if let Some(kind) = format.half_kind().filter(|k| k.holds(&values)) {
+                    let bits: Vec<u16> = values.iter().map(|&v| kind.from_f32(v)).collect();
+                    return Ok(CudaMat::Half {
+                        w: self.upload_new(&bits)?,
+                        kind,
+                        rows,
+                        cols,
+                    });
+                }
                 match format {
                     WeightFormat::Q8_0 if cols.is_multiple_of(baton_shared::dtype::QK) => {
                         let bytes = baton_shared::dtype::quantize_q8_0(&values);
@@ -596,20 +604,6 @@ impl Ops for CudaOps {
                         };
                         q4(Q4Device::from_ggml(dtype, &bytes, rows, cols).map_err(|e| e.to_string())?)
                     }
-                    // Rounded as the CPU rounds them and held at 16 bits; a matrix with values
-                    // past f16's range stays f32, as on the CPU.
-                    WeightFormat::F16 if values.iter().all(|v| v.abs() <= 65504.0) => Ok(CudaMat::Half {
-                        w: self.upload_new(&half_bits(&values, false))?,
-                        bf16: false,
-                        rows,
-                        cols,
-                    }),
-                    WeightFormat::Bf16 => Ok(CudaMat::Half {
-                        w: self.upload_new(&half_bits(&values, true))?,
-                        bf16: true,
-                        rows,
-                        cols,
-                    }),
                     _ => Ok(CudaMat::F32 {
                         w: self.upload_new(&values)?,
                         rows,
