@@ -25,6 +25,11 @@ impl Rng {
     pub fn next_f64(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
+
+    /// The draw a sampled token takes: [`Rng::next_f64`] as f32.
+    pub fn next_draw(&mut self) -> f32 {
+        self.next_f64() as f32
+    }
 }
 
 /// Picks tokens from logits for one sequence; keeps its buffer between calls.
@@ -82,7 +87,7 @@ impl Sampler {
     /// (for a sampler that runs where the logits are, such as the GPU's `sample_rows`); the
     /// same number [`Sampler::sample`] draws.
     pub fn draw(&mut self) -> f32 {
-        self.rng.next_f64() as f32
+        self.rng.next_draw()
     }
 
     /// Whether this sampler always takes the most likely token.
@@ -149,7 +154,7 @@ impl Sampler {
             c.retain(|e| e.0 >= floor);
         }
         let total: f32 = c.iter().map(|e| e.0).sum();
-        let mut r = self.rng.next_f64() as f32 * total;
+        let mut r = self.rng.next_draw() * total;
         for e in c.iter() {
             if r < e.0 {
                 return e.1;

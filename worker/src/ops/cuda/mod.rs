@@ -335,7 +335,12 @@ impl CudaOps {
             block: (geometry::ARGMAX_THREADS, 1, 1),
         };
         launch!(self.gpu, "argmax_rows", g, x, ids, &cols);
-        let r = self.gpu.stream.memcpy_dtoh(&ids.slice(0..rows), out.as_mut_slice());
+        self.download_ids(ids, out);
+    }
+
+    /// The first `out.len()` token ids of `ids` into `out`, once the work before is done.
+    fn download_ids(&self, ids: &CudaSlice<u32>, out: &mut [u32]) {
+        let r = self.gpu.stream.memcpy_dtoh(&ids.slice(0..out.len()), out);
         self.gpu.check("downloading token ids", r);
         self.gpu.check("synchronizing", self.gpu.stream.synchronize());
     }
@@ -375,9 +380,7 @@ impl CudaOps {
             ids,
             &cols
         );
-        let r = self.gpu.stream.memcpy_dtoh(&ids.slice(0..n), out.as_mut_slice());
-        self.gpu.check("downloading token ids", r);
-        self.gpu.check("synchronizing", self.gpu.stream.synchronize());
+        self.download_ids(ids, out);
     }
 
     fn quantize(&self, ws: &mut CudaWorkspace, x: &CudaSlice<f32>, values: usize) -> bool {
