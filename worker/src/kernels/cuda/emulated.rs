@@ -158,11 +158,7 @@ fn argmax_takes_the_first_largest() {
     x[2900] = 5.0;
     x[cols + 2999] = 7.0;
     let mut out = [9u32; 2];
-    let g = Geometry {
-        grid: (2, 1, 1),
-        block: (ARGMAX_THREADS, 1, 1),
-    };
-    let (grid, block) = dims(g);
+    let (grid, block) = dims(block_per_row(2, ARGMAX_THREADS));
     // SAFETY: two rows of `cols` in, two ids out.
     unsafe { run(grid, block, x.as_ptr(), out.as_mut_ptr(), cols as i32) };
     assert_eq!(out, [17, 2999]);
@@ -360,7 +356,7 @@ type Sample = unsafe extern "C" fn(Dim3, Dim3, *const f32, *const SampleRow, *mu
 fn sample(logits: &[f32], vocab: usize, rows: &[SampleRow]) -> Vec<u32> {
     let run: Sample = kernel("sample_rows");
     let mut out = vec![u32::MAX; rows.len()];
-    let (grid, block) = dims(sample_geometry(rows.len()));
+    let (grid, block) = dims(block_per_row(rows.len(), SAMPLE_THREADS));
     // SAFETY: a row of `vocab` logits and one setting per output id.
     unsafe {
         run(

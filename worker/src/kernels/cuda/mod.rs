@@ -135,11 +135,12 @@ pub fn attention_geometry(rows: usize, heads: usize) -> Geometry {
     }
 }
 
-/// Sampling: a block per row.
-pub fn sample_geometry(rows: usize) -> Geometry {
+/// A block of `threads` per row: `argmax_rows` ([`ARGMAX_THREADS`]) and `sample_rows`
+/// ([`SAMPLE_THREADS`]).
+pub fn block_per_row(rows: usize, threads: u32) -> Geometry {
     Geometry {
         grid: (rows as u32, 1, 1),
-        block: (SAMPLE_THREADS, 1, 1),
+        block: (threads, 1, 1),
     }
 }
 

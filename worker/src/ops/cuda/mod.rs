@@ -330,10 +330,7 @@ impl CudaOps {
         self.reserve(&mut staging.ids, rows);
         let Some(ids) = staging.ids.as_ref() else { return };
         let cols = vocab as i32;
-        let g = Geometry {
-            grid: (rows as u32, 1, 1),
-            block: (geometry::ARGMAX_THREADS, 1, 1),
-        };
+        let g = geometry::block_per_row(rows, geometry::ARGMAX_THREADS);
         launch!(self.gpu, "argmax_rows", g, x, ids, &cols);
         self.download_ids(ids, out);
     }
@@ -374,7 +371,7 @@ impl CudaOps {
         launch!(
             self.gpu,
             "sample_rows",
-            geometry::sample_geometry(n),
+            geometry::block_per_row(n, geometry::SAMPLE_THREADS),
             x,
             settings,
             ids,
