@@ -35,6 +35,18 @@ __device__ __forceinline__ float block_sum(float v, float* shared) {
     return total;
 }
 
+// The largest value over a block, as block_sum gathers its sum; every thread gets it.
+__device__ __forceinline__ float block_max(float v, float* shared) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    float m = shared[0];
+    for (int w = 1; w < warps; ++w) m = fmaxf(m, shared[w]);
+    return m;
+}
+
 #ifndef BATON_EMULATION // emulation/emu.h defines these for the CPU emulation
 __device__ __forceinline__ float h2f(u16 h) {
     float f;

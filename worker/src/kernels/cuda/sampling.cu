@@ -102,17 +102,6 @@ __device__ u64 block_scan(u64 v, SampleShared& sh, u64& total) {
     return before + inclusive - v;
 }
 
-__device__ float block_max(float v, SampleShared& sh) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) sh.warp_max[warp] = v;
-    __syncthreads();
-    float m = sh.warp_max[0];
-    for (int w = 1; w < warps; ++w) m = fmaxf(m, sh.warp_max[w]);
-    return m;
-}
-
 // The threshold key t over the tokens within the top-k cut: those with keys above t count
 // (or weigh, `by_mass`) less than `need`, those at t or above at least `need`. `above` gets
 // the count (weight) above t.
@@ -167,7 +156,7 @@ sample_rows(const float* logits, const SampleRow* rows, u32* out, int vocab) {
     v.end = min(vocab, v.begin + share);
     float mx = -__int_as_float(0x7f800000);
     for (int i = v.begin; i < v.end; ++i) mx = fmaxf(mx, v.l[i]);
-    mx = block_max(mx, sh);
+    mx = block_max(mx, sh.warp_max);
     v.t = s.temperature;
     v.m = mx / s.temperature;
     v.min_p = s.min_p;
