@@ -266,7 +266,8 @@ fn matmul_on<O: Ops>(
     host
 }
 
-/// RMSNorm, per-head RMSNorm, RoPE, SiLU·up and the residual add over `x`.
+/// RMSNorm, per-head RMSNorm, RoPE, SiLU·up, the residual add, a mixture of experts' routing
+/// and row movement, and a shared expert's gate over `x`.
 fn elementwise_on<O: Ops>(ops: &O, x: &[f32], norm: &[f32], cols: usize) -> Vec<(&'static str, Vec<f32>)> {
     let rows = x.len() / cols;
     let (head_dim, half) = (64usize, 32usize);
@@ -319,6 +320,31 @@ fn elementwise_on<O: Ops>(ops: &O, x: &[f32], norm: &[f32], cols: usize) -> Vec<
     let tokens: Vec<u32> = (0..rows as u32).rev().collect();
     ops.embed(&table, &tokens, &mut b).expect("tokens in range");
     out.push(("embed", get(&b)));
+    // Six experts, two a row, each returning its rows times its own scale (the products are
+    // checked above): the routing, gather and weighted scatter of every row.
+    let experts = 6;
+    let logits: Vec<f32> = values(rows * experts, 98).iter().map(|v| v * 4.0).collect();
+    let mut routing = O::Routing::default();
+    ops.upload(&logits, &mut c);
+    ops.route(&c, experts, 2, true, &mut routing);
+    ops.upload(x, &mut a);
+    ops.zeros(&mut b, x.len());
+    let (mut packed, mut scaled) = (O::Buf::default(), O::Buf::default());
+    for e in 0..experts {
+        let n = ops.gather_routed(&a, &routing, e, &mut packed);
+        if n == 0 {
+            continue;
+        }
+        let scale: Vec<f32> = vec![0.5 + e as f32; n * cols];
+        ops.upload(&scale, &mut scaled);
+        ops.add(&mut scaled, &packed);
+        ops.scatter_routed(&scaled, &routing, e, &mut b);
+    }
+    out.push(("moe_rows", get(&b)));
+    ops.upload(&y[..rows], &mut c);
+    ops.upload(x, &mut b);
+    ops.add_sigmoid_scaled(&mut b, &a, &c);
+    out.push(("add_sigmoid_scaled", get(&b)));
     out
 }
 

@@ -12,7 +12,7 @@ use super::{
 };
 use crate::kernels::cuda::SampleRow;
 use crate::model::dflash::DflashFiles;
-use crate::model::spec::{FfnKind, LayerKind, LayerSpec, uniform_kv_dim};
+use crate::model::spec::{LayerKind, LayerSpec, uniform_kv_dim};
 use crate::model::{ForwardError, Scratch, StageModel, registry};
 use crate::ops::Ops;
 use crate::ops::cuda::{CudaBatch, CudaKvPool, CudaOps};
@@ -141,8 +141,8 @@ impl CudaBackend {
     }
 }
 
-/// Refuse, by name, what has no GPU kernels yet: mixture-of-experts and linear-attention
-/// layers, and heads wider than the attention kernel holds.
+/// Refuse, by name, what has no GPU kernels yet: linear-attention layers, and heads wider
+/// than the attention kernel holds.
 pub fn supported(
     config: &baton_shared::model_config::ModelConfig,
     layers: std::ops::Range<usize>,
@@ -150,14 +150,10 @@ pub fn supported(
     let arch = registry::for_config(config);
     for l in layers {
         let spec = arch.layer(config, l).spec();
-        let what = match (spec.kind, spec.ffn) {
-            (LayerKind::LinearAttention, _) => Some("linear-attention (Gated DeltaNet) layers"),
-            (_, FfnKind::Moe { .. }) => Some("mixture-of-experts layers"),
-            _ => None,
-        };
-        if let Some(what) = what {
+        if spec.kind == LayerKind::LinearAttention {
             return Err(BackendError::Unsupported(format!(
-                "layer {l} of this {} model: {what} have no CUDA kernels yet; run this stage with --device cpu",
+                "layer {l} of this {} model: linear-attention (Gated DeltaNet) layers have no CUDA kernels yet; \
+                 run this stage with --device cpu",
                 arch.name()
             )));
         }
@@ -334,5 +330,32 @@ mod tests {
             site(&[slot(greedy, Some(2), &[]), slot(sampled, None, &[])]),
             SamplingSite::Host
         );
+    }
+
+    fn config(fixture: &str) -> baton_shared::model_config::ModelConfig {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/tiny")
+            .join(fixture);
+        ModelFiles::open(&dir).and_then(|f| f.config()).expect("a tiny fixture")
+    }
+
+    #[test]
+    fn a_gpu_stage_takes_experts_and_refuses_linear_attention_by_layer() {
+        for fixture in ["qwen3", "qwen3_moe", "qwen3_moe_dense_mix"] {
+            let c = config(fixture);
+            assert!(supported(&c, 0..c.num_layers).is_ok(), "{fixture}");
+        }
+        let c = config("qwen3_next");
+        let e = supported(&c, 0..c.num_layers).unwrap_err().to_string();
+        assert!(
+            e.contains("layer 0 ") && e.contains("Gated DeltaNet") && e.contains("--device cpu"),
+            "{e}"
+        );
+        // A range holding only its full-attention layers is taken.
+        let full: Vec<usize> = (0..c.num_layers)
+            .filter(|&l| registry::for_config(&c).layer(&c, l).spec().kind != LayerKind::LinearAttention)
+            .collect();
+        assert!(!full.is_empty());
+        assert!(supported(&c, full[0]..full[0] + 1).is_ok());
     }
 }

@@ -33,8 +33,19 @@ impl Routing {
 
     /// The rows sent to `expert` (ascending) and their weights.
     pub fn expert(&self, expert: usize) -> (&[u32], &[f32]) {
-        let at = self.starts[expert]..self.starts[expert + 1];
+        let at = self.span(expert);
         (&self.row_of[at.clone()], &self.weight_of[at])
+    }
+
+    /// Every entry's row and weight, expert after expert (a device uploads them once per
+    /// batch and reads each expert's [`span`](Self::span) of them).
+    pub fn entries(&self) -> (&[u32], &[f32]) {
+        (&self.row_of, &self.weight_of)
+    }
+
+    /// Where `expert`'s entries sit in [`entries`](Self::entries).
+    pub fn span(&self, expert: usize) -> std::ops::Range<usize> {
+        self.starts[expert]..self.starts[expert + 1]
     }
 
     /// Row `row`'s chosen experts and weights, largest probability first.
@@ -139,6 +150,10 @@ mod tests {
         assert!(r.expert(1).0.is_empty());
         assert_eq!(r.expert(2).0, &[0, 2]);
         assert_eq!(r.expert(3).0, &[1, 2]);
+        // The entries, expert after expert, and each expert's span of them.
+        assert_eq!(r.entries().0, &[0, 1, 0, 2, 1, 2]);
+        assert_eq!([r.span(0), r.span(1), r.span(2), r.span(3)], [0..2, 2..2, 2..4, 4..6]);
+        assert_eq!(r.entries().1[r.span(2)], *r.expert(2).1);
         // Unnormalized weights are the softmax probabilities themselves.
         let z: f32 = [1.0f32, -1.0, 3.0, 0.0].iter().map(|v| (v - 3.0).exp()).sum();
         assert!((r.chosen(0)[0].1 - 1.0 / z).abs() < 1e-6);

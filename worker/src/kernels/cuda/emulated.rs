@@ -78,11 +78,12 @@ fn every_kernel_runs_on_the_emulation() {
         include_str!("attention.cu"),
         include_str!("elementwise.cu"),
         include_str!("matmul.cu"),
+        include_str!("moe.cu"),
         include_str!("sampling.cu"),
     ];
     let names: Vec<String> = sources.iter().flat_map(|s| kernel_names(s)).collect();
     assert!(
-        names.len() >= 20 && names.contains(&"matmul_q8_mma".to_string()),
+        names.len() >= 23 && names.contains(&"matmul_q8_mma".to_string()),
         "{names:?}"
     );
     for name in names {
@@ -788,4 +789,75 @@ fn the_element_wise_kernels_give_the_reference_values() {
     let want_a: Vec<f32> = runs.iter().flat_map(|r| r[..piece as usize].to_vec()).collect();
     let want_b: Vec<f32> = runs.iter().flat_map(|r| r[piece as usize..].to_vec()).collect();
     assert_eq!((first, second), (want_a, want_b), "deinterleaved halves");
+}
+
+#[test]
+fn the_mixture_of_experts_kernels_move_rows_as_the_cpu_routing_says() {
+    use crate::kernels::cpu::linear_attention::reference::add_sigmoid_scaled;
+    use crate::kernels::cpu::moe;
+    type Gather = unsafe extern "C" fn(Dim3, Dim3, *const f32, *const u32, *mut f32, i32);
+    type Scatter = unsafe extern "C" fn(Dim3, Dim3, *const f32, *const u32, *const f32, *mut f32, i32);
+    type Gate = unsafe extern "C" fn(Dim3, Dim3, *mut f32, *const f32, *const f32, i32);
+    let (gather, scatter, gate): (Gather, Scatter, Gate) = (
+        kernel("gather_rows"),
+        kernel("scatter_add_rows"),
+        kernel("add_sigmoid_scaled"),
+    );
+    // 11 rows of 300 (more than a block's threads hold, so every thread loops), 6 experts, 2 each.
+    let (rows, width, experts, top_k) = (11usize, 300usize, 6usize, 2usize);
+    let x = values(rows * width, 200);
+    let logits: Vec<f32> = values(rows * experts, 201).iter().map(|v| v * 3.0).collect();
+    let mut routing = moe::Routing::default();
+    moe::route(&logits, experts, top_k, true, &mut routing);
+    let (entry_rows, entry_weights) = routing.entries();
+    let (mut got, mut want) = (values(rows * width, 202), vec![0f32; rows * width]);
+    want.copy_from_slice(&got);
+    let (mut packed, mut cpu_packed) = (vec![0f32; rows * width], vec![0f32; rows * width]);
+    for e in 0..experts {
+        let span = routing.span(e);
+        let n = moe::gather(&x, width, &routing, e, &mut cpu_packed);
+        assert_eq!(n, span.len());
+        if n == 0 {
+            continue;
+        }
+        let (grid, block) = dims(copy_geometry(n, width));
+        // SAFETY: the span's rows are below `rows`; `packed` holds `n` rows of `width`.
+        unsafe {
+            gather(
+                grid,
+                block,
+                x.as_ptr(),
+                entry_rows[span.clone()].as_ptr(),
+                packed.as_mut_ptr(),
+                width as i32,
+            )
+        };
+        assert_eq!(packed[..n * width], cpu_packed[..n * width], "expert {e}'s rows");
+        // The expert's output: anything row-shaped, here its input scaled per expert.
+        let y: Vec<f32> = packed[..n * width].iter().map(|v| v * (e as f32 + 0.5)).collect();
+        moe::scatter_add(&y, width, &routing, e, &mut want);
+        // SAFETY: as above; `got` holds `rows` rows.
+        unsafe {
+            scatter(
+                grid,
+                block,
+                y.as_ptr(),
+                entry_rows[span.clone()].as_ptr(),
+                entry_weights[span].as_ptr(),
+                got.as_mut_ptr(),
+                width as i32,
+            )
+        };
+    }
+    assert!(got == want, "the weighted sums are the CPU's bits");
+    // A shared expert's gate: one value per row.
+    let (y, g) = (values(rows * width, 203), values(rows, 204));
+    add_sigmoid_scaled(&mut want, &y, &g, width);
+    let (grid, block) = dims(copy_geometry(rows, width));
+    // SAFETY: `got` and `y` hold `rows` rows of `width`, `g` one value per row.
+    unsafe { gate(grid, block, got.as_mut_ptr(), y.as_ptr(), g.as_ptr(), width as i32) };
+    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+        // Only the device's exp differs: an ulp or so of the gate.
+        assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "gated sum at {i}: {a} vs {b}");
+    }
 }

@@ -6,10 +6,10 @@
 //! and reported by the backend after the call ([`Gpu::take_error`]), since the operations
 //! themselves return nothing.
 //!
-//! What runs here: dense decoders (Llama, Qwen2, Qwen3) with f32, f16/bf16 (held at 16 bits,
-//! widened in the product), Q8_0, Q4_0 and Q4_1 weights, f32 or f16 K/V. Mixture-of-experts
-//! routing and Gated DeltaNet have no GPU kernels yet: a CUDA backend refuses such layers at
-//! load, and these operations only record an error if reached.
+//! What runs here: dense decoders (Llama, Qwen2, Qwen3) and mixtures of experts (Qwen3-MoE)
+//! with f32, f16/bf16 (held at 16 bits, widened in the product), Q8_0, Q4_0 and Q4_1 weights,
+//! f32 or f16 K/V. Gated DeltaNet has no GPU kernels yet: a CUDA backend refuses such layers
+//! at load, and its operations only record an error if reached.
 
 pub mod device;
 pub mod kv;
@@ -22,6 +22,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelA
 use super::{AttnMask, AttnShape, HostMatrix, LinearAttnShape, Ops, OpsInfo, Product};
 use crate::kernels::cpu::half::HalfKind;
 use crate::kernels::cpu::matmul::WeightFormat;
+use crate::kernels::cpu::moe;
 use baton_shared::dtype::DType;
 
 use crate::kernels::cuda::{self as geometry, Geometry, MatmulGroup, Q4Device, Q8Device, SampleRow};
@@ -194,9 +195,17 @@ unsafe impl DeviceRepr for MatmulGroup {}
 unsafe impl DeviceRepr for SampleRow {}
 unsafe impl ValidAsZeroBits for SampleRow {}
 
-/// Mixture-of-experts routing has no GPU implementation yet.
+/// Which rows of a batch go to which expert. The router's logits are downloaded and routed by
+/// the CPU's own [`moe::route`], so a row picks the experts it picks on the CPU; the host must
+/// know each expert's row count anyway to size its products. The entries (row, weight, expert
+/// after expert) are uploaded once per layer for the gather and scatter kernels.
 #[derive(Default)]
-pub struct CudaRouting;
+pub struct CudaRouting {
+    host: moe::Routing,
+    logits: Vec<f32>,
+    rows: Option<CudaSlice<u32>>,
+    weights: Option<CudaSlice<f32>>,
+}
 
 impl CudaOps {
     /// Operations on GPU `ordinal`.
@@ -516,7 +525,7 @@ impl CudaOps {
 
     fn unsupported(&self, op: &str) {
         self.gpu.record(format!(
-            "{op} has no CUDA kernel yet (mixture-of-experts and linear-attention layers run on the CPU backend)"
+            "{op} has no CUDA kernel yet (linear-attention layers run on the CPU backend)"
         ));
     }
 }
@@ -822,8 +831,22 @@ impl Ops for CudaOps {
         );
     }
 
-    fn add_sigmoid_scaled(&self, _out: &mut CudaBuf, _y: &CudaBuf, _gate: &CudaBuf) {
-        self.unsupported("a shared expert's gate");
+    fn add_sigmoid_scaled(&self, out: &mut CudaBuf, y: &CudaBuf, gate: &CudaBuf) {
+        let rows = gate.len;
+        let width = out.len / rows.max(1);
+        let (Some(o), Some(yd), Some(g)) = (self.dev(out), self.dev(y), self.dev(gate)) else {
+            return;
+        };
+        let w = width as i32;
+        launch!(
+            self.gpu,
+            "add_sigmoid_scaled",
+            geometry::copy_geometry(rows, width),
+            o,
+            yd,
+            g,
+            &w
+        );
     }
 
     fn rmsnorm_gated(&self, _x: &mut CudaBuf, _w: &CudaVector, _eps: f32, _z: &CudaBuf) {
@@ -854,15 +877,69 @@ impl Ops for CudaOps {
         }
     }
 
-    fn route(&self, _logits: &CudaBuf, _experts: usize, _top_k: usize, _normalize: bool, _routing: &mut CudaRouting) {
-        self.unsupported("mixture-of-experts routing");
+    fn route(&self, logits: &CudaBuf, experts: usize, top_k: usize, normalize: bool, routing: &mut CudaRouting) {
+        routing.logits.resize(logits.len, 0.0);
+        self.download(logits, &mut routing.logits);
+        moe::route(&routing.logits, experts, top_k, normalize, &mut routing.host);
+        let (rows, weights) = routing.host.entries();
+        if self.stage(rows, &mut routing.rows) {
+            self.stage(weights, &mut routing.weights);
+        }
+        // Each is a wait for the device: the stream drains before the logits cross.
+        metrics::counter!("baton_cuda_moe_host_routes_total").increment(1);
     }
 
-    fn gather_routed(&self, _x: &CudaBuf, _routing: &CudaRouting, _expert: usize, _out: &mut CudaBuf) -> usize {
-        0
+    fn gather_routed(&self, x: &CudaBuf, routing: &CudaRouting, expert: usize, out: &mut CudaBuf) -> usize {
+        let span = routing.host.span(expert);
+        let n = span.len();
+        if n == 0 {
+            return 0;
+        }
+        let width = x.len / routing.host.rows().max(1);
+        self.resize(out, n * width);
+        let (Some(xd), Some(o), Some(rows)) = (self.dev(x), out.data.as_ref(), routing.rows.as_ref()) else {
+            return n;
+        };
+        let (rows, w) = (rows.slice(span), width as i32);
+        launch!(
+            self.gpu,
+            "gather_rows",
+            geometry::copy_geometry(n, width),
+            xd,
+            &rows,
+            o,
+            &w
+        );
+        n
     }
 
-    fn scatter_routed(&self, _y: &CudaBuf, _routing: &CudaRouting, _expert: usize, _out: &mut CudaBuf) {}
+    fn scatter_routed(&self, y: &CudaBuf, routing: &CudaRouting, expert: usize, out: &mut CudaBuf) {
+        let span = routing.host.span(expert);
+        let n = span.len();
+        if n == 0 {
+            return;
+        }
+        let width = y.len / n;
+        let (Some(yd), Some(o), Some(rows), Some(weights)) = (
+            self.dev(y),
+            self.dev(out),
+            routing.rows.as_ref(),
+            routing.weights.as_ref(),
+        ) else {
+            return;
+        };
+        let (rows, weights, w) = (rows.slice(span.clone()), weights.slice(span), width as i32);
+        launch!(
+            self.gpu,
+            "scatter_add_rows",
+            geometry::copy_geometry(n, width),
+            yd,
+            &rows,
+            &weights,
+            o,
+            &w
+        );
+    }
 
     fn split_qkvz(
         &self,

@@ -154,6 +154,10 @@ inline float __int_as_float(int i) { return bit_cast4<float>(i); }
 inline int __float_as_int(float f) { return bit_cast4<int>(f); }
 inline float __uint_as_float(unsigned i) { return bit_cast4<float>(i); }
 inline unsigned __float_as_uint(float f) { return bit_cast4<unsigned>(f); }
+// The CUDA compiler never fuses these into a multiply-add; ISO C++ (-std=c++20) does not fuse
+// plain operations either.
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
 
 // CUDA's integer min and max (both arguments of one type in Baton's kernels).
 template <class T> T min(T a, T b) { return a < b ? a : b; }

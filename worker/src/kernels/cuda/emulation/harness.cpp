@@ -5,6 +5,7 @@
 #include "../attention.cu"
 #include "../elementwise.cu"
 #include "../matmul.cu"
+#include "../moe.cu"
 #include "../sampling.cu"
 
 #define EMULATE(name, params, args)                                                                                \
@@ -42,3 +43,7 @@ EMULATE(attention_f32,
           int kv_heads, int head_dim, int block_size, int mask_block, float scale),
         (q, kp, vp, meta, tables, out, heads, kv_heads, head_dim, block_size, mask_block, scale))
 EMULATE(sample_rows, P(const float* logits, const SampleRow* rows, u32* out, int vocab), (logits, rows, out, vocab))
+EMULATE(gather_rows, P(const float* x, const u32* rows, float* out, int width), (x, rows, out, width))
+EMULATE(scatter_add_rows, P(const float* y, const u32* rows, const float* weights, float* out, int width),
+        (y, rows, weights, out, width))
+EMULATE(add_sigmoid_scaled, P(float* out, const float* y, const float* gate, int width), (out, y, gate, width))
