@@ -158,6 +158,28 @@ fn kernel_cases<O: Ops>(ops: &O) -> Value {
         for ((name, g), (_, w)) in got.iter().zip(&want) {
             cases.push(case(name, rows, false, g, w, 1e-5));
         }
+        // A mixture of Q8_0 experts: in one go where the device has that path, against the
+        // reference going expert by expert. The gated hidden rows are quantized again for
+        // the down product, so a product's last-bit difference can move a quant by one step:
+        // a looser tolerance than one product's. In one go and expert by expert on the device
+        // itself must agree bit for bit.
+        let one_go = moe_on(ops, &x, cols, true);
+        cases.push(case(
+            "moe_q8_experts",
+            rows,
+            false,
+            &one_go,
+            &moe_on(&reference, &x, cols, false),
+            1e-3,
+        ));
+        cases.push(case(
+            "moe_one_go_vs_by_expert",
+            rows,
+            false,
+            &one_go,
+            &moe_on(ops, &x, cols, false),
+            0.0,
+        ));
     }
     let failed = cases.iter().filter(|c| c["ok"] == json!(false)).count();
     json!({ "cases": cases, "failed": failed })
@@ -346,6 +368,63 @@ fn elementwise_on<O: Ops>(ops: &O, x: &[f32], norm: &[f32], cols: usize) -> Vec<
     ops.add_sigmoid_scaled(&mut b, &a, &c);
     out.push(("add_sigmoid_scaled", get(&b)));
     out
+}
+
+/// Six Q8_0 gated-MLP experts of width 256, two a row, over `x`: in one go
+/// ([`Ops::routed_experts`]) when `one_go` and the device has that path, else expert by expert
+/// as the model runs them.
+fn moe_on<O: Ops>(ops: &O, x: &[f32], cols: usize, one_go: bool) -> Vec<f32> {
+    let (rows, experts, ffn) = (x.len() / cols, 6usize, 256usize);
+    let mat = |r: usize, c: usize, seed: u64| {
+        let values = values(r * c, seed).iter().map(|v| v * 0.1).collect();
+        ops.matrix(HostMatrix::F32 { values, cols: c }, WeightFormat::Q8_0)
+            .expect("a valid matrix")
+    };
+    let mats: Vec<[O::Mat; 3]> = (0..experts as u64)
+        .map(|e| {
+            [
+                mat(ffn, cols, 50 + 3 * e),
+                mat(ffn, cols, 51 + 3 * e),
+                mat(cols, ffn, 52 + 3 * e),
+            ]
+        })
+        .collect();
+    let refs: Vec<[&O::Mat; 3]> = mats.iter().map(|[g, u, d]| [g, u, d]).collect();
+    let set = if one_go { ops.experts(&refs) } else { None };
+    let (mut xb, mut logits, mut out) = (O::Buf::default(), O::Buf::default(), O::Buf::default());
+    let (mut packed, mut gate, mut up, mut y) = (
+        O::Buf::default(),
+        O::Buf::default(),
+        O::Buf::default(),
+        O::Buf::default(),
+    );
+    let (mut routing, mut ws) = (O::Routing::default(), O::Workspace::default());
+    ops.upload(x, &mut xb);
+    ops.upload(
+        &values(rows * experts, 97).iter().map(|v| v * 4.0).collect::<Vec<_>>(),
+        &mut logits,
+    );
+    ops.route(&logits, experts, 2, true, &mut routing);
+    match &set {
+        Some(set) => {
+            ops.routed_experts(&mut ws, &xb, &routing, set, [&mut gate, &mut up, &mut y], &mut out);
+        }
+        None => {
+            ops.zeros(&mut out, x.len());
+            for (e, [g, u, d]) in mats.iter().enumerate() {
+                if ops.gather_routed(&xb, &routing, e, &mut packed) == 0 {
+                    continue;
+                }
+                ops.matmul_many(&mut ws, &packed, [(g, None, &mut gate), (u, None, &mut up)]);
+                ops.silu_mul(&mut gate, &up, ffn);
+                ops.matmul(&mut ws, &gate, d, None, &mut y);
+                ops.scatter_routed(&y, &routing, e, &mut out);
+            }
+        }
+    }
+    let mut host = vec![0f32; ops.len(&out)];
+    ops.download(&out, &mut host);
+    host
 }
 
 /// Matrices (weight rows, columns) whose Q8_0 product is timed everywhere: 64 and 128 MiB.

@@ -151,6 +151,8 @@ impl Ops for CpuOps {
     type Kv<'a> = dyn BatchKv + 'a;
     type Workspace = CpuWorkspace;
     type Routing = Routing;
+    /// Never made: the CPU runs experts one by one.
+    type Experts = std::convert::Infallible;
 
     fn info(&self) -> OpsInfo {
         OpsInfo {
@@ -469,6 +471,22 @@ impl Ops for CpuOps {
     fn zeros(&self, buf: &mut CpuBuf, len: usize) {
         self.resize(buf, len);
         buf.fill(0.0);
+    }
+
+    fn experts(&self, _experts: &[[&Matrix; 3]]) -> Option<Self::Experts> {
+        None
+    }
+
+    fn routed_experts(
+        &self,
+        _ws: &mut CpuWorkspace,
+        _x: &CpuBuf,
+        _routing: &Routing,
+        experts: &Self::Experts,
+        _scratch: [&mut CpuBuf; 3],
+        _out: &mut CpuBuf,
+    ) -> usize {
+        match *experts {}
     }
 
     fn route(&self, logits: &CpuBuf, experts: usize, top_k: usize, normalize: bool, routing: &mut Routing) {

@@ -132,6 +132,8 @@ pub trait Ops: Send + Sync + Sized + 'static {
     type Workspace: Default + Send;
     /// Which rows of a batch go to which mixture-of-experts expert, with what weight.
     type Routing: Default + Send;
+    /// A mixture's experts prepared to run in one go ([`routed_experts`](Self::routed_experts)).
+    type Experts: Send + Sync;
 
     /// The kernel path and threads.
     fn info(&self) -> OpsInfo;
@@ -200,6 +202,24 @@ pub trait Ops: Send + Sync + Sized + 'static {
     fn gather_routed(&self, x: &Self::Buf, routing: &Self::Routing, expert: usize, out: &mut Self::Buf) -> usize;
     /// `out[row] += weight · y[i]` for the `i`-th row routed to `expert`.
     fn scatter_routed(&self, y: &Self::Buf, routing: &Self::Routing, expert: usize, out: &mut Self::Buf);
+    /// Prepare the experts (`[gate, up, down]` each) of one mixture to run in one go, or `None`
+    /// where this device runs them expert by expert: the CPU, whose products cost nothing to
+    /// start, and a GPU for weight formats without a one-go kernel.
+    fn experts(&self, experts: &[[&Self::Mat; 3]]) -> Option<Self::Experts>;
+    /// Every expert of `experts` over the rows `routing` sends it: its gated MLP's outputs
+    /// weighted and summed into `out` (resized to `x`'s length), which is what zeroing `out`,
+    /// then [`gather_routed`](Self::gather_routed), gate and up, [`silu_mul`](Self::silu_mul),
+    /// down and [`scatter_routed`](Self::scatter_routed) expert by expert compute, bit for bit.
+    /// `scratch` holds the gate, up and down outputs. Returns the experts that had rows.
+    fn routed_experts(
+        &self,
+        ws: &mut Self::Workspace,
+        x: &Self::Buf,
+        routing: &Self::Routing,
+        experts: &Self::Experts,
+        scratch: [&mut Self::Buf; 3],
+        out: &mut Self::Buf,
+    ) -> usize;
     /// Qwen3-Next's fused projections in the order [`linear_attention`](Self::linear_attention)
     /// takes: `qkvz` (per key head: q, k, then its value heads' v and z) into `qkv` (every q,
     /// every k, every v) and `z`; `ba` (per key head: its value heads' b, then their a) into

@@ -37,6 +37,11 @@ impl Routing {
         (&self.row_of[at.clone()], &self.weight_of[at])
     }
 
+    /// Experts each row is sent to.
+    pub fn top_k(&self) -> usize {
+        self.chosen.len() / self.rows.max(1)
+    }
+
     /// Every entry's row and weight, expert after expert (a device uploads them once per
     /// batch and reads each expert's [`span`](Self::span) of them).
     pub fn entries(&self) -> (&[u32], &[f32]) {
@@ -50,7 +55,7 @@ impl Routing {
 
     /// Row `row`'s chosen experts and weights, largest probability first.
     pub fn chosen(&self, row: usize) -> &[(u32, f32)] {
-        let k = self.chosen.len() / self.rows.max(1);
+        let k = self.top_k();
         &self.chosen[row * k..(row + 1) * k]
     }
 }

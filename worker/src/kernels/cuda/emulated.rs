@@ -83,7 +83,7 @@ fn every_kernel_runs_on_the_emulation() {
     ];
     let names: Vec<String> = sources.iter().flat_map(|s| kernel_names(s)).collect();
     assert!(
-        names.len() >= 23 && names.contains(&"matmul_q8_mma".to_string()),
+        names.len() >= 25 && names.contains(&"matmul_q8_mma".to_string()),
         "{names:?}"
     );
     for name in names {
@@ -860,4 +860,207 @@ fn the_mixture_of_experts_kernels_move_rows_as_the_cpu_routing_says() {
         // Only the device's exp differs: an ulp or so of the gate.
         assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "gated sum at {i}: {a} vs {b}");
     }
+}
+
+#[test]
+fn experts_in_one_go_give_the_bits_of_going_expert_by_expert() {
+    use super::experts::{ExpertPlan, ExpertQ8, ExpertTile, experts_geometry, pack};
+    use crate::kernels::cpu::moe;
+    type Product = unsafe extern "C" fn(Dim3, Dim3, *const i8, *const f32, MatmulGroup, i32, i32);
+    type Experts = unsafe extern "C" fn(
+        Dim3,
+        Dim3,
+        *const i8,
+        *const f32,
+        *const ExpertQ8,
+        *const ExpertTile,
+        *const u32,
+        *mut f32,
+        i32,
+        i32,
+    );
+    type Gather = unsafe extern "C" fn(Dim3, Dim3, *const f32, *const u32, *mut f32, i32);
+    type Scatter = unsafe extern "C" fn(Dim3, Dim3, *const f32, *const u32, *const f32, *mut f32, i32);
+    type Combine = unsafe extern "C" fn(Dim3, Dim3, *const f32, *const u32, *const f32, *mut f32, i32, i32);
+    type Pair = unsafe extern "C" fn(Dim3, Dim3, *mut f32, *const f32, u64);
+    let (product, grouped): (Product, Experts) = (kernel("matmul_q8"), kernel("matmul_q8_experts"));
+    let (gather, scatter, combine): (Gather, Scatter, Combine) = (
+        kernel("gather_rows"),
+        kernel("scatter_add_rows"),
+        kernel("combine_rows"),
+    );
+    let silu: Pair = kernel("silu_mul");
+    // 11 rows, 5 experts, 3 each (so the order of a row's sum shows); expert 0 is every row's
+    // first choice, so its 11 entries take a whole tile and part of another.
+    let (rows, hidden, ffn, experts, top_k) = (11usize, 64usize, 96usize, 5usize, 3usize);
+    let x = values(rows * hidden, 300);
+    let mut logits = values(rows * experts, 301);
+    logits.chunks_exact_mut(experts).for_each(|l| l[0] += 5.0);
+    let mut routing = moe::Routing::default();
+    moe::route(&logits, experts, top_k, true, &mut routing);
+    let (entry_rows, weights) = routing.entries();
+    let n = entry_rows.len();
+    let mats: Vec<[Q8Device; 3]> = (0..experts as u64)
+        .map(|e| {
+            [
+                q8_matrix(ffn, hidden, 310 + 10 * e),
+                q8_matrix(ffn, hidden, 312 + 10 * e),
+                q8_matrix(hidden, ffn, 314 + 10 * e),
+            ]
+        })
+        .collect();
+    let elementwise = |len: usize| dims(elementwise_geometry(len));
+
+    // Expert by expert, as the operations run a mixture without the one-go path.
+    let mut by_expert = vec![0f32; rows * hidden];
+    let mut gates = Vec::new();
+    for (e, [gate, up, down]) in mats.iter().enumerate() {
+        let span = routing.span(e);
+        let m = span.len();
+        if m == 0 {
+            continue;
+        }
+        let mut packed = vec![0f32; m * hidden];
+        let (grid, block) = dims(copy_geometry(m, hidden));
+        // SAFETY: the span's rows are below `rows`; `packed` holds `m` rows.
+        unsafe {
+            gather(
+                grid,
+                block,
+                x.as_ptr(),
+                entry_rows[span.clone()].as_ptr(),
+                packed.as_mut_ptr(),
+                hidden as i32,
+            )
+        };
+        let (pq, pd) = quantize(&packed);
+        let mut outs = [vec![0f32; m * ffn], vec![0f32; m * ffn]];
+        let pair = [gate.clone(), up.clone()];
+        let mut g = q8_group(&pair, &mut outs, &[]);
+        g.bias = [0; 3];
+        let (grid, block) = dims(matmul_geometry(m, 2 * ffn));
+        // SAFETY: the group's addresses are live buffers of the sizes its row counts imply.
+        unsafe { product(grid, block, pq.as_ptr(), pd.as_ptr(), g, m as i32, hidden as i32) };
+        let [mut h, u] = outs;
+        let (grid, block) = elementwise(m * ffn);
+        // SAFETY: both hold `m * ffn` values.
+        unsafe { silu(grid, block, h.as_mut_ptr(), u.as_ptr(), (m * ffn) as u64) };
+        gates.extend_from_slice(&h);
+        let (hq, hd) = quantize(&h);
+        let mut y = [vec![0f32; m * hidden]];
+        let g = q8_group(std::slice::from_ref(down), &mut y, &[]);
+        let (grid, block) = dims(matmul_geometry(m, hidden));
+        // SAFETY: as above.
+        unsafe { product(grid, block, hq.as_ptr(), hd.as_ptr(), g, m as i32, ffn as i32) };
+        let (grid, block) = dims(copy_geometry(m, hidden));
+        // SAFETY: as for the gather; `by_expert` holds `rows` rows.
+        unsafe {
+            scatter(
+                grid,
+                block,
+                y[0].as_ptr(),
+                entry_rows[span.clone()].as_ptr(),
+                weights[span].as_ptr(),
+                by_expert.as_mut_ptr(),
+                hidden as i32,
+            )
+        };
+    }
+
+    // In one go: a launch per product over every expert's tiles, then one combine, reading the
+    // routing packed as the CUDA operations upload it.
+    let mut plan = ExpertPlan::default();
+    plan.build(&routing, experts);
+    assert!(plan.tiles.len() > experts, "expert 0 spans two tiles");
+    let mut packed = Vec::new();
+    let at = pack(&routing, &plan, &mut packed);
+    let entry_rows = packed.as_ptr();
+    // SAFETY: `pack` put `n` weights, the tiles and the row entries at these word offsets.
+    let (weights, tiles, row_entries) = unsafe {
+        (
+            packed.as_ptr().add(at.weights) as *const f32,
+            packed.as_ptr().add(at.tiles) as *const ExpertTile,
+            packed.as_ptr().add(at.row_entries),
+        )
+    };
+    let table = |i: usize| -> Vec<ExpertQ8> {
+        mats.iter()
+            .map(|m| ExpertQ8 {
+                q: m[i].quants.as_ptr() as u64,
+                d: m[i].scales.as_ptr() as u64,
+            })
+            .collect()
+    };
+    let (gate_t, up_t, down_t) = (table(0), table(1), table(2));
+    let (xq, xd) = quantize(&x);
+    let (mut h, mut u, mut y) = (
+        vec![f32::NAN; n * ffn],
+        vec![f32::NAN; n * ffn],
+        vec![f32::NAN; n * hidden],
+    );
+    let (grid, block) = dims(experts_geometry(ffn, plan.tiles.len()));
+    // SAFETY: every tile's entries are below `n`, their rows below `rows`; `h` and `u` hold
+    // `n` rows of `ffn`.
+    unsafe {
+        for (t, out) in [(&gate_t, &mut h), (&up_t, &mut u)] {
+            grouped(
+                grid,
+                block,
+                xq.as_ptr(),
+                xd.as_ptr(),
+                t.as_ptr(),
+                tiles,
+                entry_rows,
+                out.as_mut_ptr(),
+                ffn as i32,
+                hidden as i32,
+            );
+        }
+    }
+    let (grid, block) = elementwise(n * ffn);
+    // SAFETY: both hold `n * ffn` values.
+    unsafe { silu(grid, block, h.as_mut_ptr(), u.as_ptr(), (n * ffn) as u64) };
+    if let Some(i) = (0..h.len()).find(|&i| h[i].to_bits() != gates[i].to_bits()) {
+        panic!(
+            "the gated hidden rows, entry by entry: entry {} value {}: {} vs {}",
+            i / ffn,
+            i % ffn,
+            h[i],
+            gates[i]
+        );
+    }
+    let (hq, hd) = quantize(&h);
+    let (grid, block) = dims(experts_geometry(hidden, plan.tiles.len()));
+    // SAFETY: as above, the down product reading entry rows in place (no row table).
+    unsafe {
+        grouped(
+            grid,
+            block,
+            hq.as_ptr(),
+            hd.as_ptr(),
+            down_t.as_ptr(),
+            tiles,
+            std::ptr::null(),
+            y.as_mut_ptr(),
+            hidden as i32,
+            ffn as i32,
+        )
+    };
+    let mut one_go = vec![f32::NAN; rows * hidden];
+    let (grid, block) = dims(copy_geometry(rows, hidden));
+    // SAFETY: `row_entries` holds `top_k` entries below `n` per row.
+    unsafe {
+        combine(
+            grid,
+            block,
+            y.as_ptr(),
+            row_entries,
+            weights,
+            one_go.as_mut_ptr(),
+            top_k as i32,
+            hidden as i32,
+        )
+    };
+    assert!(one_go == by_expert, "the mixture's bits");
+    assert!(one_go.iter().all(|v| v.is_finite() && *v != 0.0));
 }

@@ -155,24 +155,17 @@ __device__ __forceinline__ int dot_block(int4 w0, int4 w1, int4 a0, int4 a1) {
 // At least MIN_BLOCKS blocks per multiprocessor: enough warps in flight to cover memory latency.
 #define MIN_BLOCKS 5
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
-matmul_q8(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, int rows_x, int cols) {
+// One lane's TILE partial sums of weight row (wr, sr) against the activation rows
+// `row_of(j)`, j < nt: the lane's blocks (lane, lane + 32, ...) in increasing order, UNROLL
+// blocks' loads issued before any is used, each block's dot added by an explicit fma (not left
+// to contraction), as matmul_q8_mma adds. `row_of` is inlined: a computed row (matmul_q8) or
+// one read ahead from a table (matmul_q8_experts) costs no loads in the loop.
+template <class RowOf>
+__device__ __forceinline__ void q8_partials(const i8* __restrict__ xq, const float* __restrict__ xd, const int4* wr,
+                                            const u16* sr, int nb, int cols, int nt, RowOf row_of, float acc[TILE]) {
     const int lane = threadIdx.x & 31;
-    int p, r;
-    if (!locate(g, blockIdx.x * WARPS + (threadIdx.x >> 5), p, r)) return;
-    const int rows_w = pick_rows(g, p);
-    const i8* __restrict__ wq = (const i8*)pick(p, g.w[0], g.w[1], g.w[2]);
-    const u16* __restrict__ wd = (const u16*)pick(p, g.d[0], g.d[1], g.d[2]);
-    const float* bias = (const float*)pick(p, g.bias[0], g.bias[1], g.bias[2]);
-    float* out = (float*)pick(p, g.out[0], g.out[1], g.out[2]);
-    const int t0 = blockIdx.y * TILE;
-    const int nt = min(TILE, rows_x - t0);
-    const int nb = cols / QK;
-    float acc[TILE];
 #pragma unroll
     for (int j = 0; j < TILE; ++j) acc[j] = 0.0f;
-    const int4* wr = (const int4*)(wq + (u64)r * cols);
-    const u16* sr = wd + (u64)r * nb;
     for (int b0 = lane; b0 < nb; b0 += 32 * UNROLL) {
         int4 w0[UNROLL], w1[UNROLL];
         float ws[UNROLL];
@@ -192,21 +185,82 @@ matmul_q8(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, int 
 #pragma unroll
                 for (int j = 0; j < TILE; ++j) {
                     if (j < nt) {
-                        const u64 row = (u64)(t0 + j);
+                        const u64 row = row_of(j);
                         const int4* xr = (const int4*)(xq + row * cols);
                         const int dot = dot_block(w0[u], w1[u], __ldg(xr + 2 * b), __ldg(xr + 2 * b + 1));
-                        // An explicit fma (not left to contraction), as matmul_q8_mma adds.
                         acc[j] = fmaf(ws[u] * __ldg(xd + row * nb + b), (float)dot, acc[j]);
                     }
                 }
             }
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
+matmul_q8(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, int rows_x, int cols) {
+    const int lane = threadIdx.x & 31;
+    int p, r;
+    if (!locate(g, blockIdx.x * WARPS + (threadIdx.x >> 5), p, r)) return;
+    const int rows_w = pick_rows(g, p);
+    const i8* __restrict__ wq = (const i8*)pick(p, g.w[0], g.w[1], g.w[2]);
+    const u16* __restrict__ wd = (const u16*)pick(p, g.d[0], g.d[1], g.d[2]);
+    const float* bias = (const float*)pick(p, g.bias[0], g.bias[1], g.bias[2]);
+    float* out = (float*)pick(p, g.out[0], g.out[1], g.out[2]);
+    const int t0 = blockIdx.y * TILE;
+    const int nt = min(TILE, rows_x - t0);
+    const int nb = cols / QK;
+    float acc[TILE];
+    q8_partials(xq, xd, (const int4*)(wq + (u64)r * cols), wd + (u64)r * nb, nb, cols, nt,
+                [t0](int j) { return (u64)(t0 + j); }, acc);
     const float bv = bias ? bias[r] : 0.0f;
 #pragma unroll
     for (int j = 0; j < TILE; ++j) {
         const float s = warp_sum(acc[j]);
         if (lane == 0 && j < nt) out[(u64)(t0 + j) * rows_w + r] = s + bv;
+    }
+}
+
+// The experts of a mixture in one launch. Each expert's entries (the rows routed to it) are
+// cut into tiles of up to TILE on the host; block (x, y) computes weight rows x·WARPS .. of
+// tile y's expert for the tile's entries. An entry's activation row is `rows[entry]` (the
+// batch row a gate/up product reads) or the entry itself when `rows` is null (the down
+// product, over the gated hidden rows packed by entry). Every output has matmul_q8's bits for
+// that row and that expert's matrix: the same lanes, blocks, order and fma.
+struct ExpertQ8 {
+    u64 q;  // the expert's quants
+    u64 d;  // its block scales (f16 bits)
+};
+struct ExpertTile {
+    int expert;
+    int first;  // the tile's first entry
+    int count;  // entries in the tile (1 .. TILE)
+};
+
+// Four blocks per multiprocessor, not MIN_BLOCKS: the entries' rows take eight registers more
+// than matmul_q8 has, which at MIN_BLOCKS would spill.
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)
+matmul_q8_experts(const i8* __restrict__ xq, const float* __restrict__ xd, const ExpertQ8* experts,
+                  const ExpertTile* tiles, const u32* rows, float* out, int rows_w, int cols) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (r >= rows_w) return;
+    const ExpertTile tile = tiles[blockIdx.y];
+    const ExpertQ8 e = experts[tile.expert];
+    const int nb = cols / QK;
+    int xrow[TILE];
+#pragma unroll
+    for (int j = 0; j < TILE; ++j) {
+        const int entry = tile.first + min(j, tile.count - 1);
+        xrow[j] = rows ? (int)rows[entry] : entry;
+    }
+    float acc[TILE];
+    q8_partials(xq, xd, (const int4*)((const i8*)e.q + (u64)r * cols), (const u16*)e.d + (u64)r * nb, nb, cols,
+                tile.count, [&xrow](int j) { return (u64)xrow[j]; }, acc);
+#pragma unroll
+    for (int j = 0; j < TILE; ++j) {
+        const float s = warp_sum(acc[j]);
+        // + 0: matmul_q8's missing bias, so even a -0 has its bits.
+        if (lane == 0 && j < tile.count) out[(u64)(tile.first + j) * rows_w + r] = s + 0.0f;
     }
 }
 

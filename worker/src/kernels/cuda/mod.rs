@@ -425,6 +425,8 @@ pub fn sample_row_reference(logits: &[f32], s: &SampleRow) -> u32 {
     unreachable!("the draw falls below the total")
 }
 
+pub mod experts;
+
 #[cfg(test)]
 mod emulated;
 

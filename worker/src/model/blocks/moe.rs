@@ -21,18 +21,24 @@ pub struct SparseMoe<O: Ops> {
     normalize: bool,
     /// The shared expert and its `[1, hidden]` gate (f32, like the router).
     shared: Option<(GatedMlp<O>, O::Mat)>,
+    /// The experts prepared to run in one go, where the device has such a path.
+    one_go: Option<O::Experts>,
 }
 
 impl<O: Ops> SparseMoe<O> {
     /// Load the router and every expert `t` names.
     pub fn load(w: &WeightLoader<'_, O>, t: &MoeTensors) -> Result<Self, LoadError> {
+        let experts: Vec<GatedMlp<O>> = t
+            .experts
+            .iter()
+            .map(|e| GatedMlp::load(w, e))
+            .collect::<Result<_, _>>()?;
+        let mats: Vec<[&O::Mat; 3]> = experts.iter().map(|e| e.matrices()).collect();
+        let one_go = w.ops.experts(&mats);
         Ok(Self {
             router: w.table(&t.router)?,
-            experts: t
-                .experts
-                .iter()
-                .map(|e| GatedMlp::load(w, e))
-                .collect::<Result<_, _>>()?,
+            experts,
+            one_go,
             top_k: t.top_k,
             normalize: t.normalize,
             shared: match &t.shared {
@@ -52,16 +58,21 @@ impl<O: Ops> SparseMoe<O> {
             self.normalize,
             &mut s.routing,
         );
-        let len = ops.len(&s.xn);
-        ops.zeros(&mut s.proj, len);
         s.moe.layers += 1;
-        for (e, expert) in self.experts.iter().enumerate() {
-            if ops.gather_routed(&s.xn, &s.routing, e, &mut s.expert_in) == 0 {
-                continue;
+        if let Some(experts) = &self.one_go {
+            let scratch = [&mut s.gate, &mut s.up, &mut s.expert_out];
+            s.moe.active_experts += ops.routed_experts(&mut s.ws, &s.xn, &s.routing, experts, scratch, &mut s.proj);
+        } else {
+            let len = ops.len(&s.xn);
+            ops.zeros(&mut s.proj, len);
+            for (e, expert) in self.experts.iter().enumerate() {
+                if ops.gather_routed(&s.xn, &s.routing, e, &mut s.expert_in) == 0 {
+                    continue;
+                }
+                s.moe.active_experts += 1;
+                expert.apply(ops, &mut s.ws, &s.expert_in, &mut s.gate, &mut s.up, &mut s.expert_out);
+                ops.scatter_routed(&s.expert_out, &s.routing, e, &mut s.proj);
             }
-            s.moe.active_experts += 1;
-            expert.apply(ops, &mut s.ws, &s.expert_in, &mut s.gate, &mut s.up, &mut s.expert_out);
-            ops.scatter_routed(&s.expert_out, &s.routing, e, &mut s.proj);
         }
         if let Some((expert, gate)) = &self.shared {
             expert.apply(ops, &mut s.ws, &s.xn, &mut s.gate, &mut s.up, &mut s.expert_out);

@@ -25,6 +25,7 @@ use crate::kernels::cpu::matmul::WeightFormat;
 use crate::kernels::cpu::moe;
 use baton_shared::dtype::DType;
 
+use crate::kernels::cuda::experts::{ExpertPlan, ExpertQ8, MAX_TILES_PER_LAUNCH, Packed, pack};
 use crate::kernels::cuda::{self as geometry, Geometry, MatmulGroup, Q4Device, Q8Device, SampleRow};
 use crate::model::ForwardError;
 pub use device::{CudaError, Gpu, GpuInfo, KernelTime};
@@ -194,17 +195,33 @@ unsafe impl DeviceRepr for MatmulGroup {}
 // the kernel from an array in GPU memory; all-zero bits are a valid value.
 unsafe impl DeviceRepr for SampleRow {}
 unsafe impl ValidAsZeroBits for SampleRow {}
+// SAFETY: `ExpertQ8` is `repr(C)` plain data laid out as matmul.cu's `ExpertQ8`, read by the
+// kernel from an array in GPU memory; all-zero bits are a valid value.
+unsafe impl DeviceRepr for ExpertQ8 {}
+unsafe impl ValidAsZeroBits for ExpertQ8 {}
 
 /// Which rows of a batch go to which expert. The router's logits are downloaded and routed by
 /// the CPU's own [`moe::route`], so a row picks the experts it picks on the CPU; the host must
-/// know each expert's row count anyway to size its products. The entries (row, weight, expert
-/// after expert) are uploaded once per layer for the gather and scatter kernels.
+/// know each expert's row count anyway to size its products. What the kernels read (each
+/// entry's row and weight, expert after expert; the one-go plan's tiles and each row's
+/// entries) is packed into one upload per layer.
 #[derive(Default)]
 pub struct CudaRouting {
     host: moe::Routing,
+    plan: ExpertPlan,
     logits: Vec<f32>,
-    rows: Option<CudaSlice<u32>>,
-    weights: Option<CudaSlice<f32>>,
+    packed: Vec<u32>,
+    dev: Option<CudaSlice<u32>>,
+    at: Packed,
+}
+
+/// A mixture's Q8_0 experts as `matmul_q8_experts` reads them: for gate, up and down, a table
+/// of every expert's matrix (addresses of matrices the model holds as long as it holds this).
+pub struct CudaExperts {
+    tables: [CudaSlice<ExpertQ8>; 3],
+    /// Gate/up rows (the MLP's width) and columns (the hidden size).
+    ffn: usize,
+    hidden: usize,
 }
 
 impl CudaOps {
@@ -475,6 +492,46 @@ impl CudaOps {
         launch!(self.gpu, name, geom, xq, xd, &g, &t32, &c32);
     }
 
+    /// `matmul_q8_experts` of `table` over the plan's `tiles` tiles (at `tiles_at`) into `out`,
+    /// the activations already quantized into `ws`; `rows_at` is the entries' row table, or 0
+    /// when entry i reads activation row i.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_experts(
+        &self,
+        ws: &CudaWorkspace,
+        table: &CudaSlice<ExpertQ8>,
+        tiles_at: u64,
+        tiles: usize,
+        rows_at: u64,
+        out: &CudaSlice<f32>,
+        rows_w: usize,
+        cols: usize,
+    ) {
+        let (Some(xq), Some(xd)) = (ws.xq.as_ref(), ws.xd.as_ref()) else {
+            return;
+        };
+        let (rw, c) = (rows_w as i32, cols as i32);
+        // Three words a tile.
+        for first in (0..tiles).step_by(MAX_TILES_PER_LAUNCH) {
+            let count = (tiles - first).min(MAX_TILES_PER_LAUNCH);
+            let at = tiles_at + 12 * first as u64;
+            let g = crate::kernels::cuda::experts::experts_geometry(rows_w, count);
+            launch!(
+                self.gpu,
+                "matmul_q8_experts",
+                g,
+                xq,
+                xd,
+                table,
+                &at,
+                &rows_at,
+                out,
+                &rw,
+                &c
+            );
+        }
+    }
+
     /// The device's copy bandwidth: bytes read plus bytes written per second (as
     /// `bandwidthTest` counts a device-to-device copy), best of `reps` copies of `bytes`.
     pub fn copy_bandwidth(&self, bytes: usize, reps: usize) -> Result<f64, CudaError> {
@@ -537,6 +594,7 @@ impl Ops for CudaOps {
     type Kv<'a> = CudaBatch<'a>;
     type Workspace = CudaWorkspace;
     type Routing = CudaRouting;
+    type Experts = CudaExperts;
 
     fn info(&self) -> OpsInfo {
         OpsInfo {
@@ -881,10 +939,9 @@ impl Ops for CudaOps {
         routing.logits.resize(logits.len, 0.0);
         self.download(logits, &mut routing.logits);
         moe::route(&routing.logits, experts, top_k, normalize, &mut routing.host);
-        let (rows, weights) = routing.host.entries();
-        if self.stage(rows, &mut routing.rows) {
-            self.stage(weights, &mut routing.weights);
-        }
+        routing.plan.build(&routing.host, experts);
+        routing.at = pack(&routing.host, &routing.plan, &mut routing.packed);
+        self.stage(&routing.packed, &mut routing.dev);
         // Each is a wait for the device: the stream drains before the logits cross.
         metrics::counter!("baton_cuda_moe_host_routes_total").increment(1);
     }
@@ -897,10 +954,11 @@ impl Ops for CudaOps {
         }
         let width = x.len / routing.host.rows().max(1);
         self.resize(out, n * width);
-        let (Some(xd), Some(o), Some(rows)) = (self.dev(x), out.data.as_ref(), routing.rows.as_ref()) else {
+        let (Some(xd), Some(o), Some(dev)) = (self.dev(x), out.data.as_ref(), routing.dev.as_ref()) else {
             return n;
         };
-        let (rows, w) = (rows.slice(span), width as i32);
+        let rows = self.address(dev) + 4 * span.start as u64;
+        let w = width as i32;
         launch!(
             self.gpu,
             "gather_rows",
@@ -920,15 +978,13 @@ impl Ops for CudaOps {
             return;
         }
         let width = y.len / n;
-        let (Some(yd), Some(o), Some(rows), Some(weights)) = (
-            self.dev(y),
-            self.dev(out),
-            routing.rows.as_ref(),
-            routing.weights.as_ref(),
-        ) else {
+        let (Some(yd), Some(o), Some(dev)) = (self.dev(y), self.dev(out), routing.dev.as_ref()) else {
             return;
         };
-        let (rows, weights, w) = (rows.slice(span.clone()), weights.slice(span), width as i32);
+        let base = self.address(dev);
+        let rows = base + 4 * span.start as u64;
+        let weights = base + 4 * (routing.at.weights + span.start) as u64;
+        let w = width as i32;
         launch!(
             self.gpu,
             "scatter_add_rows",
@@ -939,6 +995,134 @@ impl Ops for CudaOps {
             o,
             &w
         );
+    }
+
+    fn experts(&self, experts: &[[&CudaMat; 3]]) -> Option<CudaExperts> {
+        let (ffn, hidden) = experts.first()?[0].shape();
+        let mut tables: [Vec<ExpertQ8>; 3] = Default::default();
+        for mats in experts {
+            for (i, m) in mats.iter().enumerate() {
+                let shape = if i == 2 { (hidden, ffn) } else { (ffn, hidden) };
+                let CudaMat::Q8 { q, d, rows, cols } = m else {
+                    return None;
+                };
+                if (*rows, *cols) != shape {
+                    return None;
+                }
+                tables[i].push(ExpertQ8 {
+                    q: self.address(q),
+                    d: self.address(d),
+                });
+            }
+        }
+        let upload = |t: &[ExpertQ8]| {
+            self.upload_new(t)
+                .map_err(|e| self.gpu.record(format!("the experts' tables: {e}")))
+                .ok()
+        };
+        Some(CudaExperts {
+            tables: [upload(&tables[0])?, upload(&tables[1])?, upload(&tables[2])?],
+            ffn,
+            hidden,
+        })
+    }
+
+    fn routed_experts(
+        &self,
+        ws: &mut CudaWorkspace,
+        x: &CudaBuf,
+        routing: &CudaRouting,
+        experts: &CudaExperts,
+        scratch: [&mut CudaBuf; 3],
+        out: &mut CudaBuf,
+    ) -> usize {
+        let [gate, up, down] = scratch;
+        let (rows, top_k) = (routing.host.rows(), routing.host.top_k());
+        let n = rows * top_k;
+        let (ffn, hidden) = (experts.ffn, experts.hidden);
+        self.resize(out, x.len);
+        if n == 0 {
+            return 0;
+        }
+        self.resize(gate, n * ffn);
+        self.resize(up, n * ffn);
+        self.resize(down, n * hidden);
+        let (Some(xd), Some(g), Some(u), Some(y), Some(o), Some(dev)) = (
+            self.dev(x),
+            gate.data.as_ref(),
+            up.data.as_ref(),
+            down.data.as_ref(),
+            out.data.as_ref(),
+            routing.dev.as_ref(),
+        ) else {
+            return 0;
+        };
+        let base = self.address(dev);
+        let word = |at: usize| base + 4 * at as u64;
+        let (weights, tiles, row_entries) = (
+            word(routing.at.weights),
+            word(routing.at.tiles),
+            word(routing.at.row_entries),
+        );
+        if !self.quantize(ws, xd, x.len) {
+            return 0;
+        }
+        self.launch_experts(
+            ws,
+            &experts.tables[0],
+            tiles,
+            routing.plan.tiles.len(),
+            base,
+            g,
+            ffn,
+            hidden,
+        );
+        self.launch_experts(
+            ws,
+            &experts.tables[1],
+            tiles,
+            routing.plan.tiles.len(),
+            base,
+            u,
+            ffn,
+            hidden,
+        );
+        let len = (n * ffn) as u64;
+        launch!(
+            self.gpu,
+            "silu_mul",
+            geometry::elementwise_geometry(n * ffn),
+            g,
+            u,
+            &len
+        );
+        if !self.quantize(ws, g, n * ffn) {
+            return 0;
+        }
+        // The down product reads the gated rows entry by entry: no row table.
+        self.launch_experts(
+            ws,
+            &experts.tables[2],
+            tiles,
+            routing.plan.tiles.len(),
+            0,
+            y,
+            hidden,
+            ffn,
+        );
+        let (k, w) = (top_k as i32, hidden as i32);
+        launch!(
+            self.gpu,
+            "combine_rows",
+            geometry::copy_geometry(rows, hidden),
+            y,
+            &row_entries,
+            &weights,
+            o,
+            &k,
+            &w
+        );
+        routing.plan.active
     }
 
     fn split_qkvz(

@@ -47,3 +47,9 @@ EMULATE(gather_rows, P(const float* x, const u32* rows, float* out, int width), 
 EMULATE(scatter_add_rows, P(const float* y, const u32* rows, const float* weights, float* out, int width),
         (y, rows, weights, out, width))
 EMULATE(add_sigmoid_scaled, P(float* out, const float* y, const float* gate, int width), (out, y, gate, width))
+EMULATE(combine_rows, P(const float* y, const u32* entries, const float* weights, float* out, int top_k, int width),
+        (y, entries, weights, out, top_k, width))
+EMULATE(matmul_q8_experts,
+        P(const i8* xq, const float* xd, const ExpertQ8* experts, const ExpertTile* tiles, const u32* rows, float* out,
+          int rows_w, int cols),
+        (xq, xd, experts, tiles, rows, out, rows_w, cols))
