@@ -10,9 +10,9 @@
 #   OUT=/tmp/check bench/gpu/check.sh      # on the GPU host, from the repository root
 #
 # Models: the tiny transformers fixtures in tests/fixtures/tiny (real checkpoints), and
-# synthetic GGUF files of SmolLM2-135M's and Llama 3 8B's shapes (random Q8_0 weights, the
-# default model's tokenizer) written here by `baton-bench synth`, since no weights can be
-# downloaded on the GPU host.
+# synthetic GGUF files of SmolLM2-135M's, Llama 3 8B's and (8 layers of) Qwen3-30B-A3B's shapes
+# (random Q8_0 weights, the default model's tokenizer) written here by `baton-bench synth`,
+# since no weights can be downloaded on the GPU host.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${BIN:-target/gpu}
@@ -40,9 +40,14 @@ log "synthesizing models"
 "$BIN/baton-bench" synth --out "$small" --arch llama --layers 30 --hidden 576 --ffn 1536 --heads 9 \
   --kv-heads 3 --head-dim 64 --tokenizer-from "$TOK" >&2 || log "synth small failed"
 speed=(--speed-model "$small")
+moe="$OUT/models/qwen3-30b-a3b-shape-8-layers.q8_0.gguf"
 if [ "$QUICK" = 0 ]; then
   timeout 120 "$BIN/baton-bench" synth --out "$big" --preset llama3-8b --tokenizer-from "$TOK" >&2 || log "synth 8b failed"
   speed+=(--speed-model "$big")
+  # Qwen3-30B-A3B's layers (128 experts, 8 a token), 8 of its 48: the experts in one go.
+  timeout 120 "$BIN/baton-bench" synth --out "$moe" --preset qwen3-30b-a3b --layers 8 --tokenizer-from "$TOK" >&2 \
+    || log "synth moe failed"
+  speed+=(--speed-model "$moe")
 fi
 ls -la "$OUT/models" >&2
 
