@@ -52,7 +52,7 @@ fi
 ls -la "$OUT/models" >&2
 
 parity=()
-for m in llama_tied llama_untied qwen2 qwen3 qwen3_moe qwen3_moe_dense_mix; do parity+=(--parity-model "tests/fixtures/tiny/$m"); done
+for m in llama_tied llama_untied qwen2 qwen3 qwen3_moe qwen3_moe_dense_mix qwen3_next qwen3_5 qwen3_5_moe; do parity+=(--parity-model "tests/fixtures/tiny/$m"); done
 parity+=(--parity-model "$small")
 log "device-check"
 extra=()

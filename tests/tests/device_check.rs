@@ -27,13 +27,16 @@ fn run(args: &[&str]) -> (std::process::Output, Value) {
 #[test]
 fn the_dry_run_checks_every_part_on_the_cpu() {
     let tiny = fixtures().join("tiny");
-    let (llama, qwen3) = (tiny.join("llama_tied"), tiny.join("qwen3"));
+    // A hybrid too: its sequences keep recurrent state, one slot each.
+    let (llama, qwen3, next) = (tiny.join("llama_tied"), tiny.join("qwen3"), tiny.join("qwen3_next"));
     let (output, report) = run(&[
         "--dry-run",
         "--parity-model",
         llama.to_str().unwrap(),
         "--parity-model",
         qwen3.to_str().unwrap(),
+        "--parity-model",
+        next.to_str().unwrap(),
         "--speed-model",
         llama.to_str().unwrap(),
         "--prefill-tokens",
@@ -55,7 +58,7 @@ fn the_dry_run_checks_every_part_on_the_cpu() {
     // The CPU samples on the host: the part says so rather than comparing the reference with
     // itself.
     assert!(report["sampling"]["skipped"].is_string(), "{}", report["sampling"]);
-    for model in [&llama, &qwen3] {
+    for model in [&llama, &qwen3, &next] {
         let part = &report[format!("parity:{}", model.display())];
         let modes = part["modes"].as_array().unwrap_or_else(|| panic!("{part}"));
         assert_eq!(modes.len(), 4);

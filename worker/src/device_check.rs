@@ -516,6 +516,8 @@ fn load(model: &std::path::Path, opts: &BackendOptions) -> anyhow::Result<Box<dy
 struct Seq {
     table: Vec<u32>,
     stored: usize,
+    /// Its recurrent-state slot (its index: sequences that run together never share one).
+    slot: usize,
 }
 
 impl Seq {
@@ -523,6 +525,7 @@ impl Seq {
         Self {
             table: (index * blocks..(index + 1) * blocks).map(|b| b as u32).collect(),
             stored: 0,
+            slot: index,
         }
     }
 
@@ -532,7 +535,7 @@ impl Seq {
             len,
             stored: self.stored,
             table: &self.table,
-            state_slot: 0,
+            state_slot: self.slot,
             prompt_len: 0,
         }
     }

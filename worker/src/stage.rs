@@ -121,6 +121,9 @@ pub struct Stage {
     free_state_slots: Vec<usize>,
     /// Whether the layers here keep recurrent state (rolled back by replay: see [`Rollback`]).
     recurrent: bool,
+    /// Whether the backend runs whole prompt windows of the delta rule in the chunked form
+    /// (the CPU's); a GPU runs every position token by token.
+    chunked_delta_rule: bool,
     /// Rows a rollback runs again (reused).
     replay_rows: Vec<f32>,
 }
@@ -135,9 +138,11 @@ impl Stage {
     /// A stage over a loaded backend; hidden states leave it as `activation_dtype`.
     pub fn new(backend: Box<dyn Backend>, stage_index: u32, activation_dtype: Dtype) -> Self {
         let slots = backend.kv().state_slots;
+        let chunked_delta_rule = matches!(backend.info().device, crate::backend::Device::Cpu { .. });
         Self {
             free_state_slots: (0..slots).rev().collect(),
             recurrent: slots > 0,
+            chunked_delta_rule,
             backend,
             stage_index,
             totals: ForwardTotals::default(),
@@ -623,11 +628,15 @@ impl Stage {
             }
         }
         if self.recurrent {
-            // How the delta rule ran: whole prompt windows in the chunked form, the rest token
-            // by token (a prefill that shows no chunked rows was cut off its windows).
+            // How the delta rule ran: on the CPU whole prompt windows in the chunked form, the
+            // rest token by token (a prefill that shows no chunked rows was cut off its windows).
             let (rows, windowed) = seqs.iter().fold((0, 0), |(r, w), c| {
                 let (pos0, len) = (c.pos0 as usize, c.tokens.len());
-                (r + len, w + delta_windows(pos0, len, c.prompt_len as usize).len())
+                let windows = match self.chunked_delta_rule {
+                    true => delta_windows(pos0, len, c.prompt_len as usize).len(),
+                    false => 0,
+                };
+                (r + len, w + windows)
             });
             let stage = self.stage_index.to_string();
             let chunked = [("stage", stage.clone()), ("form", "chunked".to_string())];

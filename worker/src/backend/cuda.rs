@@ -10,7 +10,7 @@ use super::{
     Backend, BackendError, BackendInfo, BackendOptions, Device, KvGeometry, SampleSlot, SeqChunk, StageShape,
     model_info, sample_ids, sample_rows, sample_rows_wanted,
 };
-use crate::kernels::cuda::SampleRow;
+use crate::kernels::cuda::{SampleRow, linear};
 use crate::model::dflash::DflashFiles;
 use crate::model::spec::{LayerKind, LayerSpec, uniform_kv_dim};
 use crate::model::{ForwardError, Scratch, StageModel, registry};
@@ -88,14 +88,23 @@ impl CudaBackend {
             return Err(BackendError::Cuda(format!("loading weights: {e}")));
         }
         let kv_dim = uniform_kv_dim(&model.specs).map_err(|(a, b)| BackendError::MixedKvWidths(a, b))?;
+        let c = &model.cache;
         let kv = CudaKvPool::new(
             gpu_handle,
-            model.cache.kv_layers,
+            c.kv_layers,
             kv_dim,
             opts.kv_block_size,
             opts.kv_blocks,
             opts.kv_dtype,
         )
+        .and_then(|kv| {
+            kv.with_states(
+                c.state_layers,
+                c.state_values,
+                opts.effective_state_slots(),
+                opts.state_snapshots,
+            )
+        })
         .map_err(BackendError::Cuda)?;
         tracing::info!(
             gpu = %model.ops.info().kernels,
@@ -141,8 +150,8 @@ impl CudaBackend {
     }
 }
 
-/// Refuse, by name, what has no GPU kernels yet: linear-attention layers, and heads wider
-/// than the attention kernel holds.
+/// Refuse, by name, what the GPU kernels do not hold: attention heads wider than the attention
+/// kernel's, linear-attention heads wider than the delta rule's.
 pub fn supported(
     config: &baton_shared::model_config::ModelConfig,
     layers: std::ops::Range<usize>,
@@ -150,11 +159,20 @@ pub fn supported(
     let arch = registry::for_config(config);
     for l in layers {
         let spec = arch.layer(config, l).spec();
-        if spec.kind == LayerKind::LinearAttention {
+        if spec.kind != LayerKind::LinearAttention {
+            continue;
+        }
+        let Some(la) = config.linear_attention.as_ref() else {
+            continue;
+        };
+        let (dk, dv) = (la.key_head_dim, la.value_head_dim);
+        if dk > linear::MAX_KEY_DIM || dv > linear::MAX_VALUE_DIM {
             return Err(BackendError::Unsupported(format!(
-                "layer {l} of this {} model: linear-attention (Gated DeltaNet) layers have no CUDA kernels yet; \
-                 run this stage with --device cpu",
-                arch.name()
+                "layer {l} of this {} model: linear-attention heads of {dk} key and {dv} value dimensions \
+                 (the CUDA delta rule holds up to {} and {}); run this stage with --device cpu",
+                arch.name(),
+                linear::MAX_KEY_DIM,
+                linear::MAX_VALUE_DIM
             )));
         }
     }
@@ -183,8 +201,8 @@ impl Backend for CudaBackend {
             block_size: self.kv.block_size(),
             bytes: self.kv.bytes(),
             dtype: self.kv.dtype(),
-            state_slots: 0,
-            state_snapshots: 0,
+            state_slots: self.kv.state_slots(),
+            state_snapshots: self.kv.state_snapshots(),
         }
     }
 
@@ -218,6 +236,26 @@ impl Backend for CudaBackend {
 
     fn load_taps(&mut self, draft: &DflashFiles) -> Result<Vec<usize>, BackendError> {
         Ok(self.model.attach_taps(draft)?)
+    }
+
+    fn save_state(&self, slot: usize, out: &mut Vec<f32>) -> Result<(), ForwardError> {
+        let r = self.kv.slot_state(slot, out);
+        self.finish(r)
+    }
+
+    fn restore_state(&mut self, slot: usize, state: &[f32]) -> Result<(), ForwardError> {
+        let r = self.kv.set_slot_state(slot, state);
+        self.finish(r)
+    }
+
+    fn save_snapshot(&mut self, slot: usize, snapshot: usize) -> Result<(), ForwardError> {
+        let r = self.kv.save_snapshot(slot, snapshot);
+        self.finish(r)
+    }
+
+    fn load_snapshot(&mut self, snapshot: usize, slot: usize) -> Result<(), ForwardError> {
+        let r = self.kv.load_snapshot(snapshot, slot);
+        self.finish(r)
     }
 
     fn draft_argmax(&mut self, rows: &[f32], out: &mut Vec<u32>) -> Result<(), ForwardError> {
@@ -340,15 +378,23 @@ mod tests {
     }
 
     #[test]
-    fn a_gpu_stage_takes_experts_and_refuses_linear_attention_by_layer() {
-        for fixture in ["qwen3", "qwen3_moe", "qwen3_moe_dense_mix"] {
+    fn a_gpu_stage_takes_experts_and_linear_attention_and_refuses_heads_too_wide_by_layer() {
+        for fixture in [
+            "qwen3",
+            "qwen3_moe",
+            "qwen3_moe_dense_mix",
+            "qwen3_next",
+            "qwen3_5",
+            "qwen3_5_moe",
+        ] {
             let c = config(fixture);
             assert!(supported(&c, 0..c.num_layers).is_ok(), "{fixture}");
         }
-        let c = config("qwen3_next");
+        let mut c = config("qwen3_next");
+        c.linear_attention.as_mut().expect("a hybrid").key_head_dim = linear::MAX_KEY_DIM + 32;
         let e = supported(&c, 0..c.num_layers).unwrap_err().to_string();
         assert!(
-            e.contains("layer 0 ") && e.contains("Gated DeltaNet") && e.contains("--device cpu"),
+            e.contains("layer 0 ") && e.contains("key and") && e.contains("--device cpu"),
             "{e}"
         );
         // A range holding only its full-attention layers is taken.

@@ -243,14 +243,14 @@ pub trait Backend: Send {
     /// verify step's rejected proposals can be undone; see [`restore_state`](Self::restore_state).
     fn save_state(&self, _slot: usize, _out: &mut Vec<f32>) -> Result<(), ForwardError> {
         Err(ForwardError::Device(format!(
-            "{} keeps no recurrent state (linear-attention layers run on the CPU backend)",
+            "{} keeps no recurrent state (this backend runs no linear-attention layers)",
             self.info().kernels
         )))
     }
     /// Put back a state [`save_state`](Self::save_state) copied from `slot`.
     fn restore_state(&mut self, _slot: usize, _state: &[f32]) -> Result<(), ForwardError> {
         Err(ForwardError::Device(format!(
-            "{} keeps no recurrent state (linear-attention layers run on the CPU backend)",
+            "{} keeps no recurrent state (this backend runs no linear-attention layers)",
             self.info().kernels
         )))
     }
@@ -258,14 +258,14 @@ pub trait Backend: Send {
     /// [`KvGeometry::state_snapshots`]).
     fn save_snapshot(&mut self, _slot: usize, _snapshot: usize) -> Result<(), ForwardError> {
         Err(ForwardError::Device(format!(
-            "{} keeps no recurrent state (linear-attention layers run on the CPU backend)",
+            "{} keeps no recurrent state (this backend runs no linear-attention layers)",
             self.info().kernels
         )))
     }
     /// Start `slot`'s recurrent state from snapshot `snapshot`.
     fn load_snapshot(&mut self, _snapshot: usize, _slot: usize) -> Result<(), ForwardError> {
         Err(ForwardError::Device(format!(
-            "{} keeps no recurrent state (linear-attention layers run on the CPU backend)",
+            "{} keeps no recurrent state (this backend runs no linear-attention layers)",
             self.info().kernels
         )))
     }

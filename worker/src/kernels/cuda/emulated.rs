@@ -77,13 +77,14 @@ fn every_kernel_runs_on_the_emulation() {
     let sources = [
         include_str!("attention.cu"),
         include_str!("elementwise.cu"),
+        include_str!("linear_attention.cu"),
         include_str!("matmul.cu"),
         include_str!("moe.cu"),
         include_str!("sampling.cu"),
     ];
     let names: Vec<String> = sources.iter().flat_map(|s| kernel_names(s)).collect();
     assert!(
-        names.len() >= 25 && names.contains(&"matmul_q8_mma".to_string()),
+        names.len() >= 31 && names.contains(&"matmul_q8_mma".to_string()),
         "{names:?}"
     );
     for name in names {
@@ -1063,4 +1064,308 @@ fn experts_in_one_go_give_the_bits_of_going_expert_by_expert() {
     };
     assert!(one_go == by_expert, "the mixture's bits");
     assert!(one_go.iter().all(|v| v.is_finite() && *v != 0.0));
+}
+
+/// A Gated DeltaNet shape for the tests: 2 key heads of 16, 4 value heads of 24 (not a whole
+/// warp, so a block ends part-way), 4 conv taps.
+fn linear_shape(tiled: bool) -> crate::ops::LinearAttnShape {
+    crate::ops::LinearAttnShape {
+        key_heads: 2,
+        value_heads: 4,
+        key_head_dim: 16,
+        value_head_dim: 24,
+        conv_kernel: 4,
+        value_heads_tiled: tiled,
+    }
+}
+
+#[test]
+fn split_projections_and_the_gated_norm_match_the_cpu_operations() {
+    use crate::ops::Ops;
+    use crate::ops::cpu::{CpuBuf, CpuOps};
+    type Split = unsafe extern "C" fn(Dim3, Dim3, *const f32, *mut f32, *mut f32, u64, i32, i32, i32, i32);
+    type SplitBa = unsafe extern "C" fn(Dim3, Dim3, *const f32, *mut f32, *mut f32, u64, i32, i32);
+    type Gated = unsafe extern "C" fn(Dim3, Dim3, *mut f32, *const f32, *const f32, i32, f32);
+    let (split, split_ba, gated): (Split, SplitBa, Gated) =
+        (kernel("split_qkvz"), kernel("split_ba"), kernel("rmsnorm_gated"));
+    let shape = linear_shape(false);
+    let (nk, nv, dk, dv) = (2usize, 4usize, 16usize, 24usize);
+    let per_k = nv / nk;
+    let rows = 5;
+    let qkvz = values(rows * nk * (2 * dk + 2 * per_k * dv), 400);
+    let ba = values(rows * 2 * nv, 401);
+    let ops = CpuOps::reference();
+    let up = |v: &[f32]| {
+        let mut b = CpuBuf::default();
+        ops.upload(v, &mut b);
+        b
+    };
+    let (mut qkv, mut z, mut b, mut a) = Default::default();
+    ops.split_qkvz(&up(&qkvz), &up(&ba), shape, &mut qkv, &mut z, &mut b, &mut a);
+    let (mut gqkv, mut gz) = (vec![f32::NAN; qkv.len()], vec![f32::NAN; z.len()]);
+    let (mut gb, mut ga) = (vec![f32::NAN; b.len()], vec![f32::NAN; a.len()]);
+    let (grid, block) = dims(elementwise_geometry(qkvz.len()));
+    // SAFETY: the outputs hold what `rows` rows of this shape split into.
+    unsafe {
+        split(
+            grid,
+            block,
+            qkvz.as_ptr(),
+            gqkv.as_mut_ptr(),
+            gz.as_mut_ptr(),
+            qkvz.len() as u64,
+            nk as i32,
+            dk as i32,
+            per_k as i32,
+            dv as i32,
+        )
+    };
+    let (grid, block) = dims(elementwise_geometry(ba.len()));
+    // SAFETY: as above.
+    unsafe {
+        split_ba(
+            grid,
+            block,
+            ba.as_ptr(),
+            gb.as_mut_ptr(),
+            ga.as_mut_ptr(),
+            ba.len() as u64,
+            nk as i32,
+            per_k as i32,
+        )
+    };
+    assert_eq!((&gqkv[..], &gz[..]), (&qkv[..], &z[..]), "q, k, v and z");
+    assert_eq!((&gb[..], &ga[..]), (&b[..], &a[..]), "b and a");
+
+    // The gated norm over every value head of every row.
+    let w = values(dv, 402);
+    let mut want = z.to_vec();
+    let gate = values(want.len(), 403);
+    crate::kernels::cpu::linear_attention::reference::rmsnorm_gated(&mut want, &w, 1e-6, &gate);
+    let mut got = z.to_vec();
+    let (grid, block) = dims(copy_geometry(got.len() / dv, dv));
+    // SAFETY: `got` and `gate` hold whole pieces of `dv`.
+    unsafe {
+        gated(
+            grid,
+            block,
+            got.as_mut_ptr(),
+            w.as_ptr(),
+            gate.as_ptr(),
+            dv as i32,
+            1e-6,
+        )
+    };
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-5 * w.abs().max(1.0),
+            "gated norm at {i}: {g} vs {w}"
+        );
+    }
+}
+
+#[test]
+fn linear_attention_kernels_give_the_cpu_operations_rows_and_state() {
+    use super::linear::{LinearSeq, conv_geometry, delta_geometry, l2norm_geometry, linear_seqs};
+    use crate::kv_cache::{PagedBatch, PagedKv, PagedSeq};
+    use crate::ops::Ops;
+    use crate::ops::cpu::{CpuBuf, CpuOps, CpuWorkspace};
+    type Conv = unsafe extern "C" fn(
+        Dim3,
+        Dim3,
+        *const f32,
+        *mut f32,
+        *const f32,
+        *const LinearSeq,
+        *mut f32,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+    );
+    type Norm = unsafe extern "C" fn(Dim3, Dim3, *mut f32, u64, i32, i32, i32, f32);
+    type Delta = unsafe extern "C" fn(
+        Dim3,
+        Dim3,
+        *const f32,
+        *const f32,
+        *const f32,
+        *const f32,
+        *const f32,
+        *mut f32,
+        *const LinearSeq,
+        *mut f32,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+    );
+    let (conv, norm, delta): (Conv, Norm, Delta) =
+        (kernel("conv1d_silu"), kernel("l2norm_heads"), kernel("delta_rule"));
+    for tiled in [false, true] {
+        let shape = linear_shape(tiled);
+        let (nk, nv, dk, dv) = (2usize, 4usize, 16usize, 24usize);
+        let (channels, values_w, state_values) = (shape.channels(), shape.values(), shape.state_values());
+        // Sequence 0 goes on from position 5 with a state of its own (slot 2) for two rows, fewer
+        // than the conv window's three (so the window shifts); sequence 1 is new (slot 0,
+        // zeroed). Their state is layer 1 of two.
+        let table = [0u32, 1, 2, 3];
+        let seqs = [
+            PagedSeq {
+                pos0: 5,
+                len: 2,
+                stored: 5,
+                table: &table,
+                state_slot: 2,
+                prompt_len: 0,
+            },
+            PagedSeq {
+                pos0: 0,
+                len: 6,
+                stored: 0,
+                table: &table,
+                state_slot: 0,
+                prompt_len: 0,
+            },
+        ];
+        let rows = 8;
+        let (state_layers, layer, slots) = (2usize, 1usize, 3usize);
+        let mut pool = PagedKv::new(1, 8, 4, 4).with_states(state_layers, state_values, slots, 0);
+        for slot in 0..slots {
+            let s = pool.slot_state_mut(slot).expect("a slot");
+            s.copy_from_slice(
+                &values(s.len(), 500 + slot as u64)
+                    .iter()
+                    .map(|v| v * 0.3)
+                    .collect::<Vec<_>>(),
+            );
+        }
+        let qkv = values(rows * channels, 510);
+        let b = values(rows * nv, 511);
+        let a = values(rows * nv, 512);
+        let taps = values(shape.conv_kernel * channels, 513);
+        let dt_bias = values(nv, 514);
+        let a_rate: Vec<f32> = values(nv, 515).iter().map(|v| -0.5 - v.abs()).collect();
+
+        let ops = CpuOps::reference();
+        let up = |v: &[f32]| {
+            let mut buf = CpuBuf::default();
+            ops.upload(v, &mut buf);
+            buf
+        };
+        let mut batch = PagedBatch {
+            pool: &mut pool,
+            seqs: &seqs,
+        };
+        crate::kv_cache::KvSpans::prepare(&mut batch).expect("a valid batch");
+        // The state as the GPU would hold it after prepare: every slot, back to back.
+        let mut states: Vec<f32> = (0..slots)
+            .flat_map(|s| batch.pool.slot_state(s).expect("a slot").to_vec())
+            .collect();
+        let (mut ws, mut want) = (CpuWorkspace::default(), CpuBuf::default());
+        let params = [&taps, &dt_bias, &a_rate];
+        ops.linear_attention(
+            &mut ws,
+            layer,
+            &up(&qkv),
+            &up(&b),
+            &up(&a),
+            params,
+            shape,
+            &mut batch,
+            &mut want,
+        );
+
+        let mut lseqs = Vec::new();
+        linear_seqs(&seqs, &mut lseqs);
+        let mut conv_out = vec![f32::NAN; rows * channels];
+        let (grid, block) = dims(conv_geometry(channels, lseqs.len()));
+        let (sl, sv) = (state_layers as i32, state_values as i32);
+        // SAFETY: each sequence's rows and state slot lie inside these buffers.
+        unsafe {
+            conv(
+                grid,
+                block,
+                qkv.as_ptr(),
+                conv_out.as_mut_ptr(),
+                taps.as_ptr(),
+                lseqs.as_ptr(),
+                states.as_mut_ptr(),
+                layer as i32,
+                sl,
+                sv,
+                channels as i32,
+                shape.conv_kernel as i32,
+            )
+        };
+        let pieces = rows * 2 * nk;
+        let (grid, block) = dims(l2norm_geometry(pieces));
+        // SAFETY: every row holds 2 · nk heads of dk first.
+        unsafe {
+            norm(
+                grid,
+                block,
+                conv_out.as_mut_ptr(),
+                pieces as u64,
+                nk as i32,
+                dk as i32,
+                channels as i32,
+                1.0 / (dk as f32).sqrt(),
+            )
+        };
+        let mut got = vec![f32::NAN; rows * values_w];
+        let (grid, block) = dims(delta_geometry(nv, lseqs.len(), dv));
+        // SAFETY: as for the conv.
+        unsafe {
+            delta(
+                grid,
+                block,
+                conv_out.as_ptr(),
+                b.as_ptr(),
+                a.as_ptr(),
+                dt_bias.as_ptr(),
+                a_rate.as_ptr(),
+                got.as_mut_ptr(),
+                lseqs.as_ptr(),
+                states.as_mut_ptr(),
+                layer as i32,
+                sl,
+                sv,
+                shape.conv_state() as i32,
+                nk as i32,
+                nv as i32,
+                dk as i32,
+                dv as i32,
+                i32::from(tiled),
+            )
+        };
+        // Only the exp differs (the device's against the CPU's own), an ulp or so at a time.
+        let close = |g: f32, w: f32| (g - w).abs() <= 2e-5 * w.abs().max(1.0);
+        for (i, (g, w)) in got.iter().zip(want.iter()).enumerate() {
+            assert!(
+                close(*g, *w),
+                "tiled {tiled}: output {} of row {}: {g} vs {w}",
+                i % values_w,
+                i / values_w
+            );
+        }
+        for slot in 0..slots {
+            let cpu = batch.pool.slot_state(slot).expect("a slot");
+            let gpu = &states[slot * state_layers * state_values..][..state_layers * state_values];
+            for (i, (g, w)) in gpu.iter().zip(cpu).enumerate() {
+                assert!(close(*g, *w), "tiled {tiled}: slot {slot} state value {i}: {g} vs {w}");
+            }
+        }
+        // Slot 1 is nobody's: untouched.
+        assert_eq!(
+            &states[state_layers * state_values..2 * state_layers * state_values],
+            batch.pool.slot_state(1).expect("a slot")
+        );
+    }
 }

@@ -426,6 +426,7 @@ pub fn sample_row_reference(logits: &[f32], s: &SampleRow) -> u32 {
 }
 
 pub mod experts;
+pub mod linear;
 
 #[cfg(test)]
 mod emulated;

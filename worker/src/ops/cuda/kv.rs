@@ -1,7 +1,9 @@
 //! The paged K/V pool of a stage on a GPU: the same blocks, ids and tables as the CPU pool
-//! ([`crate::kv_cache::PagedKv`]), held in GPU memory as f32 or f16, allocated once at load.
-//! A batch's metadata ([`BatchMeta`]) is built on the host and uploaded once per forward; every
-//! layer's attention reads it.
+//! ([`crate::kv_cache::PagedKv`]), held in GPU memory as f32 or f16, allocated once at load;
+//! and, for linear-attention layers, the recurrent-state slots and prefix-cache snapshots, laid
+//! out as the CPU pool lays them out (f32). A batch's metadata ([`BatchMeta`], and its
+//! sequences' state slots) is built on the host and uploaded once per forward; every layer
+//! reads it.
 
 use std::sync::Arc;
 
@@ -9,6 +11,7 @@ use cudarc::driver::CudaSlice;
 
 use super::device::{Gpu, upload_into};
 use crate::kernels::cuda::BatchMeta;
+use crate::kernels::cuda::linear::{LinearSeq, linear_seqs};
 use crate::kv_cache::paged::check_tables;
 use crate::kv_cache::{KvDtype, KvSpans, PagedKv, PagedSeq};
 use crate::model::ForwardError;
@@ -31,6 +34,16 @@ pub struct CudaKvPool {
     pub(super) rows: Option<CudaSlice<i32>>,
     pub(super) slots: Option<CudaSlice<i32>>,
     pub(super) tables: Option<CudaSlice<u32>>,
+    /// `(state_slots + state_snapshots) × state_layers × state_values` f32s: the slots, then
+    /// the snapshots (none without linear-attention layers).
+    pub(super) states: Option<CudaSlice<f32>>,
+    pub(super) state_layers: usize,
+    pub(super) state_values: usize,
+    state_slots: usize,
+    state_snapshots: usize,
+    linear_host: Vec<LinearSeq>,
+    /// The batch's sequences for the linear-attention kernels.
+    pub(super) linear: Option<CudaSlice<LinearSeq>>,
 }
 
 impl CudaKvPool {
@@ -66,7 +79,144 @@ impl CudaKvPool {
             rows: None,
             slots: None,
             tables: None,
+            states: None,
+            state_layers: 0,
+            state_values: 0,
+            state_slots: 0,
+            state_snapshots: 0,
+            linear_host: Vec::new(),
+            linear: None,
         })
+    }
+
+    /// The pool with `slots` recurrent-state slots and `snapshots` snapshots for `state_layers`
+    /// layers of `state_values` f32s each (zeros), as [`PagedKv::with_states`].
+    pub fn with_states(
+        mut self,
+        state_layers: usize,
+        state_values: usize,
+        slots: usize,
+        snapshots: usize,
+    ) -> Result<Self, String> {
+        if state_layers == 0 {
+            return Ok(self);
+        }
+        let n = (slots + snapshots) * state_layers * state_values;
+        let states = self.gpu.stream.alloc_zeros::<f32>(n.max(1)).map_err(|e| {
+            format!("allocating {slots} recurrent-state slots and {snapshots} snapshots on the GPU: {e}")
+        })?;
+        self.states = Some(states);
+        (self.state_layers, self.state_values) = (state_layers, state_values);
+        (self.state_slots, self.state_snapshots) = (slots, snapshots);
+        Ok(self)
+    }
+
+    /// Recurrent-state slots (0 without linear-attention layers).
+    pub fn state_slots(&self) -> usize {
+        self.state_slots
+    }
+
+    /// Recurrent-state snapshots for the prefix cache.
+    pub fn state_snapshots(&self) -> usize {
+        self.state_snapshots
+    }
+
+    fn per_slot(&self) -> usize {
+        self.state_layers * self.state_values
+    }
+
+    /// Where `slot`'s state (every linear-attention layer's, back to back) lies in `states`.
+    fn slot_range(&self, slot: usize) -> Result<std::ops::Range<usize>, ForwardError> {
+        if slot >= self.state_slots {
+            return Err(ForwardError::StateSlot {
+                slot,
+                slots: self.state_slots,
+            });
+        }
+        Ok(slot * self.per_slot()..(slot + 1) * self.per_slot())
+    }
+
+    /// Where snapshot `snapshot` lies in `states` (after the slots).
+    fn snapshot_range(&self, snapshot: usize) -> Result<std::ops::Range<usize>, ForwardError> {
+        if snapshot >= self.state_snapshots {
+            return Err(ForwardError::StateSnapshot {
+                snapshot,
+                snapshots: self.state_snapshots,
+            });
+        }
+        let at = (self.state_slots + snapshot) * self.per_slot();
+        Ok(at..at + self.per_slot())
+    }
+
+    fn device_error(what: &str, e: impl std::fmt::Display) -> ForwardError {
+        ForwardError::Device(format!("{what}: {e}"))
+    }
+
+    /// Copy `slot`'s state to the host (waits for the device).
+    pub fn slot_state(&self, slot: usize, out: &mut Vec<f32>) -> Result<(), ForwardError> {
+        let r = self.slot_range(slot)?;
+        let Some(states) = self.states.as_ref() else {
+            return Err(Self::device_error("reading a recurrent state", "no states"));
+        };
+        out.clear();
+        out.resize(r.len(), 0.0);
+        let stream = &self.gpu.stream;
+        stream
+            .memcpy_dtoh(&states.slice(r), out.as_mut_slice())
+            .and_then(|()| stream.synchronize())
+            .map_err(|e| Self::device_error("reading a recurrent state", e))
+    }
+
+    /// Put `state` (as [`slot_state`](Self::slot_state) gave it) into `slot`.
+    pub fn set_slot_state(&mut self, slot: usize, state: &[f32]) -> Result<(), ForwardError> {
+        let r = self.slot_range(slot)?;
+        if r.len() != state.len() {
+            return Err(ForwardError::StateSize {
+                got: state.len(),
+                want: r.len(),
+            });
+        }
+        let stream = self.gpu.stream.clone();
+        let Some(states) = self.states.as_mut() else {
+            return Err(Self::device_error("writing a recurrent state", "no states"));
+        };
+        stream
+            .memcpy_htod(state, &mut states.slice_mut(r))
+            .map_err(|e| Self::device_error("writing a recurrent state", e))
+    }
+
+    /// Copy `slot`'s state into snapshot `snapshot` (on the device).
+    pub fn save_snapshot(&mut self, slot: usize, snapshot: usize) -> Result<(), ForwardError> {
+        let (from, to) = (self.slot_range(slot)?, self.snapshot_range(snapshot)?);
+        self.copy_state(from, to)
+    }
+
+    /// Start `slot`'s state from snapshot `snapshot` (on the device).
+    pub fn load_snapshot(&mut self, snapshot: usize, slot: usize) -> Result<(), ForwardError> {
+        let (from, to) = (self.snapshot_range(snapshot)?, self.slot_range(slot)?);
+        self.copy_state(from, to)
+    }
+
+    /// Copy one slot-sized range of `states` onto another (a slot and a snapshot: disjoint).
+    fn copy_state(&mut self, from: std::ops::Range<usize>, to: std::ops::Range<usize>) -> Result<(), ForwardError> {
+        let mid = self.state_slots * self.per_slot();
+        let stream = self.gpu.stream.clone();
+        let Some(states) = self.states.as_mut() else {
+            return Err(Self::device_error("copying a recurrent state", "no states"));
+        };
+        // Slots lie below `mid`, snapshots above it: two views that do not overlap.
+        let (mut slots, mut snapshots) = states.split_at_mut(mid);
+        let r = match from.start < mid {
+            true => stream.memcpy_dtod(
+                &slots.slice(from),
+                &mut snapshots.slice_mut(to.start - mid..to.end - mid),
+            ),
+            false => stream.memcpy_dtod(
+                &snapshots.slice(from.start - mid..from.end - mid),
+                &mut slots.slice_mut(to),
+            ),
+        };
+        r.map_err(|e| Self::device_error("copying a recurrent state", e))
     }
 
     pub fn blocks(&self) -> usize {
@@ -81,9 +231,10 @@ impl CudaKvPool {
         self.dtype
     }
 
-    /// Bytes the pool holds on the GPU.
+    /// Bytes the pool holds on the GPU (blocks, state slots and snapshots).
     pub fn bytes(&self) -> usize {
         PagedKv::bytes_per_block(self.layers.len(), self.kv_dim, self.block_size, self.dtype) * self.blocks
+            + (self.state_slots + self.state_snapshots) * self.per_slot() * size_of::<f32>()
     }
 }
 
@@ -106,15 +257,40 @@ impl KvSpans for CudaBatch<'_> {
         self.seqs[i].stored
     }
 
+    fn prompt_len(&self, i: usize) -> usize {
+        self.seqs[i].prompt_len
+    }
+
     fn prepare(&mut self) -> Result<(), ForwardError> {
         let pool = &mut *self.pool;
         check_tables(self.seqs, pool.block_size, pool.blocks)?;
+        if pool.state_layers > 0 {
+            for s in self.seqs {
+                pool.slot_range(s.state_slot)?;
+            }
+        }
         pool.meta.build(self.seqs, pool.block_size);
-        let stream = &pool.gpu.stream;
-        let uploaded = upload_into(stream, &pool.meta.rows, &mut pool.rows)
-            .and_then(|()| upload_into(stream, &pool.meta.slots, &mut pool.slots))
-            .and_then(|()| upload_into(stream, &pool.meta.tables, &mut pool.tables));
-        uploaded.map_err(|e| ForwardError::Device(format!("uploading the batch's block tables: {e}")))
+        let stream = pool.gpu.stream.clone();
+        let uploaded = upload_into(&stream, &pool.meta.rows, &mut pool.rows)
+            .and_then(|()| upload_into(&stream, &pool.meta.slots, &mut pool.slots))
+            .and_then(|()| upload_into(&stream, &pool.meta.tables, &mut pool.tables));
+        uploaded.map_err(|e| ForwardError::Device(format!("uploading the batch's block tables: {e}")))?;
+        if pool.state_layers == 0 {
+            return Ok(());
+        }
+        // A sequence starting at position 0 starts from a zero state, as on the CPU.
+        let per_slot = pool.per_slot();
+        if let Some(states) = pool.states.as_mut() {
+            for s in self.seqs.iter().filter(|s| s.pos0 == 0) {
+                let at = s.state_slot * per_slot;
+                stream
+                    .memset_zeros(&mut states.slice_mut(at..at + per_slot))
+                    .map_err(|e| ForwardError::Device(format!("zeroing a recurrent state: {e}")))?;
+            }
+        }
+        linear_seqs(self.seqs, &mut pool.linear_host);
+        upload_into(&stream, &pool.linear_host, &mut pool.linear)
+            .map_err(|e| ForwardError::Device(format!("uploading the batch's state slots: {e}")))
     }
 
     fn commit(&mut self) {}

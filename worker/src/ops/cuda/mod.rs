@@ -6,10 +6,10 @@
 //! and reported by the backend after the call ([`Gpu::take_error`]), since the operations
 //! themselves return nothing.
 //!
-//! What runs here: dense decoders (Llama, Qwen2, Qwen3) and mixtures of experts (Qwen3-MoE)
-//! with f32, f16/bf16 (held at 16 bits, widened in the product), Q8_0, Q4_0 and Q4_1 weights,
-//! f32 or f16 K/V. Gated DeltaNet has no GPU kernels yet: a CUDA backend refuses such layers
-//! at load, and its operations only record an error if reached.
+//! What runs here: dense decoders (Llama, Qwen2, Qwen3), mixtures of experts (Qwen3-MoE) and
+//! the hybrids' Gated DeltaNet layers (Qwen3-Next, Qwen3.5), with f32, f16/bf16 (held at 16
+//! bits, widened in the product), Q8_0, Q4_0 and Q4_1 weights, f32 or f16 K/V and f32
+//! recurrent state.
 
 pub mod device;
 pub mod kv;
@@ -26,6 +26,7 @@ use crate::kernels::cpu::moe;
 use baton_shared::dtype::DType;
 
 use crate::kernels::cuda::experts::{ExpertPlan, ExpertQ8, MAX_TILES_PER_LAUNCH, Packed, pack};
+use crate::kernels::cuda::linear::{self, LinearSeq};
 use crate::kernels::cuda::{self as geometry, Geometry, MatmulGroup, Q4Device, Q8Device, SampleRow};
 use crate::model::ForwardError;
 pub use device::{CudaError, Gpu, GpuInfo, KernelTime};
@@ -181,11 +182,12 @@ pub struct CudaVector {
     len: usize,
 }
 
-/// Quantized activations for Q8_0 products.
+/// Quantized activations for Q8_0 products; linear attention's conv output.
 #[derive(Default)]
 pub struct CudaWorkspace {
     xq: Option<CudaSlice<i8>>,
     xd: Option<CudaSlice<f32>>,
+    conv: Option<CudaSlice<f32>>,
 }
 
 // SAFETY: `MatmulGroup` is `repr(C)` plain data laid out as matmul.cu's `Group` (checked by a
@@ -199,6 +201,10 @@ unsafe impl ValidAsZeroBits for SampleRow {}
 // kernel from an array in GPU memory; all-zero bits are a valid value.
 unsafe impl DeviceRepr for ExpertQ8 {}
 unsafe impl ValidAsZeroBits for ExpertQ8 {}
+// SAFETY: `LinearSeq` is `repr(C)` plain data (three i32) laid out as linear_attention.cu's
+// `LinearSeq`, read from an array in GPU memory; all-zero bits are a valid value.
+unsafe impl DeviceRepr for LinearSeq {}
+unsafe impl ValidAsZeroBits for LinearSeq {}
 
 /// Which rows of a batch go to which expert. The router's logits are downloaded and routed by
 /// the CPU's own [`moe::route`], so a row picks the experts it picks on the CPU; the host must
@@ -579,12 +585,6 @@ impl CudaOps {
         let g = geometry::norm_geometry(len / w.len.max(1), w.len);
         launch!(self.gpu, "rmsnorm", g, x, &w.data, out, &width, &eps);
     }
-
-    fn unsupported(&self, op: &str) {
-        self.gpu.record(format!(
-            "{op} has no CUDA kernel yet (linear-attention layers run on the CPU backend)"
-        ));
-    }
 }
 
 impl Ops for CudaOps {
@@ -907,8 +907,23 @@ impl Ops for CudaOps {
         );
     }
 
-    fn rmsnorm_gated(&self, _x: &mut CudaBuf, _w: &CudaVector, _eps: f32, _z: &CudaBuf) {
-        self.unsupported("the gated RMSNorm of linear attention");
+    fn rmsnorm_gated(&self, x: &mut CudaBuf, w: &CudaVector, eps: f32, z: &CudaBuf) {
+        let n = w.len;
+        let pieces = x.len / n.max(1);
+        let (Some(xd), Some(zd)) = (self.dev(x), self.dev(z)) else {
+            return;
+        };
+        let n32 = n as i32;
+        launch!(
+            self.gpu,
+            "rmsnorm_gated",
+            geometry::copy_geometry(pieces, n),
+            xd,
+            &w.data,
+            zd,
+            &n32,
+            &eps
+        );
     }
 
     fn silu_mul(&self, gate: &mut CudaBuf, up: &CudaBuf, _width: usize) {
@@ -1127,30 +1142,141 @@ impl Ops for CudaOps {
 
     fn split_qkvz(
         &self,
-        _qkvz: &CudaBuf,
-        _ba: &CudaBuf,
-        _shape: LinearAttnShape,
-        _qkv: &mut CudaBuf,
-        _z: &mut CudaBuf,
-        _b: &mut CudaBuf,
-        _a: &mut CudaBuf,
+        qkvz: &CudaBuf,
+        ba: &CudaBuf,
+        shape: LinearAttnShape,
+        qkv: &mut CudaBuf,
+        z: &mut CudaBuf,
+        b: &mut CudaBuf,
+        a: &mut CudaBuf,
     ) {
-        self.unsupported("linear attention's projections");
+        let (nk, nv, dk, dv) = (
+            shape.key_heads,
+            shape.value_heads,
+            shape.key_head_dim,
+            shape.value_head_dim,
+        );
+        let per_k = nv / nk.max(1);
+        let group = 2 * dk + 2 * per_k * dv;
+        let rows = qkvz.len / (group * nk).max(1);
+        self.resize(qkv, rows * shape.channels());
+        self.resize(z, rows * shape.values());
+        self.resize(b, rows * nv);
+        self.resize(a, rows * nv);
+        let (Some(src), Some(src_ba), Some(q), Some(zd), Some(bd), Some(ad)) = (
+            self.dev(qkvz),
+            self.dev(ba),
+            qkv.data.as_ref(),
+            z.data.as_ref(),
+            b.data.as_ref(),
+            a.data.as_ref(),
+        ) else {
+            return;
+        };
+        let (n, n_ba) = ((rows * group * nk) as u64, (rows * 2 * nv) as u64);
+        let (nk, dk, per_k, dv) = (nk as i32, dk as i32, per_k as i32, dv as i32);
+        let g = geometry::elementwise_geometry(n as usize);
+        launch!(self.gpu, "split_qkvz", g, src, q, zd, &n, &nk, &dk, &per_k, &dv);
+        let g = geometry::elementwise_geometry(n_ba as usize);
+        launch!(self.gpu, "split_ba", g, src_ba, bd, ad, &n_ba, &nk, &per_k);
     }
 
     fn linear_attention(
         &self,
-        _ws: &mut CudaWorkspace,
-        _layer: usize,
-        _qkv: &CudaBuf,
-        _b: &CudaBuf,
-        _a: &CudaBuf,
-        _params: [&CudaVector; 3],
-        _shape: LinearAttnShape,
-        _kv: &mut CudaBatch<'_>,
-        _out: &mut CudaBuf,
+        ws: &mut CudaWorkspace,
+        layer: usize,
+        qkv: &CudaBuf,
+        b: &CudaBuf,
+        a: &CudaBuf,
+        params: [&CudaVector; 3],
+        shape: LinearAttnShape,
+        kv: &mut CudaBatch<'_>,
+        out: &mut CudaBuf,
     ) {
-        self.unsupported("Gated DeltaNet");
+        let [taps, dt_bias, a_rate] = params;
+        let (nk, nv, dk, dv) = (
+            shape.key_heads,
+            shape.value_heads,
+            shape.key_head_dim,
+            shape.value_head_dim,
+        );
+        let channels = shape.channels();
+        let rows = qkv.len / channels.max(1);
+        let seqs = kv.seqs.len();
+        self.resize(out, rows * shape.values());
+        if rows == 0 || seqs == 0 {
+            return;
+        }
+        self.reserve(&mut ws.conv, rows * channels);
+        let pool = &*kv.pool;
+        let (Some(x), Some(bd), Some(ad), Some(o), Some(conv), Some(states), Some(meta)) = (
+            self.dev(qkv),
+            self.dev(b),
+            self.dev(a),
+            out.data.as_ref(),
+            ws.conv.as_ref(),
+            pool.states.as_ref(),
+            pool.linear.as_ref(),
+        ) else {
+            self.gpu
+                .record("linear attention on a pool without recurrent state".into());
+            return;
+        };
+        let (l, sl, sv) = (layer as i32, pool.state_layers as i32, pool.state_values as i32);
+        let (ch, kernel) = (channels as i32, shape.conv_kernel as i32);
+        launch!(
+            self.gpu,
+            "conv1d_silu",
+            linear::conv_geometry(channels, seqs),
+            x,
+            conv,
+            &taps.data,
+            meta,
+            states,
+            &l,
+            &sl,
+            &sv,
+            &ch,
+            &kernel
+        );
+        let pieces = (rows * 2 * nk) as u64;
+        let (nk32, dk32) = (nk as i32, dk as i32);
+        let q_scale = 1.0 / (dk as f32).sqrt();
+        launch!(
+            self.gpu,
+            "l2norm_heads",
+            linear::l2norm_geometry(pieces as usize),
+            conv,
+            &pieces,
+            &nk32,
+            &dk32,
+            &ch,
+            &q_scale
+        );
+        let (conv_state, nv32, dv32) = (shape.conv_state() as i32, nv as i32, dv as i32);
+        let tiled = i32::from(shape.value_heads_tiled);
+        launch!(
+            self.gpu,
+            "delta_rule",
+            linear::delta_geometry(nv, seqs, dv),
+            conv,
+            bd,
+            ad,
+            &dt_bias.data,
+            &a_rate.data,
+            o,
+            meta,
+            states,
+            &l,
+            &sl,
+            &sv,
+            &conv_state,
+            &nk32,
+            &nv32,
+            &dk32,
+            &dv32,
+            &tiled
+        );
     }
 
     fn store_kv(&self, layer: usize, k: &CudaBuf, v: &CudaBuf, kv: &mut CudaBatch<'_>) {

@@ -158,6 +158,7 @@ inline unsigned __float_as_uint(float f) { return bit_cast4<unsigned>(f); }
 // plain operations either.
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
 
 // CUDA's integer min and max (both arguments of one type in Baton's kernels).
 template <class T> T min(T a, T b) { return a < b ? a : b; }

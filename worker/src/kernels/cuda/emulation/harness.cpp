@@ -4,6 +4,7 @@
 
 #include "../attention.cu"
 #include "../elementwise.cu"
+#include "../linear_attention.cu"
 #include "../matmul.cu"
 #include "../moe.cu"
 #include "../sampling.cu"
@@ -53,3 +54,19 @@ EMULATE(matmul_q8_experts,
         P(const i8* xq, const float* xd, const ExpertQ8* experts, const ExpertTile* tiles, const u32* rows, float* out,
           int rows_w, int cols),
         (xq, xd, experts, tiles, rows, out, rows_w, cols))
+EMULATE(split_qkvz, P(const float* qkvz, float* qkv, float* z, u64 n, int key_heads, int dk, int per_k, int dv),
+        (qkvz, qkv, z, n, key_heads, dk, per_k, dv))
+EMULATE(split_ba, P(const float* ba, float* b, float* a, u64 n, int key_heads, int per_k), (ba, b, a, n, key_heads, per_k))
+EMULATE(conv1d_silu,
+        P(const float* x, float* out, const float* taps, const LinearSeq* seqs, float* states, int layer,
+          int state_layers, int state_values, int channels, int kernel),
+        (x, out, taps, seqs, states, layer, state_layers, state_values, channels, kernel))
+EMULATE(l2norm_heads, P(float* x, u64 pieces, int key_heads, int dk, int channels, float q_scale),
+        (x, pieces, key_heads, dk, channels, q_scale))
+EMULATE(delta_rule,
+        P(const float* conv, const float* b, const float* a, const float* dt_bias, const float* a_rate, float* out,
+          const LinearSeq* seqs, float* states, int layer, int state_layers, int state_values, int conv_state,
+          int key_heads, int value_heads, int dk, int dv, int tiled),
+        (conv, b, a, dt_bias, a_rate, out, seqs, states, layer, state_layers, state_values, conv_state, key_heads,
+         value_heads, dk, dv, tiled))
+EMULATE(rmsnorm_gated, P(float* x, const float* w, const float* z, int n, float eps), (x, w, z, n, eps))
