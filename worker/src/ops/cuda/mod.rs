@@ -498,7 +498,7 @@ impl CudaOps {
         launch!(self.gpu, name, geom, xq, xd, &g, &t32, &c32);
     }
 
-    /// `matmul_q8_experts` of `table` over the plan's `tiles` tiles (at `tiles_at`) into `out`,
+    /// `matmul_q8_experts` of `table` over the plan's tiles (`(address, count)`) into `out`,
     /// the activations already quantized into `ws`; `rows_at` is the entries' row table, or 0
     /// when entry i reads activation row i.
     #[allow(clippy::too_many_arguments)]
@@ -506,8 +506,7 @@ impl CudaOps {
         &self,
         ws: &CudaWorkspace,
         table: &CudaSlice<ExpertQ8>,
-        tiles_at: u64,
-        tiles: usize,
+        (tiles_at, tiles): (u64, usize),
         rows_at: u64,
         out: &CudaSlice<f32>,
         rows_w: usize,
@@ -1082,26 +1081,11 @@ impl Ops for CudaOps {
         if !self.quantize(ws, xd, x.len) {
             return 0;
         }
-        self.launch_experts(
-            ws,
-            &experts.tables[0],
-            tiles,
-            routing.plan.tiles.len(),
-            base,
-            g,
-            ffn,
-            hidden,
-        );
-        self.launch_experts(
-            ws,
-            &experts.tables[1],
-            tiles,
-            routing.plan.tiles.len(),
-            base,
-            u,
-            ffn,
-            hidden,
-        );
+        let tiles = (tiles, routing.plan.tiles.len());
+        // Gate and up read the batch rows through the entries' row table (at `base`).
+        for (table, product) in [(&experts.tables[0], g), (&experts.tables[1], u)] {
+            self.launch_experts(ws, table, tiles, base, product, ffn, hidden);
+        }
         let len = (n * ffn) as u64;
         launch!(
             self.gpu,
@@ -1115,16 +1099,7 @@ impl Ops for CudaOps {
             return 0;
         }
         // The down product reads the gated rows entry by entry: no row table.
-        self.launch_experts(
-            ws,
-            &experts.tables[2],
-            tiles,
-            routing.plan.tiles.len(),
-            0,
-            y,
-            hidden,
-            ffn,
-        );
+        self.launch_experts(ws, &experts.tables[2], tiles, 0, y, hidden, ffn);
         let (k, w) = (top_k as i32, hidden as i32);
         launch!(
             self.gpu,
