@@ -416,9 +416,19 @@ async fn mixture_of_experts_workers_report_the_experts_each_micro_batch_reads() 
         ..SamplingParams::greedy(4)
     };
     tc.generate(&[1, 2, 3, 4, 5, 6, 7, 8], params).await.unwrap();
+    let mut by_expert = 0;
     for addr in ports {
         let text = scrape(&addr);
         assert_prometheus_text(&text);
+        // The CPU runs experts one by one: every sparse layer of every micro-batch.
+        let layers = |path: &str| -> u64 {
+            let prefix = format!("baton_moe_layers_total{{experts=\"{path}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(prefix.as_str()))
+                .map_or(0, |v| v.trim().parse().unwrap())
+        };
+        assert_eq!(layers("one_go"), 0, "{text}");
+        by_expert += layers("by_expert");
         let count = text
             .lines()
             .find_map(|l| l.strip_prefix("baton_moe_active_experts_count "))
@@ -437,6 +447,8 @@ async fn mixture_of_experts_workers_report_the_experts_each_micro_batch_reads() 
         // between 2 and all 12.
         assert!((6.0 + 2.0..=6.0 + 12.0).contains(&sum), "{sum}: {text}");
     }
+    // Three sparse layers (split over the two stages), four micro-batches.
+    assert_eq!(by_expert, 3 * 4);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

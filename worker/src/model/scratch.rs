@@ -94,6 +94,8 @@ pub struct MoeStats {
     pub layers: usize,
     /// Experts that had rows, summed over those layers (each read its weights once).
     pub active_experts: usize,
+    /// Of those layers, the ones whose experts ran in one go ([`crate::ops::Ops::routed_experts`]).
+    pub one_go_layers: usize,
 }
 
 /// What every layer of one batch shares: each row's rotary tables (host memory: a device

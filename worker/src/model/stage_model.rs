@@ -299,6 +299,12 @@ impl<O: Ops> StageModel<O> {
             // one row, up to every expert for a large batch.
             let per_layer = s.moe.active_experts as f64 / s.moe.layers as f64;
             metrics::histogram!("baton_moe_active_experts").record(per_layer);
+            // Whether the device ran each layer's experts in one go or one by one (a GPU goes
+            // one by one for weight formats without a one-go kernel).
+            let one_go = s.moe.one_go_layers as u64;
+            metrics::counter!("baton_moe_layers_total", "experts" => "one_go").increment(one_go);
+            metrics::counter!("baton_moe_layers_total", "experts" => "by_expert")
+                .increment(s.moe.layers as u64 - one_go);
             tracing::Span::current().record("moe_active_experts", per_layer);
         }
         Ok(())

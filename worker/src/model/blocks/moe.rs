@@ -62,6 +62,7 @@ impl<O: Ops> SparseMoe<O> {
         if let Some(experts) = &self.one_go {
             let scratch = [&mut s.gate, &mut s.up, &mut s.expert_out];
             s.moe.active_experts += ops.routed_experts(&mut s.ws, &s.xn, &s.routing, experts, scratch, &mut s.proj);
+            s.moe.one_go_layers += 1;
         } else {
             let len = ops.len(&s.xn);
             ops.zeros(&mut s.proj, len);
