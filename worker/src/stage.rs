@@ -121,9 +121,6 @@ pub struct Stage {
     free_state_slots: Vec<usize>,
     /// Whether the layers here keep recurrent state (rolled back by replay: see [`Rollback`]).
     recurrent: bool,
-    /// Whether the backend runs whole prompt windows of the delta rule in the chunked form
-    /// (the CPU's); a GPU runs every position token by token.
-    chunked_delta_rule: bool,
     /// Rows a rollback runs again (reused).
     replay_rows: Vec<f32>,
 }
@@ -138,11 +135,9 @@ impl Stage {
     /// A stage over a loaded backend; hidden states leave it as `activation_dtype`.
     pub fn new(backend: Box<dyn Backend>, stage_index: u32, activation_dtype: Dtype) -> Self {
         let slots = backend.kv().state_slots;
-        let chunked_delta_rule = matches!(backend.info().device, crate::backend::Device::Cpu { .. });
         Self {
             free_state_slots: (0..slots).rev().collect(),
             recurrent: slots > 0,
-            chunked_delta_rule,
             backend,
             stage_index,
             totals: ForwardTotals::default(),
@@ -632,7 +627,7 @@ impl Stage {
             // rest token by token (a prefill that shows no chunked rows was cut off its windows).
             let (rows, windowed) = seqs.iter().fold((0, 0), |(r, w), c| {
                 let (pos0, len) = (c.pos0 as usize, c.tokens.len());
-                let windows = match self.chunked_delta_rule {
+                let windows = match self.backend.chunks_delta_rule() {
                     true => delta_windows(pos0, len, c.prompt_len as usize).len(),
                     false => 0,
                 };
