@@ -25,7 +25,7 @@ use crate::kernels::cpu::matmul::WeightFormat;
 use crate::kernels::cpu::moe;
 use baton_shared::dtype::DType;
 
-use crate::kernels::cuda::experts::{ExpertPlan, ExpertQ8, MAX_TILES_PER_LAUNCH, Packed, pack};
+use crate::kernels::cuda::experts::{ExpertPlan, ExpertQ8, MAX_TILES_PER_LAUNCH, Packed, experts_geometry, pack};
 use crate::kernels::cuda::linear::{self, LinearSeq};
 use crate::kernels::cuda::{self as geometry, Geometry, MatmulGroup, Q4Device, Q8Device, SampleRow};
 use crate::model::ForwardError;
@@ -219,6 +219,13 @@ pub struct CudaRouting {
     packed: Vec<u32>,
     dev: Option<CudaSlice<u32>>,
     at: Packed,
+}
+
+impl CudaRouting {
+    /// The device address of word `at` of the packed routing (`None` before the first upload).
+    fn word(&self, ops: &CudaOps, at: usize) -> Option<u64> {
+        self.dev.as_ref().map(|d| ops.address(d) + 4 * at as u64)
+    }
 }
 
 /// A mixture's Q8_0 experts as `matmul_q8_experts` reads them: for gate, up and down, a table
@@ -520,7 +527,7 @@ impl CudaOps {
         for first in (0..tiles).step_by(MAX_TILES_PER_LAUNCH) {
             let count = (tiles - first).min(MAX_TILES_PER_LAUNCH);
             let at = tiles_at + 12 * first as u64;
-            let g = crate::kernels::cuda::experts::experts_geometry(rows_w, count);
+            let g = experts_geometry(rows_w, count);
             launch!(
                 self.gpu,
                 "matmul_q8_experts",
@@ -968,10 +975,9 @@ impl Ops for CudaOps {
         }
         let width = x.len / routing.host.rows().max(1);
         self.resize(out, n * width);
-        let (Some(xd), Some(o), Some(dev)) = (self.dev(x), out.data.as_ref(), routing.dev.as_ref()) else {
+        let (Some(xd), Some(o), Some(rows)) = (self.dev(x), out.data.as_ref(), routing.word(self, span.start)) else {
             return n;
         };
-        let rows = self.address(dev) + 4 * span.start as u64;
         let w = width as i32;
         launch!(
             self.gpu,
@@ -992,12 +998,14 @@ impl Ops for CudaOps {
             return;
         }
         let width = y.len / n;
-        let (Some(yd), Some(o), Some(dev)) = (self.dev(y), self.dev(out), routing.dev.as_ref()) else {
+        let (Some(yd), Some(o), Some(rows), Some(weights)) = (
+            self.dev(y),
+            self.dev(out),
+            routing.word(self, span.start),
+            routing.word(self, routing.at.weights + span.start),
+        ) else {
             return;
         };
-        let base = self.address(dev);
-        let rows = base + 4 * span.start as u64;
-        let weights = base + 4 * (routing.at.weights + span.start) as u64;
         let w = width as i32;
         launch!(
             self.gpu,
@@ -1061,23 +1069,24 @@ impl Ops for CudaOps {
         self.resize(gate, n * ffn);
         self.resize(up, n * ffn);
         self.resize(down, n * hidden);
-        let (Some(xd), Some(g), Some(u), Some(y), Some(o), Some(dev)) = (
+        let (Some(xd), Some(g), Some(u), Some(y), Some(o)) = (
             self.dev(x),
             gate.data.as_ref(),
             up.data.as_ref(),
             down.data.as_ref(),
             out.data.as_ref(),
-            routing.dev.as_ref(),
         ) else {
             return 0;
         };
-        let base = self.address(dev);
-        let word = |at: usize| base + 4 * at as u64;
-        let (weights, tiles, row_entries) = (
+        let word = |at| routing.word(self, at);
+        let (Some(base), Some(weights), Some(tiles), Some(row_entries)) = (
+            word(0),
             word(routing.at.weights),
             word(routing.at.tiles),
             word(routing.at.row_entries),
-        );
+        ) else {
+            return 0;
+        };
         if !self.quantize(ws, xd, x.len) {
             return 0;
         }
