@@ -22,26 +22,28 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// The sum over a block of up to 32 warps, in one fixed order; every thread gets it.
-// `shared` holds at least 32 floats; the block size is a multiple of 32.
-__device__ __forceinline__ float block_sum(float v, float* shared) {
+// Each warp's value (already reduced over the warp) into shared[warp], for every thread of the
+// block to read; returns the block's warps. `shared` holds at least 32 floats; the block size
+// is a multiple of 32.
+__device__ __forceinline__ int share_warps(float v, float* shared) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    v = warp_sum(v);
     __syncthreads();
     if (lane == 0) shared[warp] = v;
     __syncthreads();
+    return warps;
+}
+
+// The sum over a block of up to 32 warps, in one fixed order; every thread gets it.
+__device__ __forceinline__ float block_sum(float v, float* shared) {
+    const int warps = share_warps(warp_sum(v), shared);
     float total = 0.0f;
     for (int w = 0; w < warps; ++w) total += shared[w];
     return total;
 }
 
-// The largest value over a block, as block_sum gathers its sum; every thread gets it.
+// The largest value over a block, gathered as block_sum gathers its sum; every thread gets it.
 __device__ __forceinline__ float block_max(float v, float* shared) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) shared[warp] = v;
-    __syncthreads();
+    const int warps = share_warps(warp_max(v), shared);
     float m = shared[0];
     for (int w = 1; w < warps; ++w) m = fmaxf(m, shared[w]);
     return m;
