@@ -9,7 +9,7 @@ pub mod contiguous;
 pub mod paged;
 
 pub use contiguous::{BatchSeq, SequenceKv};
-pub use paged::{PagedBatch, PagedKv, PagedSeq};
+pub use paged::{PagedBatch, PagedKv, PagedSeq, StateLayout};
 
 use crate::kernels::cpu::attention::{KvData, Rows};
 use crate::model::ForwardError;

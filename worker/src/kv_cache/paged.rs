@@ -58,6 +58,83 @@ struct LayerPool {
     v: Store,
 }
 
+/// Where each recurrent-state slot and snapshot lies in a pool's state storage (any device's):
+/// the slots, then the snapshots, each `layers × values` f32s (every linear-attention layer of
+/// the stage, back to back).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StateLayout {
+    pub layers: usize,
+    pub values: usize,
+    pub slots: usize,
+    pub snapshots: usize,
+}
+
+impl StateLayout {
+    /// `slots` slots and `snapshots` snapshots of `layers` layers of `values` f32s; none of
+    /// either without linear-attention layers.
+    pub fn new(layers: usize, values: usize, slots: usize, snapshots: usize) -> Self {
+        let (slots, snapshots) = if layers == 0 { (0, 0) } else { (slots, snapshots) };
+        Self {
+            layers,
+            values,
+            slots,
+            snapshots,
+        }
+    }
+
+    /// f32s one slot (or snapshot) takes.
+    pub fn per_slot(&self) -> usize {
+        self.layers * self.values
+    }
+
+    /// f32s of every slot and snapshot.
+    pub fn floats(&self) -> usize {
+        (self.slots + self.snapshots) * self.per_slot()
+    }
+
+    /// Where `slot` lies, or `StateSlot` if there is no such slot.
+    pub fn slot(&self, slot: usize) -> Result<std::ops::Range<usize>, ForwardError> {
+        if slot >= self.slots {
+            return Err(ForwardError::StateSlot {
+                slot,
+                slots: self.slots,
+            });
+        }
+        Ok(slot * self.per_slot()..(slot + 1) * self.per_slot())
+    }
+
+    /// Where snapshot `snapshot` lies (after the slots), or `StateSnapshot` if there is no
+    /// such snapshot.
+    pub fn snapshot(&self, snapshot: usize) -> Result<std::ops::Range<usize>, ForwardError> {
+        if snapshot >= self.snapshots {
+            return Err(ForwardError::StateSnapshot {
+                snapshot,
+                snapshots: self.snapshots,
+            });
+        }
+        let at = (self.slots + snapshot) * self.per_slot();
+        Ok(at..at + self.per_slot())
+    }
+
+    /// Check every sequence's slot (where there is state), then the slots of those starting
+    /// at position 0: a new sequence starts from a zero state.
+    pub fn new_slots<'s>(
+        &self,
+        seqs: &'s [PagedSeq<'_>],
+    ) -> Result<impl Iterator<Item = std::ops::Range<usize>> + 's, ForwardError> {
+        if self.layers > 0 {
+            for s in seqs {
+                self.slot(s.state_slot)?;
+            }
+        }
+        let layout = *self;
+        Ok(seqs
+            .iter()
+            .filter(move |s| s.pos0 == 0 && layout.layers > 0)
+            .map(move |s| s.state_slot * layout.per_slot()..(s.state_slot + 1) * layout.per_slot()))
+    }
+}
+
 /// K/V storage for a stage's layers, in blocks.
 #[derive(Debug)]
 pub struct PagedKv {
@@ -66,13 +143,9 @@ pub struct PagedKv {
     block_size: usize,
     blocks: usize,
     dtype: KvDtype,
-    /// `(state_slots + state_snapshots) × state_layers × state_values` f32s: the slots, then
-    /// the snapshots.
+    /// The slots, then the snapshots, as `state_at` lays them out.
     states: Vec<f32>,
-    state_layers: usize,
-    state_values: usize,
-    state_slots: usize,
-    state_snapshots: usize,
+    state_at: StateLayout,
 }
 
 impl PagedKv {
@@ -99,95 +172,62 @@ impl PagedKv {
             blocks,
             dtype,
             states: Vec::new(),
-            state_layers: 0,
-            state_values: 0,
-            state_slots: 0,
-            state_snapshots: 0,
+            state_at: StateLayout::default(),
         }
     }
 
     /// The pool with `slots` recurrent-state slots and `snapshots` state snapshots for
     /// `state_layers` layers of `state_values` f32s each.
     pub fn with_states(self, state_layers: usize, state_values: usize, slots: usize, snapshots: usize) -> Self {
-        let (slots, snapshots) = if state_layers == 0 { (0, 0) } else { (slots, snapshots) };
+        let state_at = StateLayout::new(state_layers, state_values, slots, snapshots);
         Self {
-            states: vec![0.0; (slots + snapshots) * state_layers * state_values],
-            state_layers,
-            state_values,
-            state_slots: slots,
-            state_snapshots: snapshots,
+            states: vec![0.0; state_at.floats()],
+            state_at,
             ..self
         }
     }
 
     /// Recurrent-state slots (0 for a stage without linear-attention layers).
     pub fn state_slots(&self) -> usize {
-        self.state_slots
+        self.state_at.slots
     }
 
     /// State snapshots kept for the prefix cache (0 for a stage without linear-attention
     /// layers).
     pub fn state_snapshots(&self) -> usize {
-        self.state_snapshots
+        self.state_at.snapshots
     }
 
     /// Copy `slot`'s state into snapshot `snapshot`.
     pub fn save_snapshot(&mut self, slot: usize, snapshot: usize) -> Result<(), ForwardError> {
-        let from = self.slot_range(slot)?;
-        let to = self.snapshot_range(snapshot)?;
+        let from = self.state_at.slot(slot)?;
+        let to = self.state_at.snapshot(snapshot)?;
         self.states.copy_within(from, to.start);
         Ok(())
     }
 
     /// Start `slot`'s state from snapshot `snapshot`.
     pub fn load_snapshot(&mut self, snapshot: usize, slot: usize) -> Result<(), ForwardError> {
-        let from = self.snapshot_range(snapshot)?;
-        let to = self.slot_range(slot)?;
+        let from = self.state_at.snapshot(snapshot)?;
+        let to = self.state_at.slot(slot)?;
         self.states.copy_within(from, to.start);
         Ok(())
     }
 
-    /// Where snapshot `snapshot` lies in `states` (after the slots), or `StateSnapshot` if the
-    /// pool has no such snapshot.
-    fn snapshot_range(&self, snapshot: usize) -> Result<std::ops::Range<usize>, ForwardError> {
-        if snapshot >= self.state_snapshots {
-            return Err(ForwardError::StateSnapshot {
-                snapshot,
-                snapshots: self.state_snapshots,
-            });
-        }
-        let per_slot = self.state_layers * self.state_values;
-        let at = (self.state_slots + snapshot) * per_slot;
-        Ok(at..at + per_slot)
-    }
-
-    /// Where `slot`'s recurrent state (every linear-attention layer of the stage, back to back)
-    /// lies in `states`, or `StateSlot` if the pool has no such slot.
-    fn slot_range(&self, slot: usize) -> Result<std::ops::Range<usize>, ForwardError> {
-        if slot >= self.state_slots {
-            return Err(ForwardError::StateSlot {
-                slot,
-                slots: self.state_slots,
-            });
-        }
-        let per_slot = self.state_layers * self.state_values;
-        Ok(slot * per_slot..(slot + 1) * per_slot)
-    }
-
     /// The recurrent state of `slot`, every linear-attention layer's back to back.
     pub fn slot_state(&self, slot: usize) -> Result<&[f32], ForwardError> {
-        Ok(&self.states[self.slot_range(slot)?])
+        Ok(&self.states[self.state_at.slot(slot)?])
     }
 
     /// [`slot_state`](Self::slot_state), to write.
     pub fn slot_state_mut(&mut self, slot: usize) -> Result<&mut [f32], ForwardError> {
-        let r = self.slot_range(slot)?;
+        let r = self.state_at.slot(slot)?;
         Ok(&mut self.states[r])
     }
 
     /// Bytes one state slot takes (every linear-attention layer of the stage).
     pub fn state_slot_bytes(&self) -> usize {
-        self.state_layers * self.state_values * size_of::<f32>()
+        self.state_at.per_slot() * size_of::<f32>()
     }
 
     /// Bytes one block takes across `n_layers` layers (keys and values of `dtype`).
@@ -281,17 +321,8 @@ impl KvSpans for PagedBatch<'_> {
 
     fn prepare(&mut self) -> Result<(), ForwardError> {
         check_tables(self.seqs, self.pool.block_size, self.pool.blocks)?;
-        for s in self.seqs {
-            if self.pool.state_layers > 0 && s.state_slot >= self.pool.state_slots {
-                return Err(ForwardError::StateSlot {
-                    slot: s.state_slot,
-                    slots: self.pool.state_slots,
-                });
-            }
-        }
-        let per_slot = self.pool.state_layers * self.pool.state_values;
-        for s in self.seqs.iter().filter(|s| s.pos0 == 0 && per_slot > 0) {
-            self.pool.states[s.state_slot * per_slot..(s.state_slot + 1) * per_slot].fill(0.0);
+        for r in self.pool.state_at.new_slots(self.seqs)? {
+            self.pool.states[r].fill(0.0);
         }
         Ok(())
     }
@@ -321,8 +352,8 @@ impl BatchKv for PagedBatch<'_> {
     }
 
     fn state(&mut self, i: usize, layer: usize) -> &mut [f32] {
-        let n = self.pool.state_values;
-        let at = (self.seqs[i].state_slot * self.pool.state_layers + layer) * n;
+        let n = self.pool.state_at.values;
+        let at = (self.seqs[i].state_slot * self.pool.state_at.layers + layer) * n;
         &mut self.pool.states[at..at + n]
     }
 }
@@ -466,5 +497,38 @@ mod tests {
         assert_eq!(pool.bytes(), 3 * PagedKv::bytes_per_block(2, 8, 4, KvDtype::F32));
         let half = PagedKv::with_dtype(2, 8, 4, 3, KvDtype::F16);
         assert_eq!(half.bytes() * 2, pool.bytes());
+    }
+
+    #[test]
+    fn a_state_layout_places_slots_then_snapshots_and_names_the_new_sequences_slots() {
+        let at = StateLayout::new(2, 5, 3, 2);
+        assert_eq!((at.per_slot(), at.floats()), (10, 50));
+        assert_eq!(at.slot(2).unwrap(), 20..30);
+        assert_eq!(at.snapshot(1).unwrap(), 40..50);
+        assert!(matches!(at.slot(3), Err(ForwardError::StateSlot { slot: 3, slots: 3 })));
+        assert!(matches!(
+            at.snapshot(2),
+            Err(ForwardError::StateSnapshot {
+                snapshot: 2,
+                snapshots: 2
+            })
+        ));
+        let table = [0u32];
+        let seq = |pos0, state_slot| PagedSeq {
+            pos0,
+            len: 1,
+            stored: pos0,
+            table: &table,
+            state_slot,
+            prompt_len: 0,
+        };
+        let seqs = [seq(0, 1), seq(4, 0), seq(0, 2)];
+        let new: Vec<_> = at.new_slots(&seqs).unwrap().collect();
+        assert_eq!(new, [10..20, 20..30], "only the sequences starting at position 0");
+        assert!(at.new_slots(&[seq(4, 3)]).is_err(), "a slot past the last");
+        // Without linear-attention layers: no slots, and no slot is checked.
+        let none = StateLayout::new(0, 5, 3, 2);
+        assert_eq!((none.slots, none.snapshots, none.floats()), (0, 0, 0));
+        assert_eq!(none.new_slots(&seqs).unwrap().count(), 0);
     }
 }

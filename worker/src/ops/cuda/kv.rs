@@ -13,7 +13,7 @@ use super::device::{Gpu, upload_into};
 use crate::kernels::cuda::BatchMeta;
 use crate::kernels::cuda::linear::{LinearSeq, linear_seqs};
 use crate::kv_cache::paged::check_tables;
-use crate::kv_cache::{KvDtype, KvSpans, PagedKv, PagedSeq};
+use crate::kv_cache::{KvDtype, KvSpans, PagedKv, PagedSeq, StateLayout};
 use crate::model::ForwardError;
 
 /// One layer's keys or values.
@@ -34,13 +34,10 @@ pub struct CudaKvPool {
     pub(super) rows: Option<CudaSlice<i32>>,
     pub(super) slots: Option<CudaSlice<i32>>,
     pub(super) tables: Option<CudaSlice<u32>>,
-    /// `(state_slots + state_snapshots) × state_layers × state_values` f32s: the slots, then
-    /// the snapshots (none without linear-attention layers).
+    /// The slots, then the snapshots, as `state_at` lays them out (none without
+    /// linear-attention layers).
     pub(super) states: Option<CudaSlice<f32>>,
-    pub(super) state_layers: usize,
-    pub(super) state_values: usize,
-    state_slots: usize,
-    state_snapshots: usize,
+    pub(super) state_at: StateLayout,
     linear_host: Vec<LinearSeq>,
     /// The batch's sequences for the linear-attention kernels.
     pub(super) linear: Option<CudaSlice<LinearSeq>>,
@@ -80,10 +77,7 @@ impl CudaKvPool {
             slots: None,
             tables: None,
             states: None,
-            state_layers: 0,
-            state_values: 0,
-            state_slots: 0,
-            state_snapshots: 0,
+            state_at: StateLayout::default(),
             linear_host: Vec::new(),
             linear: None,
         })
@@ -101,51 +95,27 @@ impl CudaKvPool {
         if state_layers == 0 {
             return Ok(self);
         }
-        let n = (slots + snapshots) * state_layers * state_values;
-        let states = self.gpu.stream.alloc_zeros::<f32>(n.max(1)).map_err(|e| {
-            format!("allocating {slots} recurrent-state slots and {snapshots} snapshots on the GPU: {e}")
-        })?;
+        let state_at = StateLayout::new(state_layers, state_values, slots, snapshots);
+        let states = self
+            .gpu
+            .stream
+            .alloc_zeros::<f32>(state_at.floats().max(1))
+            .map_err(|e| {
+                format!("allocating {slots} recurrent-state slots and {snapshots} snapshots on the GPU: {e}")
+            })?;
         self.states = Some(states);
-        (self.state_layers, self.state_values) = (state_layers, state_values);
-        (self.state_slots, self.state_snapshots) = (slots, snapshots);
+        self.state_at = state_at;
         Ok(self)
     }
 
     /// Recurrent-state slots (0 without linear-attention layers).
     pub fn state_slots(&self) -> usize {
-        self.state_slots
+        self.state_at.slots
     }
 
     /// Recurrent-state snapshots for the prefix cache.
     pub fn state_snapshots(&self) -> usize {
-        self.state_snapshots
-    }
-
-    fn per_slot(&self) -> usize {
-        self.state_layers * self.state_values
-    }
-
-    /// Where `slot`'s state (every linear-attention layer's, back to back) lies in `states`.
-    fn slot_range(&self, slot: usize) -> Result<std::ops::Range<usize>, ForwardError> {
-        if slot >= self.state_slots {
-            return Err(ForwardError::StateSlot {
-                slot,
-                slots: self.state_slots,
-            });
-        }
-        Ok(slot * self.per_slot()..(slot + 1) * self.per_slot())
-    }
-
-    /// Where snapshot `snapshot` lies in `states` (after the slots).
-    fn snapshot_range(&self, snapshot: usize) -> Result<std::ops::Range<usize>, ForwardError> {
-        if snapshot >= self.state_snapshots {
-            return Err(ForwardError::StateSnapshot {
-                snapshot,
-                snapshots: self.state_snapshots,
-            });
-        }
-        let at = (self.state_slots + snapshot) * self.per_slot();
-        Ok(at..at + self.per_slot())
+        self.state_at.snapshots
     }
 
     fn device_error(what: &str, e: impl std::fmt::Display) -> ForwardError {
@@ -154,7 +124,7 @@ impl CudaKvPool {
 
     /// Copy `slot`'s state to the host (waits for the device).
     pub fn slot_state(&self, slot: usize, out: &mut Vec<f32>) -> Result<(), ForwardError> {
-        let r = self.slot_range(slot)?;
+        let r = self.state_at.slot(slot)?;
         let Some(states) = self.states.as_ref() else {
             return Err(Self::device_error("reading a recurrent state", "no states"));
         };
@@ -169,7 +139,7 @@ impl CudaKvPool {
 
     /// Put `state` (as [`slot_state`](Self::slot_state) gave it) into `slot`.
     pub fn set_slot_state(&mut self, slot: usize, state: &[f32]) -> Result<(), ForwardError> {
-        let r = self.slot_range(slot)?;
+        let r = self.state_at.slot(slot)?;
         if r.len() != state.len() {
             return Err(ForwardError::StateSize {
                 got: state.len(),
@@ -187,19 +157,19 @@ impl CudaKvPool {
 
     /// Copy `slot`'s state into snapshot `snapshot` (on the device).
     pub fn save_snapshot(&mut self, slot: usize, snapshot: usize) -> Result<(), ForwardError> {
-        let (from, to) = (self.slot_range(slot)?, self.snapshot_range(snapshot)?);
+        let (from, to) = (self.state_at.slot(slot)?, self.state_at.snapshot(snapshot)?);
         self.copy_state(from, to)
     }
 
     /// Start `slot`'s state from snapshot `snapshot` (on the device).
     pub fn load_snapshot(&mut self, snapshot: usize, slot: usize) -> Result<(), ForwardError> {
-        let (from, to) = (self.snapshot_range(snapshot)?, self.slot_range(slot)?);
+        let (from, to) = (self.state_at.snapshot(snapshot)?, self.state_at.slot(slot)?);
         self.copy_state(from, to)
     }
 
     /// Copy one slot-sized range of `states` onto another (a slot and a snapshot: disjoint).
     fn copy_state(&mut self, from: std::ops::Range<usize>, to: std::ops::Range<usize>) -> Result<(), ForwardError> {
-        let mid = self.state_slots * self.per_slot();
+        let mid = self.state_at.slots * self.state_at.per_slot();
         let stream = self.gpu.stream.clone();
         let Some(states) = self.states.as_mut() else {
             return Err(Self::device_error("copying a recurrent state", "no states"));
@@ -234,7 +204,7 @@ impl CudaKvPool {
     /// Bytes the pool holds on the GPU (blocks, state slots and snapshots).
     pub fn bytes(&self) -> usize {
         PagedKv::bytes_per_block(self.layers.len(), self.kv_dim, self.block_size, self.dtype) * self.blocks
-            + (self.state_slots + self.state_snapshots) * self.per_slot() * size_of::<f32>()
+            + self.state_at.floats() * size_of::<f32>()
     }
 }
 
@@ -264,29 +234,21 @@ impl KvSpans for CudaBatch<'_> {
     fn prepare(&mut self) -> Result<(), ForwardError> {
         let pool = &mut *self.pool;
         check_tables(self.seqs, pool.block_size, pool.blocks)?;
-        if pool.state_layers > 0 {
-            for s in self.seqs {
-                pool.slot_range(s.state_slot)?;
-            }
-        }
+        let new_slots = pool.state_at.new_slots(self.seqs)?;
         pool.meta.build(self.seqs, pool.block_size);
         let stream = pool.gpu.stream.clone();
         let uploaded = upload_into(&stream, &pool.meta.rows, &mut pool.rows)
             .and_then(|()| upload_into(&stream, &pool.meta.slots, &mut pool.slots))
             .and_then(|()| upload_into(&stream, &pool.meta.tables, &mut pool.tables));
         uploaded.map_err(|e| ForwardError::Device(format!("uploading the batch's block tables: {e}")))?;
-        if pool.state_layers == 0 {
+        let Some(states) = pool.states.as_mut() else {
             return Ok(());
-        }
+        };
         // A sequence starting at position 0 starts from a zero state, as on the CPU.
-        let per_slot = pool.per_slot();
-        if let Some(states) = pool.states.as_mut() {
-            for s in self.seqs.iter().filter(|s| s.pos0 == 0) {
-                let at = s.state_slot * per_slot;
-                stream
-                    .memset_zeros(&mut states.slice_mut(at..at + per_slot))
-                    .map_err(|e| ForwardError::Device(format!("zeroing a recurrent state: {e}")))?;
-            }
+        for r in new_slots {
+            stream
+                .memset_zeros(&mut states.slice_mut(r))
+                .map_err(|e| ForwardError::Device(format!("zeroing a recurrent state: {e}")))?;
         }
         linear_seqs(self.seqs, &mut pool.linear_host);
         upload_into(&stream, &pool.linear_host, &mut pool.linear)

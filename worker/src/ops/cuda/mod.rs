@@ -1206,7 +1206,7 @@ impl Ops for CudaOps {
                 .record("linear attention on a pool without recurrent state".into());
             return;
         };
-        let (l, sl, sv) = (layer as i32, pool.state_layers as i32, pool.state_values as i32);
+        let (l, sl, sv) = (layer as i32, pool.state_at.layers as i32, pool.state_at.values as i32);
         let (ch, kernel) = (channels as i32, shape.conv_kernel as i32);
         launch!(
             self.gpu,
