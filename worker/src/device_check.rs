@@ -163,6 +163,10 @@ fn kernel_cases<O: Ops>(ops: &O) -> Value {
         // the down product, so a product's last-bit difference can move a quant by one step:
         // a looser tolerance than one product's. In one go and expert by expert on the device
         // itself must agree bit for bit.
+        // The fused forms against the plain operations on the device itself: the same bits.
+        for (name, fused, plain) in fused_on(ops, &x, &norm, &w, cols) {
+            cases.push(case(name, rows, false, &fused, &plain, 0.0));
+        }
         let one_go = moe_on(ops, &x, cols, true);
         cases.push(case(
             "moe_q8_experts",
@@ -367,6 +371,108 @@ fn elementwise_on<O: Ops>(ops: &O, x: &[f32], norm: &[f32], cols: usize) -> Vec<
     ops.upload(x, &mut b);
     ops.add_sigmoid_scaled(&mut b, &a, &c);
     out.push(("add_sigmoid_scaled", get(&b)));
+    out
+}
+
+/// What one side of a fused case does to the workspace and its two buffers.
+type Step<'a, O> = dyn Fn(&mut <O as Ops>::Workspace, &mut <O as Ops>::Buf, &mut <O as Ops>::Buf) + 'a;
+
+/// Each fused operation (then a Q8_0 product over its output, which may read the quantization
+/// the fused pass left) beside the plain operations it stands for, on the same device: the
+/// norm, the residual add and norm, SiLU·up, q and k rotated together, and a fused norm whose
+/// output is changed before the product (which must not read the stale quantization). Each
+/// pair is the outputs concatenated.
+fn fused_on<O: Ops>(
+    ops: &O,
+    x: &[f32],
+    norm: &[f32],
+    w: &[f32],
+    cols: usize,
+) -> Vec<(&'static str, Vec<f32>, Vec<f32>)> {
+    let rows = x.len() / cols;
+    let y = values(x.len(), 97);
+    let m = ops
+        .matrix(
+            HostMatrix::F32 {
+                values: w.to_vec(),
+                cols,
+            },
+            WeightFormat::Q8_0,
+        )
+        .expect("a valid matrix");
+    let wn = ops.vector(norm.to_vec());
+    let get = |b: &O::Buf| {
+        let mut h = vec![0f32; ops.len(b)];
+        ops.download(b, &mut h);
+        h
+    };
+    let buf = |v: &[f32]| {
+        let mut b = O::Buf::default();
+        ops.upload(v, &mut b);
+        b
+    };
+    // One pass: the first buffer after `step`, the product of the second, both downloaded.
+    let run = |step: &Step<'_, O>| {
+        let (mut ws, mut a, mut b, mut out) = (O::Workspace::default(), buf(x), O::Buf::default(), O::Buf::default());
+        step(&mut ws, &mut a, &mut b);
+        ops.matmul(&mut ws, &b, &m, None, &mut out);
+        [get(&a), get(&b), get(&out)].concat()
+    };
+    let yb = buf(&y);
+    let mut out = Vec::new();
+    out.push((
+        "fused_rmsnorm_q8",
+        run(&|ws, a, b| ops.rmsnorm_for_product(ws, a, &wn, 1e-5, b)),
+        run(&|_, a, b| ops.rmsnorm(a, &wn, 1e-5, b)),
+    ));
+    out.push((
+        "fused_add_rmsnorm_q8",
+        run(&|ws, a, b| ops.add_rmsnorm_for_product(ws, a, &yb, &wn, 1e-5, b)),
+        run(&|_, a, b| {
+            ops.add(a, &yb);
+            ops.rmsnorm(a, &wn, 1e-5, b)
+        }),
+    ));
+    out.push((
+        "fused_stale_quantization",
+        run(&|ws, a, b| {
+            ops.rmsnorm_for_product(ws, a, &wn, 1e-5, b);
+            ops.add(b, &yb);
+        }),
+        run(&|_, a, b| {
+            ops.rmsnorm(a, &wn, 1e-5, b);
+            ops.add(b, &yb);
+        }),
+    ));
+    out.push((
+        "fused_silu_mul_q8",
+        run(&|ws, _, b| {
+            ops.upload(x, b);
+            ops.silu_mul_for_product(ws, b, &yb, cols);
+        }),
+        run(&|_, _, b| {
+            ops.upload(x, b);
+            ops.silu_mul(b, &yb, cols);
+        }),
+    ));
+    // Nine query heads of 64 and three key heads, half of each rotated.
+    let (head_dim, k_width) = (64usize, 3 * 64usize);
+    let k0 = values(rows * k_width, 96);
+    let half = head_dim / 4;
+    let cos: Vec<f32> = (0..rows * half).map(|i| (i as f32 * 0.29).cos()).collect();
+    let sin: Vec<f32> = (0..rows * half).map(|i| (i as f32 * 0.29).sin()).collect();
+    let rope = |fused: bool| {
+        let (mut q, mut k) = (buf(x), buf(&k0));
+        match fused {
+            true => ops.rope_qk(&mut q, &mut k, (cols, k_width), head_dim, head_dim / 2, &cos, &sin),
+            false => {
+                ops.rope(&mut q, cols, head_dim, head_dim / 2, &cos, &sin);
+                ops.rope(&mut k, k_width, head_dim, head_dim / 2, &cos, &sin);
+            }
+        }
+        [get(&q), get(&k)].concat()
+    };
+    out.push(("fused_rope_qk", rope(true), rope(false)));
     out
 }
 

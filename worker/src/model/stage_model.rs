@@ -371,7 +371,7 @@ impl<O: Ops> StageModel<O> {
             .as_ref()
             .ok_or(ForwardError::MissingPart("final norm"))?;
         self.ops.upload(hidden, &mut s.hidden);
-        norm.apply(&self.ops, &s.hidden, &mut s.xn);
+        norm.apply_for_product(&self.ops, &mut s.ws, &s.hidden, &mut s.xn);
         self.ops.matmul(&mut s.ws, &s.xn, head, None, &mut s.logits);
         Ok(())
     }

@@ -194,6 +194,58 @@ pub trait Ops: Send + Sync + Sized + 'static {
     fn add(&self, x: &mut Self::Buf, y: &Self::Buf);
     /// Make `buf` hold `len` zeros.
     fn zeros(&self, buf: &mut Self::Buf, len: usize);
+
+    // Fused forms. Each default is the plain operations in turn; a device overrides one to do
+    // the same work in fewer passes (a GPU: fewer launches), with the same bits.
+
+    /// [`rmsnorm`](Self::rmsnorm) of `x` into `out` when the next call is a product over
+    /// `out` with `ws`: a device may prepare `out` for it in `ws` (quantized activations).
+    fn rmsnorm_for_product(
+        &self,
+        ws: &mut Self::Workspace,
+        x: &Self::Buf,
+        w: &Self::Vector,
+        eps: f32,
+        out: &mut Self::Buf,
+    ) {
+        let _ = ws;
+        self.rmsnorm(x, w, eps, out);
+    }
+    /// `x += y`, then [`rmsnorm_for_product`](Self::rmsnorm_for_product) of `x` into `out`.
+    fn add_rmsnorm_for_product(
+        &self,
+        ws: &mut Self::Workspace,
+        x: &mut Self::Buf,
+        y: &Self::Buf,
+        w: &Self::Vector,
+        eps: f32,
+        out: &mut Self::Buf,
+    ) {
+        self.add(x, y);
+        self.rmsnorm_for_product(ws, x, w, eps, out);
+    }
+    /// [`silu_mul`](Self::silu_mul) when the next call is a product over `gate` with `ws`
+    /// (prepared as [`rmsnorm_for_product`](Self::rmsnorm_for_product) prepares its output).
+    fn silu_mul_for_product(&self, ws: &mut Self::Workspace, gate: &mut Self::Buf, up: &Self::Buf, width: usize) {
+        let _ = ws;
+        self.silu_mul(gate, up, width);
+    }
+    /// [`rope`](Self::rope) of the queries `q` (`q_width` wide) and of the keys `k` (`k_width`)
+    /// of the same rows and positions.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_qk(
+        &self,
+        q: &mut Self::Buf,
+        k: &mut Self::Buf,
+        (q_width, k_width): (usize, usize),
+        head_dim: usize,
+        rotary_dim: usize,
+        cos: &[f32],
+        sin: &[f32],
+    ) {
+        self.rope(q, q_width, head_dim, rotary_dim, cos, sin);
+        self.rope(k, k_width, head_dim, rotary_dim, cos, sin);
+    }
     /// Route each `experts`-wide row of router `logits`: softmax over experts, the `top_k`
     /// largest probabilities (renormalized to sum to one when `normalize`), grouped by expert.
     fn route(&self, logits: &Self::Buf, experts: usize, top_k: usize, normalize: bool, routing: &mut Self::Routing);

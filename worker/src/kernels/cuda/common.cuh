@@ -49,6 +49,19 @@ __device__ __forceinline__ float block_max(float v, float* shared) {
     return m;
 }
 
+// Lane `lane` of a warp holding value v of Q8_0 block b (every lane of the warp one value of
+// it): the block's quants into q and, from lane 0, its scale max|x|/127 into d, rounding half
+// away from zero (as the CPU path and ggml do). Every kernel that quantizes activations for a
+// product goes through here, so a block's quants never depend on which kernel made them.
+__device__ __forceinline__ void quantize_lane(float v, i8* q, float* d, u64 b) {
+    const int lane = threadIdx.x & 31;
+    const float amax = __shfl_sync(0xffffffffu, warp_max(fabsf(v)), 0);
+    const float scale = amax / 127.0f;
+    const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+    q[b * QK + lane] = (i8)fminf(fmaxf(roundf(v * inv), -127.0f), 127.0f);
+    if (lane == 0) d[b] = scale;
+}
+
 #ifndef BATON_EMULATION // emulation/emu.h defines these for the CPU emulation
 __device__ __forceinline__ float h2f(u16 h) {
     float f;

@@ -84,7 +84,7 @@ fn every_kernel_runs_on_the_emulation() {
     ];
     let names: Vec<String> = sources.iter().flat_map(|s| kernel_names(s)).collect();
     assert!(
-        names.len() >= 31 && names.contains(&"matmul_q8_mma".to_string()),
+        names.len() >= 34 && names.contains(&"matmul_q8_mma".to_string()),
         "{names:?}"
     );
     for name in names {
@@ -711,6 +711,150 @@ fn q4_products_match_integer_dot_products() {
                 );
             }
         }
+    }
+}
+
+/// `rmsnorm` of `x` (rows of `width`), as the unfused kernel computes it.
+fn rmsnorm_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    type F = unsafe extern "C" fn(Dim3, Dim3, *const f32, *const f32, *mut f32, i32, f32);
+    let run: F = kernel("rmsnorm");
+    let width = w.len();
+    let mut out = vec![0f32; x.len()];
+    let (grid, block) = dims(norm_geometry(x.len() / width, width));
+    // SAFETY: x and out hold whole rows of `width`; w one row.
+    unsafe { run(grid, block, x.as_ptr(), w.as_ptr(), out.as_mut_ptr(), width as i32, eps) };
+    out
+}
+
+#[test]
+fn the_fused_kernels_give_the_bits_of_the_kernels_they_replace() {
+    type Norm =
+        unsafe extern "C" fn(Dim3, Dim3, *mut f32, *const f32, *const f32, *mut f32, *mut i8, *mut f32, i32, f32);
+    type Pair = unsafe extern "C" fn(Dim3, Dim3, *mut f32, *const f32, u64);
+    let (fused, add): (Norm, Pair) = (kernel("rmsnorm_q8"), kernel("add"));
+    // 512 wide: four warps, each quantizing four blocks of the row; 96: one warp, three blocks.
+    for width in [512usize, 96] {
+        let rows = 3;
+        let n = rows * width;
+        let (x0, y, w) = (values(n, 120), values(n, 121), values(width, 122));
+        for (with_add, with_q) in [(true, true), (false, true), (true, false)] {
+            // Unfused: add, rmsnorm, quantize_q8, one launch each.
+            let mut want_x = x0.clone();
+            if with_add {
+                let (grid, block) = dims(elementwise_geometry(n));
+                // SAFETY: both buffers hold `n` values.
+                unsafe { add(grid, block, want_x.as_mut_ptr(), y.as_ptr(), n as u64) };
+            }
+            let want_out = rmsnorm_rows(&want_x, &w, 1e-5);
+            let (want_q, want_d) = quantize(&want_out);
+            let mut x = x0.clone();
+            let mut out = vec![0f32; n];
+            let (mut q, mut d) = (vec![0i8; n], vec![0f32; n / QK]);
+            let (grid, block) = dims(norm_geometry(rows, width));
+            let y_ptr = if with_add { y.as_ptr() } else { std::ptr::null() };
+            let (q_ptr, d_ptr) = match with_q {
+                true => (q.as_mut_ptr(), d.as_mut_ptr()),
+                false => (std::ptr::null_mut(), std::ptr::null_mut()),
+            };
+            // SAFETY: x, y, out and q hold `n` values, d a scale per 32, w one row.
+            unsafe {
+                fused(
+                    grid,
+                    block,
+                    x.as_mut_ptr(),
+                    y_ptr,
+                    w.as_ptr(),
+                    out.as_mut_ptr(),
+                    q_ptr,
+                    d_ptr,
+                    width as i32,
+                    1e-5,
+                )
+            };
+            let case = format!("width {width}, add {with_add}, quantize {with_q}");
+            assert_eq!(x, want_x, "{case}: the residual");
+            assert_eq!(out, want_out, "{case}: the normed rows");
+            if with_q {
+                assert_eq!((q, d), (want_q, want_d), "{case}: the quantized rows");
+            }
+        }
+    }
+
+    type Silu = unsafe extern "C" fn(Dim3, Dim3, *mut f32, *const f32, *mut i8, *mut f32, u64);
+    let (silu_q8, silu): (Silu, Pair) = (kernel("silu_mul_q8"), kernel("silu_mul"));
+    let n = 5 * 64;
+    let (g0, up) = (values(n, 123), values(n, 124));
+    let mut want = g0.clone();
+    let (grid, block) = dims(elementwise_geometry(n));
+    // SAFETY: both buffers hold `n` values.
+    unsafe { silu(grid, block, want.as_mut_ptr(), up.as_ptr(), n as u64) };
+    let (want_q, want_d) = quantize(&want);
+    let mut gate = g0.clone();
+    let (mut q, mut d) = (vec![0i8; n], vec![0f32; n / QK]);
+    let (grid, block) = dims(quantize_geometry(n / QK));
+    // SAFETY: gate, up and q hold `n` values, d a scale per 32.
+    unsafe {
+        silu_q8(
+            grid,
+            block,
+            gate.as_mut_ptr(),
+            up.as_ptr(),
+            q.as_mut_ptr(),
+            d.as_mut_ptr(),
+            (n / QK) as u64,
+        )
+    };
+    assert_eq!(gate, want, "silu·up");
+    assert_eq!((q, d), (want_q, want_d), "silu·up quantized");
+
+    type Rope = unsafe extern "C" fn(Dim3, Dim3, *mut f32, *const f32, *const f32, i32, i32, i32, i32);
+    type RopeQk = unsafe extern "C" fn(Dim3, Dim3, *mut f32, *mut f32, *const f32, *const f32, i32, i32, i32, i32, i32);
+    let (rope, rope_qk): (Rope, RopeQk) = (kernel("rope"), kernel("rope_qk"));
+    let (rows, q_heads, k_heads, head_dim) = (3usize, 6usize, 2usize, 16usize);
+    for rotary in [16usize, 8] {
+        let half = rotary / 2;
+        let (q0, k0) = (
+            values(rows * q_heads * head_dim, 125),
+            values(rows * k_heads * head_dim, 126),
+        );
+        let (cos, sin): (Vec<f32>, Vec<f32>) = values(rows * half, 127).iter().map(|a| (a.cos(), a.sin())).unzip();
+        let (mut want_q, mut want_k) = (q0.clone(), k0.clone());
+        for (x, heads) in [(&mut want_q, q_heads), (&mut want_k, k_heads)] {
+            let (grid, block) = dims(elementwise_geometry(rows * heads * half));
+            // SAFETY: x holds `rows` rows of `heads` heads; the tables `rows` × `half`.
+            unsafe {
+                rope(
+                    grid,
+                    block,
+                    x.as_mut_ptr(),
+                    cos.as_ptr(),
+                    sin.as_ptr(),
+                    rows as i32,
+                    (heads * head_dim) as i32,
+                    head_dim as i32,
+                    rotary as i32,
+                )
+            };
+        }
+        let (mut q, mut k) = (q0.clone(), k0.clone());
+        let (grid, block) = dims(elementwise_geometry(rows * (q_heads + k_heads) * half));
+        // SAFETY: as above, for both q and k.
+        unsafe {
+            rope_qk(
+                grid,
+                block,
+                q.as_mut_ptr(),
+                k.as_mut_ptr(),
+                cos.as_ptr(),
+                sin.as_ptr(),
+                rows as i32,
+                q_heads as i32,
+                k_heads as i32,
+                head_dim as i32,
+                rotary as i32,
+            )
+        };
+        assert_eq!((q, k), (want_q, want_k), "rotary {rotary}: q and k in one launch");
     }
 }
 

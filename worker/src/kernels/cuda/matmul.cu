@@ -119,18 +119,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) matmul_bf16(const float
     matmul_wide<W_BF16>(x, g, rows_x, cols);
 }
 
-// Quantize each 32-value block of x to i8 with scale max|x|/127, rounding half away from zero
-// (as the CPU path and ggml do). One warp per block.
+// Quantize each 32-value block of x to i8 (quantize_lane). One warp per block.
 extern "C" __global__ void quantize_q8(const float* x, i8* q, float* d, u64 blocks) {
     const u64 b = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (b >= blocks) return;
-    const int lane = threadIdx.x & 31;
-    const float v = x[b * QK + lane];
-    const float amax = __shfl_sync(0xffffffffu, warp_max(fabsf(v)), 0);
-    const float scale = amax / 127.0f;
-    const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
-    q[b * QK + lane] = (i8)fminf(fmaxf(roundf(v * inv), -127.0f), 127.0f);
-    if (lane == 0) d[b] = scale;
+    quantize_lane(x[b * QK + (threadIdx.x & 31)], q, d, b);
 }
 
 // Q8_0 weights (row-major i8 quants, f16 block scales) against activations quantized by

@@ -80,8 +80,8 @@ impl<O: Ops> Attention<O> {
             qn.apply_inplace(ops, &mut s.q);
             kn.apply_inplace(ops, &mut s.k);
         }
-        ops.rope(&mut s.q, sh.num_heads * hd, hd, rd, &batch.cos, &batch.sin);
-        ops.rope(&mut s.k, sh.num_kv_heads * hd, hd, rd, &batch.cos, &batch.sin);
+        let widths = (sh.num_heads * hd, sh.num_kv_heads * hd);
+        ops.rope_qk(&mut s.q, &mut s.k, widths, hd, rd, &batch.cos, &batch.sin);
         ops.attention(
             &mut s.ws,
             index,

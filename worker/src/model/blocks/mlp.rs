@@ -42,7 +42,7 @@ impl<O: Ops> GatedMlp<O> {
         out: &mut O::Buf,
     ) {
         ops.matmul_many(ws, x, [(&self.gate, None, &mut *gate), (&self.up, None, &mut *up)]);
-        ops.silu_mul(gate, up, self.width);
+        ops.silu_mul_for_product(ws, gate, up, self.width);
         ops.matmul(ws, gate, &self.down, None, out);
     }
 

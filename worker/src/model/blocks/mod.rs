@@ -76,13 +76,14 @@ impl<O: Ops> DecoderLayer<O> {
         mask: AttnMask,
         s: &mut Scratch<O>,
     ) {
-        self.mixer_norm.apply(ops, &s.hidden, &mut s.xn);
+        // Both norms feed products: a device may quantize their rows for them in the same pass.
+        self.mixer_norm.apply_for_product(ops, &mut s.ws, &s.hidden, &mut s.xn);
         match &self.mixer {
             Mixer::Attention(a) => a.forward(ops, index, kv, batch, mask, s),
             Mixer::LinearAttention(d) => d.forward(ops, index, kv, s),
         }
-        ops.add(&mut s.hidden, &s.proj);
-        self.ffn_norm.apply(ops, &s.hidden, &mut s.xn);
+        self.ffn_norm
+            .add_apply_for_product(ops, &mut s.ws, &mut s.hidden, &s.proj, &mut s.xn);
         match &self.ffn {
             Ffn::Dense(m) => m.forward(ops, s),
             Ffn::Moe(m) => m.forward(ops, s),

@@ -47,6 +47,18 @@ impl<O: Ops> RmsNorm<O> {
         ops.rmsnorm(x, &self.weight, self.eps, out);
     }
 
+    /// [`apply`](Self::apply) when the next call is a product over `out` with `ws`
+    /// ([`Ops::rmsnorm_for_product`]).
+    pub fn apply_for_product(&self, ops: &O, ws: &mut O::Workspace, x: &O::Buf, out: &mut O::Buf) {
+        ops.rmsnorm_for_product(ws, x, &self.weight, self.eps, out);
+    }
+
+    /// `x += y`, then [`apply_for_product`](Self::apply_for_product): the residual add and
+    /// the next norm ([`Ops::add_rmsnorm_for_product`]).
+    pub fn add_apply_for_product(&self, ops: &O, ws: &mut O::Workspace, x: &mut O::Buf, y: &O::Buf, out: &mut O::Buf) {
+        ops.add_rmsnorm_for_product(ws, x, y, &self.weight, self.eps, out);
+    }
+
     /// Normalize each scale-wide piece of `x` in place (per-head q/k norms).
     pub fn apply_inplace(&self, ops: &O, x: &mut O::Buf) {
         ops.rmsnorm_inplace(x, &self.weight, self.eps);

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::CUdevice_attribute;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAsZeroBits,
@@ -103,6 +103,9 @@ pub struct Gpu {
     /// Kernel timing (a diagnostic): each launch records events around itself.
     timing: AtomicBool,
     timings: Mutex<Vec<(&'static str, CudaEvent, CudaEvent)>>,
+    /// Driver calls made through [`check`](Self::check) (launches, copies, allocations): what
+    /// [`mark`](Self::mark) reads.
+    calls: AtomicU64,
 }
 
 /// GPU time of one kernel over the launches timed.
@@ -151,6 +154,7 @@ impl Gpu {
             error: Mutex::new(None),
             timing: AtomicBool::new(false),
             timings: Mutex::new(Vec::new()),
+            calls: AtomicU64::new(0),
         })
     }
 
@@ -175,6 +179,7 @@ impl Gpu {
 
     /// `Some(value)`, or `None` with the error recorded.
     pub fn check<T>(&self, what: &str, r: Result<T, DriverError>) -> Option<T> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
         match r {
             Ok(v) => Some(v),
             Err(e) => {
@@ -191,6 +196,12 @@ impl Gpu {
             self.record(format!("synchronizing: {e}"));
         }
         self.error.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    /// A count that moves with every launch, copy or allocation: two equal marks mean nothing
+    /// was queued in between (so no buffer was written).
+    pub fn mark(&self) -> u64 {
+        self.calls.load(Ordering::Relaxed)
     }
 
     /// Whether launches are being timed.

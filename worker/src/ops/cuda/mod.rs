@@ -187,7 +187,19 @@ pub struct CudaVector {
 pub struct CudaWorkspace {
     xq: Option<CudaSlice<i8>>,
     xd: Option<CudaSlice<f32>>,
+    /// Which rows `xq`/`xd` hold, when a fused operation quantized them for the next product.
+    prepared: Option<Prepared>,
     conv: Option<CudaSlice<f32>>,
+}
+
+/// Rows a fused operation (`rmsnorm_q8`, `silu_mul_q8`) left quantized in a workspace: valid
+/// for the next product only if it reads the same buffer and the GPU's [`Gpu::mark`] has not
+/// moved since (no launch or copy could have changed the rows).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Prepared {
+    rows_at: u64,
+    values: usize,
+    mark: u64,
 }
 
 // SAFETY: `MatmulGroup` is `repr(C)` plain data laid out as matmul.cu's `Group` (checked by a
@@ -419,11 +431,39 @@ impl CudaOps {
         self.download_ids(ids, out);
     }
 
+    /// The workspace's quantized-activation buffers, grown to hold `values` values.
+    fn quantized_rows<'w>(
+        &self,
+        ws: &'w mut CudaWorkspace,
+        values: usize,
+    ) -> Option<(&'w CudaSlice<i8>, &'w CudaSlice<f32>)> {
+        self.reserve(&mut ws.xq, values);
+        self.reserve(&mut ws.xd, values / baton_shared::dtype::QK);
+        Some((ws.xq.as_ref()?, ws.xd.as_ref()?))
+    }
+
+    /// Remember that `ws` now holds the quantization of the `values` values at `rows`.
+    fn prepared(&self, ws: &mut CudaWorkspace, rows: &CudaSlice<f32>, values: usize) {
+        ws.prepared = Some(Prepared {
+            rows_at: self.address(rows),
+            values,
+            mark: self.gpu.mark(),
+        });
+    }
+
+    /// Whether `ws` holds, from a fused operation just before, the quantization of `x`.
+    fn is_prepared(&self, ws: &mut CudaWorkspace, x: &CudaSlice<f32>, values: usize) -> bool {
+        let want = Prepared {
+            rows_at: self.address(x),
+            values,
+            mark: self.gpu.mark(),
+        };
+        ws.prepared.take() == Some(want)
+    }
+
     fn quantize(&self, ws: &mut CudaWorkspace, x: &CudaSlice<f32>, values: usize) -> bool {
         let blocks = values / baton_shared::dtype::QK;
-        self.reserve(&mut ws.xq, values);
-        self.reserve(&mut ws.xd, blocks);
-        let (Some(xq), Some(xd)) = (ws.xq.as_ref(), ws.xd.as_ref()) else {
+        let Some((xq, xd)) = self.quantized_rows(ws, values) else {
             return false;
         };
         let n = blocks as u64;
@@ -590,6 +630,69 @@ impl CudaOps {
         let width = w.len as i32;
         let g = geometry::norm_geometry(len / w.len.max(1), w.len);
         launch!(self.gpu, "rmsnorm", g, x, &w.data, out, &width, &eps);
+    }
+
+    /// `rmsnorm_q8`: `x += y` (when given), RMSNorm of `x` into `out` and `out` quantized into
+    /// `ws` for the next product, in one launch; false (nothing done) where its rows are not
+    /// whole Q8_0 blocks, for the caller to run the plain operations.
+    fn norm_for_product(
+        &self,
+        ws: &mut CudaWorkspace,
+        x: &CudaBuf,
+        y: Option<&CudaBuf>,
+        w: &CudaVector,
+        eps: f32,
+        out: &mut CudaBuf,
+    ) -> bool {
+        let (len, width) = (x.len, w.len);
+        if width == 0 || !width.is_multiple_of(baton_shared::dtype::QK) || !len.is_multiple_of(width) {
+            return false;
+        }
+        if y.is_some_and(|y| y.len != len) {
+            self.gpu.record(format!(
+                "adding {} values to a residual of {len}",
+                y.map_or(0, |y| y.len)
+            ));
+            return true;
+        }
+        self.resize(out, len);
+        let Some(xd) = self.dev(x) else { return true };
+        let y_at = match y {
+            Some(y) => match self.dev(y) {
+                Some(yd) => self.address(yd),
+                None => return true,
+            },
+            None => 0u64,
+        };
+        let Some(o) = out.data.as_ref() else { return true };
+        let Some((xq, qd)) = self.quantized_rows(ws, len) else {
+            return true;
+        };
+        let wi = width as i32;
+        let g = geometry::norm_geometry(len / width, width);
+        launch!(self.gpu, "rmsnorm_q8", g, xd, &y_at, &w.data, o, xq, qd, &wi, &eps);
+        self.prepared(ws, o, len);
+        true
+    }
+
+    /// The RoPE tables `cos` and `sin` on the GPU: uploaded only when they differ from the
+    /// last ones (every layer of a forward rotates by the same positions).
+    fn rope_tables<'s>(
+        &self,
+        st: &'s mut Staging,
+        cos: &[f32],
+        sin: &[f32],
+    ) -> Option<(&'s CudaSlice<f32>, &'s CudaSlice<f32>)> {
+        if st.cos_host != cos || st.sin_host != sin || st.cos.is_none() {
+            if !(self.stage(cos, &mut st.cos) && self.stage(sin, &mut st.sin)) {
+                return None;
+            }
+            st.cos_host.clear();
+            st.cos_host.extend_from_slice(cos);
+            st.sin_host.clear();
+            st.sin_host.extend_from_slice(sin);
+        }
+        Some((st.cos.as_ref()?, st.sin.as_ref()?))
     }
 }
 
@@ -794,7 +897,8 @@ impl Ops for CudaOps {
         // Quantized products share one quantization of the activations; each format's
         // products go out as one launch (a group of up to three).
         let quantized = products.iter().any(|p| !p.0.kind().reads_f32());
-        if quantized && !self.quantize(ws, xd, t * cols) {
+        let prepared = self.is_prepared(ws, xd, t * cols);
+        if quantized && !prepared && !self.quantize(ws, xd, t * cols) {
             return;
         }
         for kind in Kind::ALL {
@@ -831,17 +935,7 @@ impl Ops for CudaOps {
         let half = rotary_dim / 2;
         let (cos, sin) = (&cos[..rows * half], &sin[..rows * half]);
         let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
-        let st = &mut *staging;
-        if st.cos_host != cos || st.sin_host != sin || st.cos.is_none() {
-            if !(self.stage(cos, &mut st.cos) && self.stage(sin, &mut st.sin)) {
-                return;
-            }
-            st.cos_host.clear();
-            st.cos_host.extend_from_slice(cos);
-            st.sin_host.clear();
-            st.sin_host.extend_from_slice(sin);
-        }
-        let (Some(c), Some(s)) = (st.cos.as_ref(), st.sin.as_ref()) else {
+        let Some((c, s)) = self.rope_tables(&mut staging, cos, sin) else {
             return;
         };
         let (r, w, hd, rd) = (rows as i32, width as i32, head_dim as i32, rotary_dim as i32);
@@ -946,6 +1040,89 @@ impl Ops for CudaOps {
         };
         let n = x.len as u64;
         launch!(self.gpu, "add", geometry::elementwise_geometry(x.len), xd, yd, &n);
+    }
+
+    fn rmsnorm_for_product(&self, ws: &mut CudaWorkspace, x: &CudaBuf, w: &CudaVector, eps: f32, out: &mut CudaBuf) {
+        if !self.norm_for_product(ws, x, None, w, eps, out) {
+            self.rmsnorm(x, w, eps, out);
+        }
+    }
+
+    fn add_rmsnorm_for_product(
+        &self,
+        ws: &mut CudaWorkspace,
+        x: &mut CudaBuf,
+        y: &CudaBuf,
+        w: &CudaVector,
+        eps: f32,
+        out: &mut CudaBuf,
+    ) {
+        if !self.norm_for_product(ws, x, Some(y), w, eps, out) {
+            self.add(x, y);
+            self.rmsnorm(x, w, eps, out);
+        }
+    }
+
+    fn silu_mul_for_product(&self, ws: &mut CudaWorkspace, gate: &mut CudaBuf, up: &CudaBuf, width: usize) {
+        let n = gate.len;
+        if !n.is_multiple_of(baton_shared::dtype::QK) {
+            self.silu_mul(gate, up, width);
+            return;
+        }
+        let (Some(g), Some(u)) = (self.dev(gate), self.dev(up)) else {
+            return;
+        };
+        let Some((xq, xd)) = self.quantized_rows(ws, n) else {
+            return;
+        };
+        let blocks = (n / baton_shared::dtype::QK) as u64;
+        let geom = geometry::quantize_geometry(n / baton_shared::dtype::QK);
+        launch!(self.gpu, "silu_mul_q8", geom, g, u, xq, xd, &blocks);
+        self.prepared(ws, g, n);
+    }
+
+    fn rope_qk(
+        &self,
+        q: &mut CudaBuf,
+        k: &mut CudaBuf,
+        (q_width, k_width): (usize, usize),
+        head_dim: usize,
+        rotary_dim: usize,
+        cos: &[f32],
+        sin: &[f32],
+    ) {
+        let rows = q.len / q_width.max(1);
+        if k.len != rows * k_width || q.len != rows * q_width {
+            self.rope(q, q_width, head_dim, rotary_dim, cos, sin);
+            self.rope(k, k_width, head_dim, rotary_dim, cos, sin);
+            return;
+        }
+        let (Some(qd), Some(kd)) = (self.dev(q), self.dev(k)) else {
+            return;
+        };
+        let half = rotary_dim / 2;
+        let (cos, sin) = (&cos[..rows * half], &sin[..rows * half]);
+        let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        let Some((c, s)) = self.rope_tables(&mut staging, cos, sin) else {
+            return;
+        };
+        let (hq, hk) = (q_width / head_dim, k_width / head_dim);
+        let n = rows * (hq + hk) * half;
+        let (r, hq, hk, hd, rd) = (rows as i32, hq as i32, hk as i32, head_dim as i32, rotary_dim as i32);
+        launch!(
+            self.gpu,
+            "rope_qk",
+            geometry::elementwise_geometry(n),
+            qd,
+            kd,
+            c,
+            s,
+            &r,
+            &hq,
+            &hk,
+            &hd,
+            &rd
+        );
     }
 
     fn zeros(&self, buf: &mut CudaBuf, len: usize) {

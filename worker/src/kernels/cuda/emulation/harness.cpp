@@ -27,6 +27,13 @@ EMULATE(embed_f32, P(const float* table, const u32* tokens, float* out, int cols
 EMULATE(rope, P(float* x, const float* c, const float* s, int rows, int width, int head_dim, int rotary),
         (x, c, s, rows, width, head_dim, rotary))
 EMULATE(silu_mul, P(float* gate, const float* up, u64 n), (gate, up, n))
+EMULATE(silu_mul_q8, P(float* gate, const float* up, i8* q, float* d, u64 blocks), (gate, up, q, d, blocks))
+EMULATE(rmsnorm_q8, P(float* x, const float* y, const float* w, float* out, i8* q, float* d, int width, float eps),
+        (x, y, w, out, q, d, width, eps))
+EMULATE(rope_qk,
+        P(float* q, float* k, const float* c, const float* s, int rows, int q_heads, int k_heads, int head_dim,
+          int rotary),
+        (q, k, c, s, rows, q_heads, k_heads, head_dim, rotary))
 EMULATE(add, P(float* x, const float* y, u64 n), (x, y, n))
 EMULATE(sigmoid_mul, P(float* x, const float* gate, u64 n), (x, gate, n))
 EMULATE(deinterleave, P(const float* x, float* a, float* b, int piece, u64 n_half), (x, a, b, piece, n_half))
