@@ -872,7 +872,8 @@ fn batch_invariance(model: &std::path::Path, device: Device) -> anyhow::Result<V
 /// Decode tokens/s at each batch and a long prefill, with the weight-streaming roofline.
 fn speed(model: &std::path::Path, device: Device, a: &CheckArgs) -> anyhow::Result<Value> {
     let max_batch = a.batches.iter().copied().max().unwrap_or(1);
-    let context = 128 + a.decode_steps + 2;
+    // The prompt, two warm-up steps, then three passes of `decode_steps` (graphs, without, timed).
+    let context = 128 + 3 * a.decode_steps + 4;
     let positions = context.max(a.prefill_tokens + 1);
     let blocks = positions.div_ceil(16);
     // A Q8_0 file's blocks as stored (what `--weights auto` serves it with).
@@ -911,12 +912,33 @@ fn speed(model: &std::path::Path, device: Device, a: &CheckArgs) -> anyhow::Resu
             last.iter_mut().zip(&slots).for_each(|(l, s)| *l = s.token);
             Ok(())
         };
+        // Two steps before the clock: the first sizes every buffer, the second is captured
+        // into a CUDA graph (where the device has them), which the timed steps replay.
         step(&mut b, &mut seqs, &mut last)?;
+        step(&mut b, &mut seqs, &mut last)?;
+        let graphs_before = b.graph_counts();
         let t = Instant::now();
         for _ in 0..a.decode_steps {
             step(&mut b, &mut seqs, &mut last)?;
         }
         let s = t.elapsed().as_secs_f64();
+        let graphs = b.graph_counts().zip(graphs_before).map(|(now, before)| {
+            let d: Vec<u64> = now.iter().zip(before).map(|(n, b)| n - b).collect();
+            json!({"eager": d[0], "captured": d[1], "replayed": d[2], "rerun": d[3]})
+        });
+        // The same steps with every kernel launched one by one (no graphs), for the ratio.
+        let eager_s = match b.set_graphs(false) {
+            true => {
+                let t = Instant::now();
+                for _ in 0..a.decode_steps {
+                    step(&mut b, &mut seqs, &mut last)?;
+                }
+                let eager_s = t.elapsed().as_secs_f64();
+                b.set_graphs(true);
+                Some(eager_s)
+            }
+            false => None,
+        };
         // Where a step's time goes on the device: the same steps again with each kernel timed
         // (events around every launch, so this pass is a little slower and not counted).
         b.kernel_times(true);
@@ -942,6 +964,8 @@ fn speed(model: &std::path::Path, device: Device, a: &CheckArgs) -> anyhow::Resu
             "batch": batch, "steps": a.decode_steps, "tok_s": batch as f64 * steps_s,
             "ms_per_step": s * 1e3 / a.decode_steps as f64,
             "weight_gb_s": steps_s * info.matrix_bytes as f64 / 1e9,
+            "graph_steps": graphs,
+            "tok_s_without_graphs": eager_s.map(|e| batch as f64 * a.decode_steps as f64 / e),
             "kernel_profile": profile,
         }));
     }

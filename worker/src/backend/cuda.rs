@@ -12,10 +12,10 @@ use super::{
 };
 use crate::kernels::cuda::{SampleRow, linear};
 use crate::model::dflash::DflashFiles;
-use crate::model::spec::{LayerKind, LayerSpec, uniform_kv_dim};
+use crate::model::spec::{FfnKind, LayerKind, LayerSpec, uniform_kv_dim};
 use crate::model::{ForwardError, Scratch, StageModel, registry};
 use crate::ops::Ops;
-use crate::ops::cuda::{CudaBatch, CudaKvPool, CudaOps};
+use crate::ops::cuda::{CudaBatch, CudaKvPool, CudaOps, GraphKey, RegionEnd};
 
 /// A stage on a GPU.
 pub struct CudaBackend {
@@ -135,17 +135,38 @@ impl CudaBackend {
         }
     }
 
+    /// The graph a step of `seqs` may run as: decode steps (a row per sequence) of a stage
+    /// whose forward never waits on the host mid-way (no mixture-of-experts layer, whose
+    /// routing does) and is not timed layer by layer.
+    fn graph_key(&self, seqs: &[SeqChunk<'_>], taps: bool) -> Option<GraphKey> {
+        let decode = !seqs.is_empty() && seqs.iter().all(|s| s.len == 1);
+        let host_waits = self.scratch.layer_seconds.is_some()
+            || self.model.specs.iter().any(|s| matches!(s.ffn, FfnKind::Moe { .. }));
+        (decode && !host_waits).then_some(GraphKey { rows: seqs.len(), taps })
+    }
+
     fn forward_paged(
         &mut self,
         hidden: &mut [f32],
         seqs: &[SeqChunk<'_>],
-        taps: Option<&mut [f32]>,
+        mut taps: Option<&mut [f32]>,
     ) -> Result<(), ForwardError> {
+        let gpu = self.model.ops.gpu().clone();
+        gpu.begin_region(self.graph_key(seqs, taps.is_some()));
         let mut kv = CudaBatch {
             pool: &mut self.kv,
             seqs,
         };
-        let r = self.model.forward_host_tapped(hidden, taps, &mut kv, &mut self.scratch);
+        let mut r = self
+            .model
+            .forward_host_tapped(hidden, taps.as_deref_mut(), &mut kv, &mut self.scratch);
+        if gpu.finish_region() == RegionEnd::Rerun && r.is_ok() {
+            // Nothing of the step ran (its tape differed from its graph's, or it could not be
+            // captured), and the host rows are as they were: run it again, eagerly.
+            gpu.begin_region(None);
+            r = self.model.forward_host_tapped(hidden, taps, &mut kv, &mut self.scratch);
+            gpu.finish_region();
+        }
         self.finish(r)
     }
 }
@@ -332,6 +353,16 @@ impl Backend for CudaBackend {
 
     fn layer_times(&mut self, on: bool) -> Vec<f64> {
         self.scratch.layer_times(on)
+    }
+
+    fn set_graphs(&mut self, on: bool) -> bool {
+        self.model.ops.gpu().set_graphs(on);
+        true
+    }
+
+    fn graph_counts(&self) -> Option<[u64; 4]> {
+        let c = self.model.ops.gpu().graph_counts();
+        Some([c.eager, c.captured, c.replayed, c.rerun])
     }
 }
 

@@ -275,6 +275,16 @@ pub trait Backend: Send {
     fn kernel_times(&mut self, _on: bool) -> Vec<(String, usize, f64)> {
         Vec::new()
     }
+    /// Turn decode steps as device graphs on or off; `false` where the device has none (the
+    /// CPU).
+    fn set_graphs(&mut self, _on: bool) -> bool {
+        false
+    }
+    /// Steps so far by how they ran: `(eager, captured, replayed, rerun)`; `None` without
+    /// graphs.
+    fn graph_counts(&self) -> Option<[u64; 4]> {
+        None
+    }
     /// Whether the linear-attention layers run whole prompt windows of the delta rule in the
     /// chunked form ([`crate::kv_cache::delta_windows`]); `false` where every position runs
     /// token by token.

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
 
-use super::device::{Gpu, upload_into};
+use super::device::Gpu;
 use crate::kernels::cuda::BatchMeta;
 use crate::kernels::cuda::linear::{LinearSeq, linear_seqs};
 use crate::kv_cache::paged::check_tables;
@@ -236,22 +236,26 @@ impl KvSpans for CudaBatch<'_> {
         check_tables(self.seqs, pool.block_size, pool.blocks)?;
         let new_slots = pool.state_at.new_slots(self.seqs)?;
         pool.meta.build(self.seqs, pool.block_size);
-        let stream = pool.gpu.stream.clone();
-        let uploaded = upload_into(&stream, &pool.meta.rows, &mut pool.rows)
-            .and_then(|()| upload_into(&stream, &pool.meta.slots, &mut pool.slots))
-            .and_then(|()| upload_into(&stream, &pool.meta.tables, &mut pool.tables));
+        // The tables padded to a power of two: their upload keeps one size while the sequences
+        // grow, so a decode step's copies stay those of the graph captured for it.
+        let padded = pool.meta.tables.len().max(1).next_power_of_two();
+        pool.meta.tables.resize(padded, 0);
+        let gpu = pool.gpu.clone();
+        let uploaded = gpu
+            .upload_into(&pool.meta.rows, &mut pool.rows)
+            .and_then(|()| gpu.upload_into(&pool.meta.slots, &mut pool.slots))
+            .and_then(|()| gpu.upload_into(&pool.meta.tables, &mut pool.tables));
         uploaded.map_err(|e| ForwardError::Device(format!("uploading the batch's block tables: {e}")))?;
         let Some(states) = pool.states.as_mut() else {
             return Ok(());
         };
         // A sequence starting at position 0 starts from a zero state, as on the CPU.
         for r in new_slots {
-            stream
-                .memset_zeros(&mut states.slice_mut(r))
+            gpu.zero(states, r)
                 .map_err(|e| ForwardError::Device(format!("zeroing a recurrent state: {e}")))?;
         }
         linear_seqs(self.seqs, &mut pool.linear_host);
-        upload_into(&stream, &pool.linear_host, &mut pool.linear)
+        gpu.upload_into(&pool.linear_host, &mut pool.linear)
             .map_err(|e| ForwardError::Device(format!("uploading the batch's state slots: {e}")))
     }
 

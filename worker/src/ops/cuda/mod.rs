@@ -12,12 +12,13 @@
 //! recurrent state.
 
 pub mod device;
+pub mod graphs;
 pub mod kv;
 pub mod pinned;
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits};
+use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, ValidAsZeroBits};
 
 use super::{AttnMask, AttnShape, HostMatrix, LinearAttnShape, Ops, OpsInfo, Product};
 use crate::kernels::cpu::half::HalfKind;
@@ -27,38 +28,50 @@ use baton_shared::dtype::DType;
 
 use crate::kernels::cuda::experts::{ExpertPlan, ExpertQ8, MAX_TILES_PER_LAUNCH, Packed, experts_geometry, pack};
 use crate::kernels::cuda::linear::{self, LinearSeq};
-use crate::kernels::cuda::{self as geometry, Geometry, MatmulGroup, Q4Device, Q8Device, SampleRow};
+use crate::kernels::cuda::{self as geometry, MatmulGroup, Q4Device, Q8Device, SampleRow};
 use crate::model::ForwardError;
-pub use device::{CudaError, Gpu, GpuInfo, KernelTime};
+pub use device::{CudaError, Gpu, GpuInfo, KernelTime, RegionEnd};
+use graphs::Args;
+pub use graphs::{GraphCounts, GraphKey};
 use kv::KvStore;
 pub use kv::{CudaBatch, CudaKvPool};
 use pinned::PinnedRows;
 
-fn config(g: Geometry) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: g.grid,
-        block_dim: g.block,
-        shared_mem_bytes: 0,
+/// A kernel parameter as the kernel receives it: a buffer as its device address, a scalar or
+/// a `repr(C)` struct as its bytes.
+trait KernelArg {
+    fn put(&self, args: &mut Args);
+}
+
+impl<T> KernelArg for &CudaSlice<T> {
+    fn put(&self, args: &mut Args) {
+        let (ptr, _sync) = self.device_ptr(self.stream());
+        args.push_bytes(&ptr.to_ne_bytes());
     }
 }
 
-/// Launch kernel `$name` with `$geom` and the arguments in order; a failure is recorded.
-macro_rules! launch {
-    ($gpu:expr, $name:expr, $geom:expr, $($arg:expr),* $(,)?) => {{
-        if let Some(f) = $gpu.function($name) {
-            let mut b = $gpu.stream.launch_builder(f);
-            $( b.arg($arg); )*
-            let timing = $gpu.timing();
-            if timing {
-                b.record_kernel_launch(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-            }
-            // SAFETY: the arguments are, in order and type, the kernel's parameters in
-            // kernels/cuda/*.cu, and every buffer holds what the geometry covers.
-            let r = unsafe { b.launch(config($geom)) };
-            if let Some(Some(events)) = $gpu.check($name, r) {
-                $gpu.timed($name, events);
+/// Scalars and `repr(C)` structs passed by value.
+macro_rules! by_value {
+    ($($t:ty),*) => {$(
+        impl KernelArg for &$t {
+            fn put(&self, args: &mut Args) {
+                // SAFETY: a plain-data value (`DeviceRepr`) viewed as its bytes.
+                let bytes = unsafe { std::slice::from_raw_parts((*self as *const $t).cast::<u8>(), size_of::<$t>()) };
+                args.push_bytes(bytes);
             }
         }
+    )*};
+}
+by_value!(i32, u32, u64, f32, MatmulGroup);
+
+/// Launch kernel `$name` with `$geom` and the arguments in order (the kernel's parameters in
+/// kernels/cuda/*.cu, in order and type, every buffer holding what the geometry covers); a
+/// failure is recorded. Within a region the launch may go into a graph ([`graphs`]).
+macro_rules! launch {
+    ($gpu:expr, $name:expr, $geom:expr, $($arg:expr),* $(,)?) => {{
+        let mut args = graphs::Args::default();
+        $( KernelArg::put(&$arg, &mut args); )*
+        $gpu.launch($name, $geom, &mut args);
     }};
 }
 
@@ -87,6 +100,9 @@ struct Staging {
     sin: Option<CudaSlice<f32>>,
     cos_host: Vec<f32>,
     sin_host: Vec<f32>,
+    /// The region ([`Gpu::region_epoch`]) the tables were uploaded in: a step that did not
+    /// run may have left them unuploaded, so each region uploads its own.
+    tables_epoch: u64,
     ids: Option<CudaSlice<u32>>,
     sample_rows: Option<CudaSlice<SampleRow>>,
     /// Page-locked buffers for the rows uploaded and downloaded (made on first use).
@@ -325,8 +341,7 @@ impl CudaOps {
     }
 
     fn alloc<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Option<CudaSlice<T>> {
-        self.gpu
-            .check("allocating GPU memory", self.gpu.stream.alloc_zeros::<T>(n.max(1)))
+        self.gpu.check("allocating GPU memory", self.gpu.alloc_zeros::<T>(n))
     }
 
     /// `slot` grown to hold at least `n` values (what it held is not kept).
@@ -345,7 +360,7 @@ impl CudaOps {
 
     /// Copy `host` into `dev` (grown when too small).
     fn stage<T: DeviceRepr + ValidAsZeroBits>(&self, host: &[T], dev: &mut Option<CudaSlice<T>>) -> bool {
-        let r = device::upload_into(&self.gpu.stream, host, dev);
+        let r = self.gpu.upload_into(host, dev);
         self.gpu.check("uploading", r).is_some()
     }
 
@@ -388,6 +403,9 @@ impl CudaOps {
 
     /// The first `out.len()` token ids of `ids` into `out`, once the work before is done.
     fn download_ids(&self, ids: &CudaSlice<u32>, out: &mut [u32]) {
+        if !self.gpu.sync_point() {
+            return;
+        }
         let r = self.gpu.stream.memcpy_dtoh(&ids.slice(0..out.len()), out);
         self.gpu.check("downloading token ids", r);
         self.gpu.check("synchronizing", self.gpu.stream.synchronize());
@@ -683,10 +701,12 @@ impl CudaOps {
         cos: &[f32],
         sin: &[f32],
     ) -> Option<(&'s CudaSlice<f32>, &'s CudaSlice<f32>)> {
-        if st.cos_host != cos || st.sin_host != sin || st.cos.is_none() {
+        let epoch = self.gpu.region_epoch();
+        if st.cos_host != cos || st.sin_host != sin || st.cos.is_none() || st.tables_epoch != epoch {
             if !(self.stage(cos, &mut st.cos) && self.stage(sin, &mut st.sin)) {
                 return None;
             }
+            st.tables_epoch = epoch;
             st.cos_host.clear();
             st.cos_host.extend_from_slice(cos);
             st.sin_host.clear();
@@ -829,6 +849,9 @@ impl Ops for CudaOps {
         self.resize(buf, host.len());
         let Some(d) = buf.data.as_ref() else { return };
         let dst = self.address(d);
+        if self.gpu.region_upload(host, dst) {
+            return;
+        }
         let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
         let Some(pinned) = self.pinned(&mut staging.rows_in) else {
             return;
@@ -838,11 +861,18 @@ impl Ops for CudaOps {
     }
 
     fn finish(&self) {
+        if !self.gpu.sync_point() {
+            return;
+        }
         self.gpu.check("synchronizing", self.gpu.stream.synchronize());
     }
 
     fn download(&self, buf: &CudaBuf, host: &mut [f32]) {
         let Some(d) = self.dev(buf) else { return };
+        // A step that did not run (to be run again) leaves the host rows as they were.
+        if !self.gpu.sync_point() {
+            return;
+        }
         let n = host.len().min(buf.len);
         let src = self.address(d);
         let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
@@ -1128,7 +1158,7 @@ impl Ops for CudaOps {
     fn zeros(&self, buf: &mut CudaBuf, len: usize) {
         self.resize(buf, len);
         if let Some(d) = buf.data.as_mut() {
-            let r = self.gpu.stream.memset_zeros(&mut d.slice_mut(0..len));
+            let r = self.gpu.zero(d, 0..len);
             self.gpu.check("zeroing", r);
         }
     }
