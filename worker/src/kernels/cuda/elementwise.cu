@@ -10,6 +10,38 @@ extern "C" __global__ void embed_f32(const float* table, const u32* tokens, floa
     for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = src[c];
 }
 
+// One row's RMSNorm a float4 per thread (`width` a multiple of four), after `x += y` when y is
+// not null: the sum of squares in the order of each thread's strided float4s, then the scaled
+// row into o (which may be x).
+__device__ __forceinline__ void norm_row4(float* x, const float* y, const float* w, float* o, int width, float eps,
+                                          float* partial) {
+    float4* x4 = reinterpret_cast<float4*>(x);
+    const float4* w4 = reinterpret_cast<const float4*>(w);
+    float4* o4 = reinterpret_cast<float4*>(o);
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < width / 4; c += blockDim.x) {
+        float4 v = x4[c];
+        if (y != nullptr) {
+            const float4 u = reinterpret_cast<const float4*>(y)[c];
+            v.x += u.x;
+            v.y += u.y;
+            v.z += u.z;
+            v.w += u.w;
+            x4[c] = v;
+        }
+        ss += v.x * v.x;
+        ss += v.y * v.y;
+        ss += v.z * v.z;
+        ss += v.w * v.w;
+    }
+    const float total = block_sum(ss, partial);
+    const float scale = 1.0f / sqrtf(total / (float)width + eps);
+    for (int c = threadIdx.x; c < width / 4; c += blockDim.x) {
+        const float4 v = x4[c], g = w4[c];
+        o4[c] = make_float4(v.x * scale * g.x, v.y * scale * g.y, v.z * scale * g.z, v.w * scale * g.w);
+    }
+}
+
 // RMSNorm of each `width`-wide row of x (one block per row) into out, which may be x. A width
 // that is a multiple of four is read a float4 per thread, so a row's loads are in flight
 // together; the sum's order depends only on the width and the block size (set by the width).
@@ -20,22 +52,8 @@ extern "C" __global__ void rmsnorm(const float* x, const float* w, float* out, i
     float* o = out + row * width;
     float ss = 0.0f;
     if ((width & 3) == 0) {
-        const float4* x4 = reinterpret_cast<const float4*>(xr);
-        const float4* w4 = reinterpret_cast<const float4*>(w);
-        float4* o4 = reinterpret_cast<float4*>(o);
-        for (int c = threadIdx.x; c < width / 4; c += blockDim.x) {
-            const float4 v = x4[c];
-            ss += v.x * v.x;
-            ss += v.y * v.y;
-            ss += v.z * v.z;
-            ss += v.w * v.w;
-        }
-        const float total = block_sum(ss, partial);
-        const float scale = 1.0f / sqrtf(total / (float)width + eps);
-        for (int c = threadIdx.x; c < width / 4; c += blockDim.x) {
-            const float4 v = x4[c], g = w4[c];
-            o4[c] = make_float4(v.x * scale * g.x, v.y * scale * g.y, v.z * scale * g.z, v.w * scale * g.w);
-        }
+        // Read only: no residual is added.
+        norm_row4(const_cast<float*>(xr), nullptr, w, o, width, eps, partial);
         return;
     }
     for (int c = threadIdx.x; c < width; c += blockDim.x) ss += xr[c] * xr[c];
@@ -66,31 +84,7 @@ extern "C" __global__ void rmsnorm_q8(float* x, const float* y, const float* w, 
                                       float eps) {
     __shared__ float partial[32];
     const u64 row = blockIdx.x;
-    float4* x4 = reinterpret_cast<float4*>(x + row * width);
-    const float4* w4 = reinterpret_cast<const float4*>(w);
-    float4* o4 = reinterpret_cast<float4*>(out + row * width);
-    float ss = 0.0f;
-    for (int c = threadIdx.x; c < width / 4; c += blockDim.x) {
-        float4 v = x4[c];
-        if (y != nullptr) {
-            const float4 u = reinterpret_cast<const float4*>(y + row * width)[c];
-            v.x += u.x;
-            v.y += u.y;
-            v.z += u.z;
-            v.w += u.w;
-            x4[c] = v;
-        }
-        ss += v.x * v.x;
-        ss += v.y * v.y;
-        ss += v.z * v.z;
-        ss += v.w * v.w;
-    }
-    const float total = block_sum(ss, partial);
-    const float scale = 1.0f / sqrtf(total / (float)width + eps);
-    for (int c = threadIdx.x; c < width / 4; c += blockDim.x) {
-        const float4 v = x4[c], g = w4[c];
-        o4[c] = make_float4(v.x * scale * g.x, v.y * scale * g.y, v.z * scale * g.z, v.w * scale * g.w);
-    }
+    norm_row4(x + row * width, y != nullptr ? y + row * width : nullptr, w, out + row * width, width, eps, partial);
     if (q == nullptr) return;
     // The row's normed values, written by the whole block, are read back by warps of 32.
     __syncthreads();
