@@ -1302,18 +1302,14 @@ impl Ops for CudaOps {
         for (table, product) in [(&experts.tables[0], g), (&experts.tables[1], u)] {
             self.launch_experts(ws, table, tiles, base, product, ffn, hidden);
         }
-        let len = (n * ffn) as u64;
-        launch!(
-            self.gpu,
-            "silu_mul",
-            geometry::elementwise_geometry(n * ffn),
-            g,
-            u,
-            &len
-        );
-        if !self.quantize(ws, g, n * ffn) {
+        // SiLU·up and the down product's quantization in one launch (the MLP's width is
+        // whole Q8_0 blocks, as every quantized product needs).
+        let Some((hq, hd)) = self.quantized_rows(ws, n * ffn) else {
             return 0;
-        }
+        };
+        let blocks = (n * ffn / baton_shared::dtype::QK) as u64;
+        let geom = geometry::quantize_geometry(n * ffn / baton_shared::dtype::QK);
+        launch!(self.gpu, "silu_mul_q8", geom, g, u, hq, hd, &blocks);
         // The down product reads the gated rows entry by entry: no row table.
         self.launch_experts(ws, &experts.tables[2], tiles, 0, y, hidden, ffn);
         let (k, w) = (top_k as i32, hidden as i32);
