@@ -158,32 +158,25 @@ fn kernel_cases<O: Ops>(ops: &O) -> Value {
         for ((name, g), (_, w)) in got.iter().zip(&want) {
             cases.push(case(name, rows, false, g, w, 1e-5));
         }
-        // A mixture of Q8_0 experts: in one go where the device has that path, against the
-        // reference going expert by expert. The gated hidden rows are quantized again for
-        // the down product, so a product's last-bit difference can move a quant by one step:
-        // a looser tolerance than one product's. In one go and expert by expert on the device
-        // itself must agree bit for bit.
         // The fused forms against the plain operations on the device itself: the same bits.
         for (name, fused, plain) in fused_on(ops, &x, &norm, &w, cols) {
             cases.push(case(name, rows, false, &fused, &plain, 0.0));
         }
-        let one_go = moe_on(ops, &x, cols, true);
-        cases.push(case(
-            "moe_q8_experts",
-            rows,
-            false,
-            &one_go,
-            &moe_on(&reference, &x, cols, false),
-            1e-3,
-        ));
-        cases.push(case(
-            "moe_one_go_vs_by_expert",
-            rows,
-            false,
-            &one_go,
-            &moe_on(ops, &x, cols, false),
-            0.0,
-        ));
+        // A mixture of Q8_0 (or Q4_1) experts: in one go where the device has that path,
+        // against the reference going expert by expert. The gated hidden rows are quantized
+        // again for the down product, so a product's last-bit difference can move a quant by
+        // one step: a looser tolerance than one product's. In one go and expert by expert on
+        // the device itself must agree bit for bit.
+        for (format, name, self_name) in [
+            (WeightFormat::Q8_0, "moe_q8_experts", "moe_one_go_vs_by_expert"),
+            (WeightFormat::Q4_1, "moe_q4_experts", "moe_q4_one_go_vs_by_expert"),
+        ] {
+            let one_go = moe_on(ops, &x, cols, format, true);
+            let want = moe_on(&reference, &x, cols, format, false);
+            cases.push(case(name, rows, false, &one_go, &want, 1e-3));
+            let by_expert = moe_on(ops, &x, cols, format, false);
+            cases.push(case(self_name, rows, false, &one_go, &by_expert, 0.0));
+        }
     }
     let failed = cases.iter().filter(|c| c["ok"] == json!(false)).count();
     json!({ "cases": cases, "failed": failed })
@@ -476,14 +469,14 @@ fn fused_on<O: Ops>(
     out
 }
 
-/// Six Q8_0 gated-MLP experts of width 256, two a row, over `x`: in one go
+/// Six gated-MLP experts of width 256 with `format` weights, two a row, over `x`: in one go
 /// ([`Ops::routed_experts`]) when `one_go` and the device has that path, else expert by expert
 /// as the model runs them.
-fn moe_on<O: Ops>(ops: &O, x: &[f32], cols: usize, one_go: bool) -> Vec<f32> {
+fn moe_on<O: Ops>(ops: &O, x: &[f32], cols: usize, format: WeightFormat, one_go: bool) -> Vec<f32> {
     let (rows, experts, ffn) = (x.len() / cols, 6usize, 256usize);
     let mat = |r: usize, c: usize, seed: u64| {
         let values = values(r * c, seed).iter().map(|v| v * 0.1).collect();
-        ops.matrix(HostMatrix::F32 { values, cols: c }, WeightFormat::Q8_0)
+        ops.matrix(HostMatrix::F32 { values, cols: c }, format)
             .expect("a valid matrix")
     };
     let mats: Vec<[O::Mat; 3]> = (0..experts as u64)
@@ -522,7 +515,7 @@ fn moe_on<O: Ops>(ops: &O, x: &[f32], cols: usize, one_go: bool) -> Vec<f32> {
                     continue;
                 }
                 ops.matmul_many(&mut ws, &packed, [(g, None, &mut gate), (u, None, &mut up)]);
-                ops.silu_mul(&mut gate, &up, ffn);
+                ops.silu_mul_for_product(&mut ws, &mut gate, &up, ffn);
                 ops.matmul(&mut ws, &gate, d, None, &mut y);
                 ops.scatter_routed(&y, &routing, e, &mut out);
             }

@@ -84,7 +84,7 @@ fn every_kernel_runs_on_the_emulation() {
     ];
     let names: Vec<String> = sources.iter().flat_map(|s| kernel_names(s)).collect();
     assert!(
-        names.len() >= 34 && names.contains(&"matmul_q8_mma".to_string()),
+        names.len() >= 35 && names.contains(&"matmul_q8_mma".to_string()),
         "{names:?}"
     );
     for name in names {
@@ -1009,7 +1009,83 @@ fn the_mixture_of_experts_kernels_move_rows_as_the_cpu_routing_says() {
 
 #[test]
 fn experts_in_one_go_give_the_bits_of_going_expert_by_expert() {
-    use super::experts::{ExpertPlan, ExpertQ8, ExpertTile, experts_geometry, pack};
+    experts_one_go_against_by_expert(false);
+}
+
+#[test]
+fn q4_experts_in_one_go_give_the_bits_of_going_expert_by_expert() {
+    experts_one_go_against_by_expert(true);
+}
+
+/// A quantized expert matrix for the mixture tests: Q8_0 quants, or Q4 codes (with minimums:
+/// Q4_1), as the products read them.
+struct ExpertMat {
+    rows: usize,
+    weights: Vec<u8>,
+    scales: Vec<u16>,
+    mins: Vec<u16>,
+}
+
+impl ExpertMat {
+    fn q8(rows: usize, cols: usize, seed: u64) -> Self {
+        let m = q8_matrix(rows, cols, seed);
+        Self {
+            rows,
+            weights: m.quants.iter().map(|&q| q as u8).collect(),
+            scales: m.scales,
+            mins: Vec::new(),
+        }
+    }
+
+    /// Q4_1 when `mins`, else Q4_0.
+    fn q4(rows: usize, cols: usize, seed: u64, mins: bool) -> Self {
+        let nb = rows * cols / QK;
+        let f16s = |seed: u64| -> Vec<u16> {
+            values(nb, seed)
+                .iter()
+                .map(|v| half::f16::from_f32(v * 0.02).to_bits())
+                .collect()
+        };
+        Self {
+            rows,
+            weights: values(nb * 16, seed).iter().map(|v| (v.abs() * 255.0) as u8).collect(),
+            scales: f16s(seed + 1),
+            mins: if mins { f16s(seed + 2) } else { Vec::new() },
+        }
+    }
+
+    /// The one-go kernels' record of this matrix (`ExpertQ8` or `ExpertQ4`) as words.
+    fn record(&self, q4: bool) -> Vec<u64> {
+        let mut r = vec![self.weights.as_ptr() as u64, self.scales.as_ptr() as u64];
+        if q4 {
+            r.push(if self.mins.is_empty() {
+                0
+            } else {
+                self.mins.as_ptr() as u64
+            });
+        }
+        r
+    }
+}
+
+/// A launch's group of expert matrices writing into `outs` (no bias).
+fn expert_group(weights: &[&ExpertMat], outs: &mut [Vec<f32>]) -> MatmulGroup {
+    let mut g = MatmulGroup::default();
+    for (p, (w, out)) in weights.iter().zip(outs.iter_mut()).enumerate() {
+        g.w[p] = w.weights.as_ptr() as u64;
+        g.d[p] = w.scales.as_ptr() as u64;
+        g.m[p] = if w.mins.is_empty() { 0 } else { w.mins.as_ptr() as u64 };
+        g.out[p] = out.as_mut_ptr() as u64;
+        g.rows[p] = w.rows as i32;
+    }
+    g
+}
+
+/// A mixture of Q8_0 (or, `q4`, Q4_0 and Q4_1) experts run in one go (`matmul_q8_experts` or
+/// `matmul_q4_experts`, `combine_rows`) against going expert by expert (gather, quantize, the
+/// product kernel, SiLU·up, scatter): the same bits.
+fn experts_one_go_against_by_expert(q4: bool) {
+    use super::experts::{ExpertPlan, ExpertTile, experts_geometry, pack};
     use crate::kernels::cpu::moe;
     type Product = unsafe extern "C" fn(Dim3, Dim3, *const i8, *const f32, MatmulGroup, i32, i32);
     type Experts = unsafe extern "C" fn(
@@ -1017,7 +1093,7 @@ fn experts_in_one_go_give_the_bits_of_going_expert_by_expert() {
         Dim3,
         *const i8,
         *const f32,
-        *const ExpertQ8,
+        *const u64,
         *const ExpertTile,
         *const u32,
         *mut f32,
@@ -1028,7 +1104,10 @@ fn experts_in_one_go_give_the_bits_of_going_expert_by_expert() {
     type Scatter = unsafe extern "C" fn(Dim3, Dim3, *const f32, *const u32, *const f32, *mut f32, i32);
     type Combine = unsafe extern "C" fn(Dim3, Dim3, *const f32, *const u32, *const f32, *mut f32, i32, i32);
     type Pair = unsafe extern "C" fn(Dim3, Dim3, *mut f32, *const f32, u64);
-    let (product, grouped): (Product, Experts) = (kernel("matmul_q8"), kernel("matmul_q8_experts"));
+    let (product, grouped): (Product, Experts) = match q4 {
+        false => (kernel("matmul_q8"), kernel("matmul_q8_experts")),
+        true => (kernel("matmul_q4"), kernel("matmul_q4_experts")),
+    };
     let (gather, scatter, combine): (Gather, Scatter, Combine) = (
         kernel("gather_rows"),
         kernel("scatter_add_rows"),
@@ -1045,12 +1124,17 @@ fn experts_in_one_go_give_the_bits_of_going_expert_by_expert() {
     moe::route(&logits, experts, top_k, true, &mut routing);
     let (entry_rows, weights) = routing.entries();
     let n = entry_rows.len();
-    let mats: Vec<[Q8Device; 3]> = (0..experts as u64)
+    // Q4: odd experts Q4_1, even ones Q4_0 (a record without minimums).
+    let mat = |r: usize, c: usize, seed: u64| match q4 {
+        false => ExpertMat::q8(r, c, seed),
+        true => ExpertMat::q4(r, c, seed, seed % 2 == 1),
+    };
+    let mats: Vec<[ExpertMat; 3]> = (0..experts as u64)
         .map(|e| {
             [
-                q8_matrix(ffn, hidden, 310 + 10 * e),
-                q8_matrix(ffn, hidden, 312 + 10 * e),
-                q8_matrix(hidden, ffn, 314 + 10 * e),
+                mat(ffn, hidden, 310 + 10 * e + e % 2),
+                mat(ffn, hidden, 313 + 10 * e + e % 2),
+                mat(hidden, ffn, 316 + 10 * e + e % 2),
             ]
         })
         .collect();
@@ -1080,9 +1164,7 @@ fn experts_in_one_go_give_the_bits_of_going_expert_by_expert() {
         };
         let (pq, pd) = quantize(&packed);
         let mut outs = [vec![0f32; m * ffn], vec![0f32; m * ffn]];
-        let pair = [gate.clone(), up.clone()];
-        let mut g = q8_group(&pair, &mut outs, &[]);
-        g.bias = [0; 3];
+        let g = expert_group(&[gate, up], &mut outs);
         let (grid, block) = dims(matmul_geometry(m, 2 * ffn));
         // SAFETY: the group's addresses are live buffers of the sizes its row counts imply.
         unsafe { product(grid, block, pq.as_ptr(), pd.as_ptr(), g, m as i32, hidden as i32) };
@@ -1093,7 +1175,7 @@ fn experts_in_one_go_give_the_bits_of_going_expert_by_expert() {
         gates.extend_from_slice(&h);
         let (hq, hd) = quantize(&h);
         let mut y = [vec![0f32; m * hidden]];
-        let g = q8_group(std::slice::from_ref(down), &mut y, &[]);
+        let g = expert_group(&[down], &mut y);
         let (grid, block) = dims(matmul_geometry(m, hidden));
         // SAFETY: as above.
         unsafe { product(grid, block, hq.as_ptr(), hd.as_ptr(), g, m as i32, ffn as i32) };
@@ -1128,14 +1210,7 @@ fn experts_in_one_go_give_the_bits_of_going_expert_by_expert() {
             packed.as_ptr().add(at.row_entries),
         )
     };
-    let table = |i: usize| -> Vec<ExpertQ8> {
-        mats.iter()
-            .map(|m| ExpertQ8 {
-                q: m[i].quants.as_ptr() as u64,
-                d: m[i].scales.as_ptr() as u64,
-            })
-            .collect()
-    };
+    let table = |i: usize| -> Vec<u64> { mats.iter().flat_map(|m| m[i].record(q4)).collect() };
     let (gate_t, up_t, down_t) = (table(0), table(1), table(2));
     let (xq, xd) = quantize(&x);
     let (mut h, mut u, mut y) = (
@@ -1206,7 +1281,7 @@ fn experts_in_one_go_give_the_bits_of_going_expert_by_expert() {
             hidden as i32,
         )
     };
-    assert!(one_go == by_expert, "the mixture's bits");
+    assert!(one_go == by_expert, "the mixture's bits (q4 {q4})");
     assert!(one_go.iter().all(|v| v.is_finite() && *v != 0.0));
 }
 

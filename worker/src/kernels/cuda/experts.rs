@@ -1,4 +1,5 @@
-//! The host side of a mixture's experts in one go (`matmul_q8_experts` and `combine_rows`):
+//! The host side of a mixture's experts in one go (`matmul_q8_experts` or `matmul_q4_experts`,
+//! and `combine_rows`):
 //! one launch per product for every expert of a layer, where going expert by expert costs
 //! seven launches per active expert. The routing's entries (rows, expert after expert) are
 //! cut into tiles of up to [`MATMUL_TILE`] entries of one expert, a block column each; and
@@ -17,6 +18,16 @@ pub const MAX_TILES_PER_LAUNCH: usize = 65_535;
 pub struct ExpertQ8 {
     pub q: u64,
     pub d: u64,
+}
+
+/// One expert's Q4_0 or Q4_1 matrix, as matmul.cu's `ExpertQ4`: device addresses of its codes,
+/// its f16 block scales and (Q4_1; 0 for Q4_0) its f16 block minimums.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExpertQ4 {
+    pub c: u64,
+    pub d: u64,
+    pub m: u64,
 }
 
 /// Up to [`MATMUL_TILE`] consecutive entries of one expert, as matmul.cu's `ExpertTile`.
@@ -105,7 +116,7 @@ pub fn pack(routing: &Routing, plan: &ExpertPlan, out: &mut Vec<u32>) -> Packed 
     }
 }
 
-/// `matmul_q8_experts` over `tiles` tiles (at most [`MAX_TILES_PER_LAUNCH`]) of a product
+/// `matmul_q8_experts` or `matmul_q4_experts` over `tiles` tiles (at most [`MAX_TILES_PER_LAUNCH`]) of a product
 /// with `rows_w` weight rows.
 pub fn experts_geometry(rows_w: usize, tiles: usize) -> Geometry {
     Geometry {

@@ -368,24 +368,19 @@ matmul_q8_mma(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, 
 // Q4_0 / Q4_1 weights (16 code bytes per block as ggml packs them, f16 scales d and, for Q4_1,
 // f16 minimums m; Q4_0's minimum is -8 d) against activations quantized by quantize_q8. A weight
 // is code·d + m, so a block contributes d·dx·Σ code·x + m·dx·Σ x: two integer sums (dp4a).
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
-matmul_q4(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, int rows_x, int cols) {
+// One lane's TILE partial sums of weight row r (wc codes, sd scales, sm minimums or null) against
+// the activation rows `row_of(j)`, j < nt, as q8_partials walks them: the lane's blocks in
+// increasing order, UNROLL blocks' loads before any is used. matmul_q4 and matmul_q4_experts
+// both inline this one loop, so each output's arithmetic is the same in both.
+template <class RowOf>
+__device__ __forceinline__ void q4_partials(const i8* __restrict__ xq, const float* __restrict__ xd,
+                                            const int4* __restrict__ wc, const u16* __restrict__ sd,
+                                            const u16* __restrict__ sm, u64 r, int nb, int cols, int nt,
+                                            RowOf row_of, float acc[TILE]) {
+    const int4* wr = wc + r * nb;
     const int lane = threadIdx.x & 31;
-    int p, r;
-    if (!locate(g, blockIdx.x * WARPS + (threadIdx.x >> 5), p, r)) return;
-    const int rows_w = pick_rows(g, p);
-    const int4* __restrict__ wc = (const int4*)pick(p, g.w[0], g.w[1], g.w[2]);
-    const u16* __restrict__ wd = (const u16*)pick(p, g.d[0], g.d[1], g.d[2]);
-    const u16* __restrict__ wm = (const u16*)pick(p, g.m[0], g.m[1], g.m[2]);
-    const float* bias = (const float*)pick(p, g.bias[0], g.bias[1], g.bias[2]);
-    float* out = (float*)pick(p, g.out[0], g.out[1], g.out[2]);
-    const int t0 = blockIdx.y * TILE;
-    const int nt = min(TILE, rows_x - t0);
-    const int nb = cols / QK;
-    float acc[TILE];
 #pragma unroll
     for (int j = 0; j < TILE; ++j) acc[j] = 0.0f;
-    const int4* wr = wc + (u64)r * nb;
     for (int b0 = lane; b0 < nb; b0 += 32 * UNROLL) {
         int4 c[UNROLL];
         float ds[UNROLL], ms[UNROLL];
@@ -394,8 +389,8 @@ matmul_q4(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, int 
             const int b = b0 + 32 * u;
             if (b < nb) {
                 c[u] = __ldg(wr + b);
-                ds[u] = h2f(__ldg(wd + (u64)r * nb + b));
-                ms[u] = wm ? h2f(__ldg(wm + (u64)r * nb + b)) : -8.0f * ds[u];
+                ds[u] = h2f(__ldg(sd + r * nb + b));
+                ms[u] = sm ? h2f(__ldg(sm + r * nb + b)) : -8.0f * ds[u];
             }
         }
 #pragma unroll
@@ -409,7 +404,7 @@ matmul_q4(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, int 
 #pragma unroll
                 for (int j = 0; j < TILE; ++j) {
                     if (j < nt) {
-                        const u64 row = (u64)(t0 + j);
+                        const u64 row = row_of(j);
                         const int4* xr = (const int4*)(xq + row * cols);
                         const int4 a0 = __ldg(xr + 2 * b), a1 = __ldg(xr + 2 * b + 1);
                         const int dot = dot_block(lo, hi, a0, a1);
@@ -429,10 +424,62 @@ matmul_q4(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, int 
             }
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
+matmul_q4(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, int rows_x, int cols) {
+    const int lane = threadIdx.x & 31;
+    int p, r;
+    if (!locate(g, blockIdx.x * WARPS + (threadIdx.x >> 5), p, r)) return;
+    const int rows_w = pick_rows(g, p);
+    const int4* __restrict__ wc = (const int4*)pick(p, g.w[0], g.w[1], g.w[2]);
+    const u16* __restrict__ wd = (const u16*)pick(p, g.d[0], g.d[1], g.d[2]);
+    const u16* __restrict__ wm = (const u16*)pick(p, g.m[0], g.m[1], g.m[2]);
+    const float* bias = (const float*)pick(p, g.bias[0], g.bias[1], g.bias[2]);
+    float* out = (float*)pick(p, g.out[0], g.out[1], g.out[2]);
+    const int t0 = blockIdx.y * TILE;
+    const int nt = min(TILE, rows_x - t0);
+    const int nb = cols / QK;
+    float acc[TILE];
+    q4_partials(xq, xd, wc, wd, wm, (u64)r, nb, cols, nt, [t0](int j) { return (u64)(t0 + j); }, acc);
     const float bv = bias ? bias[r] : 0.0f;
 #pragma unroll
     for (int j = 0; j < TILE; ++j) {
         const float s = warp_sum(acc[j]);
         if (lane == 0 && j < nt) out[(u64)(t0 + j) * rows_w + r] = s + bv;
+    }
+}
+
+// matmul_q8_experts for Q4_0 / Q4_1 experts: the same tiles and entries, q4_partials for the
+// sums, so every output has matmul_q4's bits for its row and expert.
+struct ExpertQ4 {
+    u64 c;  // the expert's codes
+    u64 d;  // its block scales (f16 bits)
+    u64 m;  // its block minimums (f16 bits) for Q4_1; 0 for Q4_0
+};
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)
+matmul_q4_experts(const i8* __restrict__ xq, const float* __restrict__ xd, const ExpertQ4* experts,
+                  const ExpertTile* tiles, const u32* rows, float* out, int rows_w, int cols) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (r >= rows_w) return;
+    const ExpertTile tile = tiles[blockIdx.y];
+    const ExpertQ4 e = experts[tile.expert];
+    const int nb = cols / QK;
+    int xrow[TILE];
+#pragma unroll
+    for (int j = 0; j < TILE; ++j) {
+        const int entry = tile.first + min(j, tile.count - 1);
+        xrow[j] = rows ? (int)rows[entry] : entry;
+    }
+    float acc[TILE];
+    q4_partials(xq, xd, (const int4*)e.c, (const u16*)e.d, (const u16*)e.m, (u64)r, nb, cols, tile.count,
+                [&xrow](int j) { return (u64)xrow[j]; }, acc);
+#pragma unroll
+    for (int j = 0; j < TILE; ++j) {
+        const float s = warp_sum(acc[j]);
+        // + 0: matmul_q4's missing bias, so even a -0 has its bits.
+        if (lane == 0 && j < tile.count) out[(u64)(tile.first + j) * rows_w + r] = s + 0.0f;
     }
 }

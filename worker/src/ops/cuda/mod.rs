@@ -26,7 +26,9 @@ use crate::kernels::cpu::matmul::WeightFormat;
 use crate::kernels::cpu::moe;
 use baton_shared::dtype::DType;
 
-use crate::kernels::cuda::experts::{ExpertPlan, ExpertQ8, MAX_TILES_PER_LAUNCH, Packed, experts_geometry, pack};
+use crate::kernels::cuda::experts::{
+    ExpertPlan, ExpertQ4, ExpertQ8, MAX_TILES_PER_LAUNCH, Packed, experts_geometry, pack,
+};
 use crate::kernels::cuda::linear::{self, LinearSeq};
 use crate::kernels::cuda::{self as geometry, MatmulGroup, Q4Device, Q8Device, SampleRow};
 use crate::model::ForwardError;
@@ -225,10 +227,6 @@ unsafe impl DeviceRepr for MatmulGroup {}
 // the kernel from an array in GPU memory; all-zero bits are a valid value.
 unsafe impl DeviceRepr for SampleRow {}
 unsafe impl ValidAsZeroBits for SampleRow {}
-// SAFETY: `ExpertQ8` is `repr(C)` plain data laid out as matmul.cu's `ExpertQ8`, read by the
-// kernel from an array in GPU memory; all-zero bits are a valid value.
-unsafe impl DeviceRepr for ExpertQ8 {}
-unsafe impl ValidAsZeroBits for ExpertQ8 {}
 // SAFETY: `LinearSeq` is `repr(C)` plain data (three i32) laid out as linear_attention.cu's
 // `LinearSeq`, read from an array in GPU memory; all-zero bits are a valid value.
 unsafe impl DeviceRepr for LinearSeq {}
@@ -256,10 +254,13 @@ impl CudaRouting {
     }
 }
 
-/// A mixture's Q8_0 experts as `matmul_q8_experts` reads them: for gate, up and down, a table
-/// of every expert's matrix (addresses of matrices the model holds as long as it holds this).
+/// A mixture's Q8_0 or Q4 experts as `matmul_q8_experts` or `matmul_q4_experts` reads them: for
+/// gate, up and down, a table of every expert's matrix (its `ExpertQ8` or `ExpertQ4` record, as
+/// 64-bit words: addresses of matrices the model holds as long as it holds this).
 pub struct CudaExperts {
-    tables: [CudaSlice<ExpertQ8>; 3],
+    tables: [CudaSlice<u64>; 3],
+    /// The kernel that reads the tables.
+    kernel: &'static str,
     /// Gate/up rows (the MLP's width) and columns (the hidden size).
     ffn: usize,
     hidden: usize,
@@ -570,7 +571,7 @@ impl CudaOps {
     fn launch_experts(
         &self,
         ws: &CudaWorkspace,
-        table: &CudaSlice<ExpertQ8>,
+        (kernel, table): (&'static str, &CudaSlice<u64>),
         (tiles_at, tiles): (u64, usize),
         rows_at: u64,
         out: &CudaSlice<f32>,
@@ -586,19 +587,7 @@ impl CudaOps {
             let count = (tiles - first).min(MAX_TILES_PER_LAUNCH);
             let at = tiles_at + 12 * first as u64;
             let g = experts_geometry(rows_w, count);
-            launch!(
-                self.gpu,
-                "matmul_q8_experts",
-                g,
-                xq,
-                xd,
-                table,
-                &at,
-                &rows_at,
-                out,
-                &rw,
-                &c
-            );
+            launch!(self.gpu, kernel, g, xq, xd, table, &at, &rows_at, out, &rw, &c);
         }
     }
 
@@ -1227,30 +1216,49 @@ impl Ops for CudaOps {
     }
 
     fn experts(&self, experts: &[[&CudaMat; 3]]) -> Option<CudaExperts> {
-        let (ffn, hidden) = experts.first()?[0].shape();
-        let mut tables: [Vec<ExpertQ8>; 3] = Default::default();
+        let first = experts.first()?[0];
+        let (ffn, hidden) = first.shape();
+        let kind = first.kind();
+        let mut tables: [Vec<u64>; 3] = Default::default();
         for mats in experts {
             for (i, m) in mats.iter().enumerate() {
                 let shape = if i == 2 { (hidden, ffn) } else { (ffn, hidden) };
-                let CudaMat::Q8 { q, d, rows, cols } = m else {
-                    return None;
-                };
-                if (*rows, *cols) != shape {
+                if m.shape() != shape {
                     return None;
                 }
-                tables[i].push(ExpertQ8 {
-                    q: self.address(q),
-                    d: self.address(d),
-                });
+                // Every expert in the format of the first (Q4_0 and Q4_1 may mix: a Q4_0
+                // record's minimums are 0).
+                match m {
+                    CudaMat::Q8 { q, d, .. } if kind == Kind::Q8 => {
+                        let e = ExpertQ8 {
+                            q: self.address(q),
+                            d: self.address(d),
+                        };
+                        tables[i].extend([e.q, e.d]);
+                    }
+                    CudaMat::Q4 { codes, d, m, .. } if kind == Kind::Q4 => {
+                        let e = ExpertQ4 {
+                            c: self.address(codes),
+                            d: self.address(d),
+                            m: m.as_ref().map_or(0, |m| self.address(m)),
+                        };
+                        tables[i].extend([e.c, e.d, e.m]);
+                    }
+                    _ => return None,
+                }
             }
         }
-        let upload = |t: &[ExpertQ8]| {
+        let upload = |t: &[u64]| {
             self.upload_new(t)
                 .map_err(|e| self.gpu.record(format!("the experts' tables: {e}")))
                 .ok()
         };
         Some(CudaExperts {
             tables: [upload(&tables[0])?, upload(&tables[1])?, upload(&tables[2])?],
+            kernel: match kind {
+                Kind::Q4 => "matmul_q4_experts",
+                _ => "matmul_q8_experts",
+            },
             ffn,
             hidden,
         })
@@ -1300,7 +1308,7 @@ impl Ops for CudaOps {
         let tiles = (tiles, routing.plan.tiles.len());
         // Gate and up read the batch rows through the entries' row table (at `base`).
         for (table, product) in [(&experts.tables[0], g), (&experts.tables[1], u)] {
-            self.launch_experts(ws, table, tiles, base, product, ffn, hidden);
+            self.launch_experts(ws, (experts.kernel, table), tiles, base, product, ffn, hidden);
         }
         // SiLU·up and the down product's quantization in one launch (the MLP's width is
         // whole Q8_0 blocks, as every quantized product needs).
@@ -1311,7 +1319,7 @@ impl Ops for CudaOps {
         let geom = geometry::quantize_geometry(n * ffn / baton_shared::dtype::QK);
         launch!(self.gpu, "silu_mul_q8", geom, g, u, hq, hd, &blocks);
         // The down product reads the gated rows entry by entry: no row table.
-        self.launch_experts(ws, &experts.tables[2], tiles, 0, y, hidden, ffn);
+        self.launch_experts(ws, (experts.kernel, &experts.tables[2]), tiles, 0, y, hidden, ffn);
         let (k, w) = (top_k as i32, hidden as i32);
         launch!(
             self.gpu,

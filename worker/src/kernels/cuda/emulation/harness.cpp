@@ -61,6 +61,10 @@ EMULATE(matmul_q8_experts,
         P(const i8* xq, const float* xd, const ExpertQ8* experts, const ExpertTile* tiles, const u32* rows, float* out,
           int rows_w, int cols),
         (xq, xd, experts, tiles, rows, out, rows_w, cols))
+EMULATE(matmul_q4_experts,
+        P(const i8* xq, const float* xd, const ExpertQ4* experts, const ExpertTile* tiles, const u32* rows, float* out,
+          int rows_w, int cols),
+        (xq, xd, experts, tiles, rows, out, rows_w, cols))
 EMULATE(split_qkvz, P(const float* qkvz, float* qkv, float* z, u64 n, int key_heads, int dk, int per_k, int dv),
         (qkvz, qkv, z, n, key_heads, dk, per_k, dv))
 EMULATE(split_ba, P(const float* ba, float* b, float* a, u64 n, int key_heads, int per_k), (ba, b, a, n, key_heads, per_k))
