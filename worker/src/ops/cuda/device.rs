@@ -14,7 +14,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
-use super::graphs::{Args, Ending, GraphCounts, GraphKey, Mode, Regions};
+use super::graphs::{Args, GraphCounts, GraphKey, Queue, Recorder, RegionEnd};
 use crate::kernels::cuda::Geometry;
 use crate::kernels::cuda::embedded::MODULES;
 
@@ -110,32 +110,100 @@ pub struct Gpu {
     /// [`mark`](Self::mark) reads.
     calls: AtomicU64,
     /// Decode steps as CUDA graphs ([`super::graphs`]).
-    graphs: Mutex<GraphState>,
-    /// Regions begun so far.
-    epoch: AtomicU64,
+    graphs: Mutex<Recorder<CudaQueue>>,
 }
 
-/// A captured graph, kept in [`GraphState`] behind its mutex.
-struct Graph(CudaGraph);
+/// The GPU's stream as a region's [`Queue`]: the driver calls of capturing and replaying.
+pub struct CudaQueue {
+    stream: Arc<CudaStream>,
+}
+
+/// A captured graph, kept in the recorder behind `Gpu::graphs`'s lock.
+pub struct Graph(CudaGraph);
 
 // SAFETY: a graph is used only under `Gpu::graphs`'s lock, one thread at a time, which is what
 // the driver asks of graph objects.
 unsafe impl Send for Graph {}
 
-/// The regions' modes and graphs, the page-locked arena a region's uploads go through, and
-/// whether a capture is open on the stream.
-struct GraphState {
-    regions: Regions<Graph>,
-    arena: Option<PinnedHostSlice<u8>>,
-    /// The arena's host address, taken once when it is allocated: reading it again goes
-    /// through an event wait, which a capture does not allow.
-    arena_at: usize,
-    /// A region is open (begun, not yet ended).
-    open: bool,
-    capturing: bool,
-    /// A region ended without running its work: the caller runs the step again, and until it
-    /// does no download may read the rows the step did not compute.
-    rerun: bool,
+impl Queue for CudaQueue {
+    type Graph = Graph;
+    type Arena = PinnedHostSlice<u8>;
+    type Error = DriverError;
+
+    fn launch(&self, function: u64, g: Geometry, args: &mut Args) -> Result<(), DriverError> {
+        launch_raw(&self.stream, function as sys::CUfunction, g, args)
+    }
+
+    fn upload(&self, dst: u64, src: usize, bytes: usize) -> Result<(), DriverError> {
+        self.stream.context().bind_to_thread()?;
+        // SAFETY: `src` is `bytes` bytes of the arena (page-locked, alive as long as any graph
+        // that copies from it), `dst` as many of a live device buffer (the caller's).
+        unsafe {
+            let host = std::slice::from_raw_parts(src as *const u8, bytes);
+            result::memcpy_htod_async(dst, host, self.stream.cu_stream())
+        }
+    }
+
+    fn memset(&self, dst: u64, bytes: usize) -> Result<(), DriverError> {
+        self.stream.context().bind_to_thread()?;
+        // SAFETY: `dst` holds `bytes` bytes (the caller's).
+        unsafe { result::memset_d8_async(dst, 0, bytes, self.stream.cu_stream()) }
+    }
+
+    fn begin_capture(&self) -> Result<(), DriverError> {
+        self.stream.context().bind_to_thread()?;
+        // SAFETY: the stream is ours and not capturing; thread-local mode turns a call that
+        // cannot be captured into an error (a rerun) rather than a silent mistake.
+        unsafe {
+            result::stream::begin_capture(
+                self.stream.cu_stream(),
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        }
+    }
+
+    fn discard_capture(&self) {
+        let _ = self.stream.context().bind_to_thread();
+        // SAFETY: the stream is capturing (the recorder began it); the graph it gives back is
+        // ours to destroy.
+        if let Ok(g) = unsafe { result::stream::end_capture(self.stream.cu_stream()) }
+            && !g.is_null()
+        {
+            // SAFETY: as above; nothing else holds the graph.
+            let _ = unsafe { result::graph::destroy(g) };
+        }
+    }
+
+    fn end_capture(&self) -> Result<Graph, DriverError> {
+        let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0))?;
+        graph
+            .map(Graph)
+            .ok_or(DriverError(sys::cudaError_enum::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED))
+    }
+
+    fn launch_graph(&self, graph: &Graph) -> Result<(), DriverError> {
+        graph.0.launch()
+    }
+
+    fn synchronize(&self) -> Result<(), DriverError> {
+        self.stream.synchronize()
+    }
+
+    fn alloc_arena(&self, bytes: usize) -> Result<(PinnedHostSlice<u8>, usize), DriverError> {
+        // SAFETY: the arena is written by the host before any copy reads it.
+        let mut arena = unsafe { self.stream.context().alloc_pinned_with_flags::<u8>(bytes, 0) }?;
+        let at = arena.as_mut_ptr()? as usize;
+        Ok((arena, at))
+    }
+}
+
+/// Launch `function` over `g` with `args` on `stream`.
+fn launch_raw(stream: &CudaStream, function: sys::CUfunction, g: Geometry, args: &mut Args) -> Result<(), DriverError> {
+    let (mut params, n) = args.pointers();
+    stream.context().bind_to_thread()?;
+    // SAFETY: `params` points at each parameter's bytes, in the kernel's order and types (the
+    // launch! macro's callers pass them so), and `args` outlives the call, which copies them.
+    unsafe { result::launch_kernel(function, g.grid, g.block, 0, stream.cu_stream(), &mut params[..n]) }
 }
 
 /// Whether decode steps run as CUDA graphs unless told otherwise: `BATON_CUDA_GRAPHS=0` (or
@@ -149,15 +217,6 @@ pub fn graphs_wanted() -> bool {
             .as_deref(),
         Ok("0" | "off" | "false" | "no")
     )
-}
-
-/// How a region ended, for the caller of [`Gpu::finish_region`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RegionEnd {
-    /// The step's work ran (eagerly or as a graph).
-    Ran,
-    /// Nothing ran: run the step again (the region is eager then).
-    Rerun,
 }
 
 /// GPU time of one kernel over the launches timed.
@@ -208,21 +267,13 @@ impl Gpu {
         }
         Ok(Self {
             info,
-            stream,
+            stream: stream.clone(),
             functions,
             error: Mutex::new(None),
             timing: AtomicBool::new(false),
             timings: Mutex::new(Vec::new()),
             calls: AtomicU64::new(0),
-            graphs: Mutex::new(GraphState {
-                regions: Regions::new(graphs_wanted()),
-                arena: None,
-                arena_at: 0,
-                open: false,
-                capturing: false,
-                rerun: false,
-            }),
-            epoch: AtomicU64::new(0),
+            graphs: Mutex::new(Recorder::new(CudaQueue { stream: stream.clone() }, graphs_wanted())),
         })
     }
 
@@ -322,310 +373,88 @@ impl Gpu {
             self.record(format!("kernel {name}: more parameters than a launch holds"));
             return;
         }
-        let mut st = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
-        match st.regions.mode {
-            Mode::Eager => {
-                drop(st);
-                // Events that keep their times (the default flags), around the launch.
-                let event = || self.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT));
-                let timed = self.timing().then(event);
-                let r = self.launch_raw(f, g, args);
-                let end = self.timing().then(event);
-                if self.check(name, r).is_some()
-                    && let (Some(Ok(start)), Some(Ok(end))) = (timed, end)
-                {
-                    self.timed(name, (start, end));
-                }
-            }
-            Mode::Capture => {
-                self.calls.fetch_add(1, Ordering::Relaxed);
-                st.regions.tape.launch(f.cu_function() as u64, g.grid, g.block, args);
-                if let Err(e) = self.launch_raw(f, g, args) {
-                    tracing::warn!(kernel = name, error = %e, "a launch could not be captured; the step runs eagerly");
-                    self.spoil(&mut st);
-                }
-            }
-            Mode::Replay => {
-                self.calls.fetch_add(1, Ordering::Relaxed);
-                st.regions.tape.launch(f.cu_function() as u64, g.grid, g.block, args);
-            }
-            Mode::Spoiled => {
-                self.calls.fetch_add(1, Ordering::Relaxed);
-            }
+        if self.recorder().launch(name, f.cu_function() as u64, g, args) {
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        // Events that keep their times (the default flags), around the launch.
+        let event = || self.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT));
+        let timed = self.timing().then(event);
+        let r = launch_raw(&self.stream, f.cu_function(), g, args);
+        let end = self.timing().then(event);
+        if self.check(name, r).is_some()
+            && let (Some(Ok(start)), Some(Ok(end))) = (timed, end)
+        {
+            self.timed(name, (start, end));
         }
     }
 
-    fn launch_raw(&self, f: &CudaFunction, g: Geometry, args: &mut Args) -> Result<(), DriverError> {
-        let (mut params, n) = args.pointers();
-        self.stream.context().bind_to_thread()?;
-        // SAFETY: `params` points at each parameter's bytes, in the kernel's order and types
-        // (the launch! macro's callers pass them so), and `args` outlives the call, which
-        // copies them.
-        unsafe {
-            result::launch_kernel(
-                f.cu_function(),
-                g.grid,
-                g.block,
-                0,
-                self.stream.cu_stream(),
-                &mut params[..n],
-            )
-        }
+    fn recorder(&self) -> std::sync::MutexGuard<'_, Recorder<CudaQueue>> {
+        self.graphs.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// A zeroed buffer of `n` values (at least one). Allocating would end a capture (its
-    /// memory would belong to the graph), so a region capturing is spoiled first.
+    /// memory would belong to the graph), so a region capturing is given up first.
     pub fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>, DriverError> {
-        {
-            let mut st = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
-            if st.regions.mode == Mode::Capture {
-                self.spoil(&mut st);
-            }
-        }
+        self.recorder().before_alloc();
         self.stream.alloc_zeros::<T>(n.max(1))
-    }
-
-    /// The open region cannot become a graph: nothing more of it is queued, a capture is
-    /// discarded, and the step runs again.
-    fn spoil(&self, st: &mut GraphState) {
-        st.regions.spoil();
-        self.close_capture(st);
-    }
-
-    /// End a capture that can no longer become a graph, discarding it.
-    fn close_capture(&self, st: &mut GraphState) {
-        if !(st.capturing && st.regions.mode != Mode::Capture) {
-            return;
-        }
-        st.capturing = false;
-        let _ = self.stream.context().bind_to_thread();
-        // SAFETY: the stream is capturing (begun in `begin_region`); the graph it gives back
-        // is ours to destroy.
-        if let Ok(g) = unsafe { result::stream::end_capture(self.stream.cu_stream()) }
-            && !g.is_null()
-        {
-            // SAFETY: as above; nothing else holds the graph.
-            let _ = unsafe { result::graph::destroy(g) };
-        }
     }
 
     /// Copy `host` to device address `dst` within a region (through the arena); `false` when
     /// no region is open, for the caller to copy as it does outside one.
     pub fn region_upload<T: DeviceRepr>(&self, host: &[T], dst: u64) -> bool {
-        let mut st = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
-        let mode = st.regions.mode;
-        if mode == Mode::Eager {
-            return false;
+        // SAFETY: plain data viewed as its bytes.
+        let bytes = unsafe { std::slice::from_raw_parts(host.as_ptr().cast::<u8>(), size_of_val(host)) };
+        let queued = self.recorder().upload(bytes, dst);
+        if queued {
+            self.calls.fetch_add(1, Ordering::Relaxed);
         }
-        self.calls.fetch_add(1, Ordering::Relaxed);
-        if mode == Mode::Spoiled || host.is_empty() {
-            return true;
-        }
-        let bytes = size_of_val(host);
-        let Some(at) = st.regions.arena.take(bytes) else {
-            st.regions.arena_is_full();
-            self.close_capture(&mut st);
-            return true;
-        };
-        if st.arena_at == 0 {
-            self.spoil(&mut st);
-            return true;
-        }
-        st.regions.tape.upload(dst, at, bytes);
-        // SAFETY: `take` kept `at + bytes` within the arena's capacity, the arena's length;
-        // the host writes it only while no graph reads it (a region begins after the stream
-        // has finished the last one), and `host` is plain data viewed as bytes.
-        let room = unsafe { std::slice::from_raw_parts_mut((st.arena_at as *mut u8).add(at), bytes) };
-        // SAFETY: as above.
-        room.copy_from_slice(unsafe { std::slice::from_raw_parts(host.as_ptr().cast::<u8>(), bytes) });
-        if mode == Mode::Capture {
-            // SAFETY: `dst` holds `bytes` bytes (the caller's); the arena outlives the graph
-            // (graphs are dropped before the arena is replaced).
-            let r = self.stream.context().bind_to_thread();
-            // SAFETY: as above.
-            if let Err(e) = r.and_then(|()| unsafe { result::memcpy_htod_async(dst, &*room, self.stream.cu_stream()) })
-            {
-                tracing::warn!(error = %e, "an upload could not be captured; the step runs eagerly");
-                self.spoil(&mut st);
-            }
-        }
-        true
+        queued
     }
 
     /// Zero `bytes` bytes at device address `dst` within a region; `false` when no region is
     /// open.
     pub fn region_memset(&self, dst: u64, bytes: usize) -> bool {
-        let mut st = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
-        let mode = st.regions.mode;
-        if mode == Mode::Eager {
-            return false;
+        let queued = self.recorder().memset(dst, bytes);
+        if queued {
+            self.calls.fetch_add(1, Ordering::Relaxed);
         }
-        self.calls.fetch_add(1, Ordering::Relaxed);
-        if mode == Mode::Spoiled {
-            return true;
-        }
-        st.regions.tape.memset(dst, bytes);
-        if mode == Mode::Capture {
-            // SAFETY: `dst` holds `bytes` bytes (the caller's).
-            let r = self.stream.context().bind_to_thread();
-            // SAFETY: as above.
-            if let Err(e) = r.and_then(|()| unsafe { result::memset_d8_async(dst, 0, bytes, self.stream.cu_stream()) })
-            {
-                tracing::warn!(error = %e, "a memset could not be captured; the step runs eagerly");
-                self.spoil(&mut st);
-            }
-        }
-        true
+        queued
     }
 
     /// Open a region for a step of shape `key` (`None`: no graph serves it); with kernel
     /// timing on, every step is eager.
     pub fn begin_region(&self, key: Option<GraphKey>) {
-        self.epoch.fetch_add(1, Ordering::Relaxed);
-        let mut st = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
-        // A region left open (its forward failed before ending it) ends now.
-        self.end_region(&mut st);
-        st.rerun = false;
-        st.open = true;
-        let key = key.filter(|_| !self.timing() && st.regions.enabled);
-        if key.is_some() {
-            // The host is about to write the arena, and may drop graphs: the last graph must
-            // have finished with both.
-            if let Err(e) = self.stream.synchronize() {
-                self.record(format!("synchronizing: {e}"));
-            }
-            if let Some(bytes) = st.regions.arena_growth() {
-                st.arena = None;
-                st.arena_at = 0;
-                tracing::info!(bytes, "CUDA graph upload arena grown");
-            }
-            if st.arena.is_none() {
-                // SAFETY: the arena is written by the host before any copy reads it.
-                let fresh = unsafe {
-                    self.stream
-                        .context()
-                        .alloc_pinned_with_flags::<u8>(st.regions.arena.capacity, 0)
-                };
-                match fresh.and_then(|mut a| Ok((a.as_mut_ptr()? as usize, a))) {
-                    Ok((at, a)) => {
-                        st.arena = Some(a);
-                        st.arena_at = at;
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "no page-locked arena for CUDA graphs; running eagerly");
-                        st.regions.disable();
-                    }
-                }
-            }
+        let error = self.recorder().begin(key, self.timing());
+        if let Some(e) = error {
+            self.record(e);
         }
-        let mode = st.regions.begin(key);
-        if mode == Mode::Capture {
-            // SAFETY: the stream is ours and not capturing; thread-local mode turns a call
-            // that cannot be captured into an error (a rerun) rather than a silent mistake.
-            let r = self.stream.context().bind_to_thread().and_then(|()| unsafe {
-                result::stream::begin_capture(
-                    self.stream.cu_stream(),
-                    sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-                )
-            });
-            match r {
-                Ok(()) => st.capturing = true,
-                Err(e) => {
-                    tracing::warn!(error = %e, "CUDA graph capture unavailable; running eagerly");
-                    st.regions.spoil();
-                    st.regions.disable();
-                }
-            }
-        }
-    }
-
-    /// End the open region, if one is: capture or launch its graph, or ask for a rerun.
-    fn end_region(&self, st: &mut GraphState) {
-        if !std::mem::take(&mut st.open) {
-            return;
-        }
-        let ending = st.regions.end();
-        let outcome = match ending {
-            Ending::Eager => "eager",
-            Ending::Captured => {
-                st.capturing = false;
-                let graph = self
-                    .stream
-                    .end_capture(sys::CUgraphInstantiate_flags(0))
-                    .and_then(|g| g.ok_or(DriverError(sys::cudaError_enum::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)));
-                match graph.and_then(|g| g.launch().map(|()| g)) {
-                    Ok(g) => {
-                        st.regions.keep(Graph(g));
-                        "captured"
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "a CUDA graph could not be captured or launched; running eagerly from now on");
-                        st.regions.disable();
-                        st.rerun = true;
-                        "rerun"
-                    }
-                }
-            }
-            Ending::Replayed => match st.regions.graph().map(|g| g.0.launch()) {
-                Some(Ok(())) => "replayed",
-                failed => {
-                    if let Some(Err(e)) = failed {
-                        tracing::warn!(error = %e, "a CUDA graph could not be launched; running eagerly from now on");
-                        st.regions.disable();
-                    }
-                    st.rerun = true;
-                    "rerun"
-                }
-            },
-            Ending::Rerun => {
-                // A capture spoiled on its last call may still be open.
-                if st.capturing {
-                    st.regions.mode = Mode::Spoiled;
-                    self.close_capture(st);
-                    st.regions.mode = Mode::Eager;
-                }
-                st.rerun = true;
-                "rerun"
-            }
-        };
-        metrics::counter!("baton_cuda_graph_steps_total", "outcome" => outcome).increment(1);
     }
 
     /// Before the host reads what the stream computed: the open region ends (its graph runs).
     /// `false` when the step did not run (it will be run again), so the read must be skipped.
     pub fn sync_point(&self) -> bool {
-        let mut st = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
-        self.end_region(&mut st);
-        !st.rerun
+        self.recorder().sync_point()
     }
 
     /// End the step's region (if a download has not) and say whether the step ran.
     pub fn finish_region(&self) -> RegionEnd {
-        let mut st = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
-        self.end_region(&mut st);
-        match std::mem::take(&mut st.rerun) {
-            true => RegionEnd::Rerun,
-            false => RegionEnd::Ran,
-        }
+        self.recorder().finish()
     }
 
     /// Regions begun so far: host-side caches of uploads are valid only within one.
     pub fn region_epoch(&self) -> u64 {
-        self.epoch.load(Ordering::Relaxed)
+        self.recorder().epoch()
     }
 
     /// Steps by how they ran, so far.
     pub fn graph_counts(&self) -> GraphCounts {
-        self.graphs.lock().unwrap_or_else(|p| p.into_inner()).regions.counts
+        self.recorder().counts()
     }
 
     /// Turn decode-step graphs on or off (off drops those captured).
     pub fn set_graphs(&self, on: bool) {
-        self.graphs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .regions
-            .set_enabled(on);
+        self.recorder().set_enabled(on);
     }
 
     /// Bytes free on the GPU now.

@@ -26,6 +26,8 @@
 use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
 
+use crate::kernels::cuda::Geometry;
+
 /// Most parameters a Baton kernel takes.
 pub const MAX_ARGS: usize = 24;
 /// 8-byte words of parameter values a launch may hold (a `MatmulGroup` is 17 of them).
@@ -370,6 +372,302 @@ impl<G> Regions<G> {
     }
 }
 
+/// The driver calls a region makes: the GPU's stream (`device.rs`), or a recording stand-in in
+/// the tests, which so check the order of a region's calls without a GPU.
+pub trait Queue {
+    /// An instantiated graph.
+    type Graph;
+    /// Page-locked host memory (the arena).
+    type Arena;
+    type Error: std::fmt::Display;
+    /// Launch `function` over `g` with `args` on the stream (into the capture, while one is
+    /// open).
+    fn launch(&self, function: u64, g: Geometry, args: &mut Args) -> Result<(), Self::Error>;
+    /// Copy `bytes` bytes from host address `src` (in the arena) to device address `dst`.
+    fn upload(&self, dst: u64, src: usize, bytes: usize) -> Result<(), Self::Error>;
+    /// Zero `bytes` bytes at device address `dst`.
+    fn memset(&self, dst: u64, bytes: usize) -> Result<(), Self::Error>;
+    /// Start capturing what the stream is given.
+    fn begin_capture(&self) -> Result<(), Self::Error>;
+    /// End the open capture, discarding what it holds.
+    fn discard_capture(&self);
+    /// End the open capture as an instantiated graph.
+    fn end_capture(&self) -> Result<Self::Graph, Self::Error>;
+    fn launch_graph(&self, graph: &Self::Graph) -> Result<(), Self::Error>;
+    /// Wait for everything queued.
+    fn synchronize(&self) -> Result<(), Self::Error>;
+    /// `bytes` of page-locked host memory and its address.
+    fn alloc_arena(&self, bytes: usize) -> Result<(Self::Arena, usize), Self::Error>;
+}
+
+/// How a region ended, for the caller of [`Recorder::finish`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RegionEnd {
+    /// The step's work ran (eagerly or as a graph).
+    Ran,
+    /// Nothing ran: run the step again (the region is eager then).
+    Rerun,
+}
+
+/// A stream's regions: what each launch, upload and memset of a forward becomes (queued now,
+/// captured, written down, or dropped), and how the region ends. Work in no region, or in an
+/// eager one, is the caller's to queue (`launch` and the rest return `false`).
+pub struct Recorder<Q: Queue> {
+    queue: Q,
+    regions: Regions<Q::Graph>,
+    arena: Option<Q::Arena>,
+    /// The arena's host address, taken once when it is allocated (reading it again waits on an
+    /// event, which a capture does not allow).
+    arena_at: usize,
+    /// A region is open (begun, not yet ended).
+    open: bool,
+    /// A capture is open on the stream.
+    capturing: bool,
+    /// A region ended without running its work: the caller runs the step again, and until it
+    /// does no download may read the rows the step did not compute.
+    rerun: bool,
+    /// Regions begun so far.
+    epoch: u64,
+}
+
+impl<Q: Queue> Recorder<Q> {
+    pub fn new(queue: Q, enabled: bool) -> Self {
+        Self {
+            queue,
+            regions: Regions::new(enabled),
+            arena: None,
+            arena_at: 0,
+            open: false,
+            capturing: false,
+            rerun: false,
+            epoch: 0,
+        }
+    }
+
+    /// The launch of `function` within a region: onto the tape, and into the capture; `false`
+    /// (nothing done) where the caller launches it now.
+    pub fn launch(&mut self, name: &str, function: u64, g: Geometry, args: &mut Args) -> bool {
+        match self.regions.mode {
+            Mode::Eager => false,
+            Mode::Capture => {
+                self.regions.tape.launch(function, g.grid, g.block, args);
+                if let Err(e) = self.queue.launch(function, g, args) {
+                    tracing::warn!(kernel = name, error = %e, "a launch could not be captured; the step runs eagerly");
+                    self.spoil();
+                }
+                true
+            }
+            Mode::Replay => {
+                self.regions.tape.launch(function, g.grid, g.block, args);
+                true
+            }
+            Mode::Spoiled => true,
+        }
+    }
+
+    /// Copy `host` to device address `dst` within a region, through the arena; `false` where
+    /// the caller copies it now.
+    pub fn upload(&mut self, host: &[u8], dst: u64) -> bool {
+        let mode = self.regions.mode;
+        if mode == Mode::Eager {
+            return false;
+        }
+        if mode == Mode::Spoiled || host.is_empty() {
+            return true;
+        }
+        let bytes = host.len();
+        let Some(at) = self.regions.arena.take(bytes) else {
+            self.regions.arena_is_full();
+            self.close_capture();
+            return true;
+        };
+        if self.arena_at == 0 {
+            self.spoil();
+            return true;
+        }
+        self.regions.tape.upload(dst, at, bytes);
+        // SAFETY: `take` kept `at + bytes` within the arena's capacity, the length allocated
+        // at `arena_at`; the host writes it only while no graph reads it (a region begins
+        // after the stream has finished the last one).
+        let room = unsafe { std::slice::from_raw_parts_mut((self.arena_at as *mut u8).add(at), bytes) };
+        room.copy_from_slice(host);
+        if mode == Mode::Capture
+            && let Err(e) = self.queue.upload(dst, self.arena_at + at, bytes)
+        {
+            tracing::warn!(error = %e, "an upload could not be captured; the step runs eagerly");
+            self.spoil();
+        }
+        true
+    }
+
+    /// Zero `bytes` bytes at `dst` within a region; `false` where the caller zeroes them now.
+    pub fn memset(&mut self, dst: u64, bytes: usize) -> bool {
+        let mode = self.regions.mode;
+        if mode == Mode::Eager {
+            return false;
+        }
+        if mode == Mode::Spoiled {
+            return true;
+        }
+        self.regions.tape.memset(dst, bytes);
+        if mode == Mode::Capture
+            && let Err(e) = self.queue.memset(dst, bytes)
+        {
+            tracing::warn!(error = %e, "a memset could not be captured; the step runs eagerly");
+            self.spoil();
+        }
+        true
+    }
+
+    /// Before an allocation: its memory would belong to a graph being captured, so the capture
+    /// is given up (the step runs again).
+    pub fn before_alloc(&mut self) {
+        if self.regions.mode == Mode::Capture {
+            self.spoil();
+        }
+    }
+
+    /// The open region cannot become a graph: nothing more of it is queued, a capture is
+    /// discarded, and the step runs again.
+    fn spoil(&mut self) {
+        self.regions.spoil();
+        self.close_capture();
+    }
+
+    /// End a capture that can no longer become a graph.
+    fn close_capture(&mut self) {
+        if self.capturing && self.regions.mode != Mode::Capture {
+            self.capturing = false;
+            self.queue.discard_capture();
+        }
+    }
+
+    /// Open a region for a step of shape `key` (`None`: no graph serves it; `timing`: kernels
+    /// are being timed, every step eager). The error is a failed wait for the stream.
+    pub fn begin(&mut self, key: Option<GraphKey>, timing: bool) -> Option<String> {
+        self.epoch += 1;
+        // A region left open (its forward failed before ending it) ends now.
+        self.end();
+        self.rerun = false;
+        self.open = true;
+        let key = key.filter(|_| !timing && self.regions.enabled);
+        let mut error = None;
+        if key.is_some() {
+            // The host is about to write the arena, and may drop graphs: the last graph must
+            // have finished with both.
+            if let Err(e) = self.queue.synchronize() {
+                error = Some(format!("synchronizing: {e}"));
+            }
+            if let Some(bytes) = self.regions.arena_growth() {
+                self.arena = None;
+                self.arena_at = 0;
+                tracing::info!(bytes, "CUDA graph upload arena grown");
+            }
+            if self.arena.is_none() {
+                match self.queue.alloc_arena(self.regions.arena.capacity) {
+                    Ok((arena, at)) => {
+                        self.arena = Some(arena);
+                        self.arena_at = at;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "no page-locked arena for CUDA graphs; running eagerly");
+                        self.regions.disable();
+                    }
+                }
+            }
+        }
+        if self.regions.begin(key) == Mode::Capture {
+            match self.queue.begin_capture() {
+                Ok(()) => self.capturing = true,
+                Err(e) => {
+                    tracing::warn!(error = %e, "CUDA graph capture unavailable; running eagerly");
+                    self.regions.spoil();
+                    self.regions.disable();
+                }
+            }
+        }
+        error
+    }
+
+    /// End the open region, if one is: capture or launch its graph, or ask for a rerun.
+    fn end(&mut self) {
+        if !std::mem::take(&mut self.open) {
+            return;
+        }
+        let outcome = match self.regions.end() {
+            Ending::Eager => "eager",
+            Ending::Captured => {
+                self.capturing = false;
+                let graph = self.queue.end_capture();
+                match graph.and_then(|g| self.queue.launch_graph(&g).map(|()| g)) {
+                    Ok(g) => {
+                        self.regions.keep(g);
+                        "captured"
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "a CUDA graph could not be captured or launched; running eagerly from now on");
+                        self.regions.disable();
+                        self.rerun = true;
+                        "rerun"
+                    }
+                }
+            }
+            Ending::Replayed => match self.regions.graph().map(|g| self.queue.launch_graph(g)) {
+                Some(Ok(())) => "replayed",
+                failed => {
+                    if let Some(Err(e)) = failed {
+                        tracing::warn!(error = %e, "a CUDA graph could not be launched; running eagerly from now on");
+                        self.regions.disable();
+                    }
+                    self.rerun = true;
+                    "rerun"
+                }
+            },
+            Ending::Rerun => {
+                // A capture spoiled on its last call may still be open.
+                if self.capturing {
+                    self.capturing = false;
+                    self.queue.discard_capture();
+                }
+                self.rerun = true;
+                "rerun"
+            }
+        };
+        metrics::counter!("baton_cuda_graph_steps_total", "outcome" => outcome).increment(1);
+    }
+
+    /// Before the host reads what the stream computed: the open region ends (its graph runs).
+    /// `false` when the step did not run (it will be run again), so the read must be skipped.
+    pub fn sync_point(&mut self) -> bool {
+        self.end();
+        !self.rerun
+    }
+
+    /// End the step's region (if a download has not) and say whether the step ran.
+    pub fn finish(&mut self) -> RegionEnd {
+        self.end();
+        match std::mem::take(&mut self.rerun) {
+            true => RegionEnd::Rerun,
+            false => RegionEnd::Ran,
+        }
+    }
+
+    /// Regions begun so far: host-side caches of uploads are valid only within one.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Steps by how they ran, so far.
+    pub fn counts(&self) -> GraphCounts {
+        self.regions.counts
+    }
+
+    /// Turn graphs on or off (off drops those captured).
+    pub fn set_enabled(&mut self, on: bool) {
+        self.regions.set_enabled(on);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -511,5 +809,236 @@ mod tests {
         assert_eq!(step(&mut r, k, &[1]), (Mode::Eager, Ending::Eager));
         assert_eq!(step(&mut r, k, &[1]), (Mode::Eager, Ending::Eager));
         assert_eq!(r.graph(), None);
+    }
+    /// What the stand-in queue was asked, in order.
+    #[derive(Debug, Clone, PartialEq)]
+    enum Call {
+        Launch(u64),
+        /// A copy, with the bytes its source held when the copy ran.
+        Upload(u64, Vec<u8>),
+        Memset(u64),
+        BeginCapture,
+        Discard,
+        EndCapture,
+        /// A graph ran: its copies read the arena now.
+        Graph(Vec<Call>),
+        Sync,
+        Arena(usize),
+    }
+
+    /// A queue that writes its calls down; a capture keeps its calls as the graph, and a graph
+    /// "runs" by reading its copies' sources again.
+    #[derive(Default)]
+    struct Fake {
+        calls: std::cell::RefCell<Vec<Call>>,
+        capture: std::cell::RefCell<Option<Vec<(u64, usize, usize)>>>,
+    }
+
+    impl Fake {
+        fn take(&self) -> Vec<Call> {
+            std::mem::take(&mut *self.calls.borrow_mut())
+        }
+    }
+
+    fn read(src: usize, bytes: usize) -> Vec<u8> {
+        // SAFETY: the recorder passes addresses inside its live arena.
+        unsafe { std::slice::from_raw_parts(src as *const u8, bytes) }.to_vec()
+    }
+
+    impl Queue for Fake {
+        type Graph = Vec<(u64, usize, usize)>;
+        type Arena = Vec<u8>;
+        type Error = String;
+
+        fn launch(&self, function: u64, _: Geometry, _: &mut Args) -> Result<(), String> {
+            self.calls.borrow_mut().push(Call::Launch(function));
+            Ok(())
+        }
+
+        fn upload(&self, dst: u64, src: usize, bytes: usize) -> Result<(), String> {
+            if let Some(c) = self.capture.borrow_mut().as_mut() {
+                c.push((dst, src, bytes));
+            }
+            self.calls.borrow_mut().push(Call::Upload(dst, read(src, bytes)));
+            Ok(())
+        }
+
+        fn memset(&self, dst: u64, _: usize) -> Result<(), String> {
+            self.calls.borrow_mut().push(Call::Memset(dst));
+            Ok(())
+        }
+
+        fn begin_capture(&self) -> Result<(), String> {
+            *self.capture.borrow_mut() = Some(Vec::new());
+            self.calls.borrow_mut().push(Call::BeginCapture);
+            Ok(())
+        }
+
+        fn discard_capture(&self) {
+            *self.capture.borrow_mut() = None;
+            self.calls.borrow_mut().push(Call::Discard);
+        }
+
+        fn end_capture(&self) -> Result<Self::Graph, String> {
+            self.calls.borrow_mut().push(Call::EndCapture);
+            self.capture
+                .borrow_mut()
+                .take()
+                .ok_or_else(|| "not capturing".to_string())
+        }
+
+        fn launch_graph(&self, graph: &Self::Graph) -> Result<(), String> {
+            let copies = graph
+                .iter()
+                .map(|&(dst, src, n)| Call::Upload(dst, read(src, n)))
+                .collect();
+            self.calls.borrow_mut().push(Call::Graph(copies));
+            Ok(())
+        }
+
+        fn synchronize(&self) -> Result<(), String> {
+            self.calls.borrow_mut().push(Call::Sync);
+            Ok(())
+        }
+
+        fn alloc_arena(&self, bytes: usize) -> Result<(Vec<u8>, usize), String> {
+            self.calls.borrow_mut().push(Call::Arena(bytes));
+            let mut a = vec![0u8; bytes];
+            let at = a.as_mut_ptr() as usize;
+            Ok((a, at))
+        }
+    }
+
+    const KEY: Option<GraphKey> = Some(GraphKey { rows: 2, taps: false });
+    const GEOM: Geometry = Geometry {
+        grid: (4, 1, 1),
+        block: (128, 1, 1),
+    };
+
+    /// A forward as the operations make it: the step's rows up, two kernels, a memset, then
+    /// the download's sync point. Returns whether each launch was taken by the recorder and
+    /// whether the download may read.
+    fn forward(r: &mut Recorder<Fake>, rows: u8, second_kernel: u64) -> (Vec<bool>, bool) {
+        let mut taken = vec![r.upload(&[rows; 40], 0x1000)];
+        for f in [7, second_kernel] {
+            taken.push(r.launch("k", f, GEOM, &mut args(&[1, 2])));
+        }
+        taken.push(r.memset(0x2000, 64));
+        (taken, r.sync_point())
+    }
+
+    #[test]
+    fn a_region_is_captured_then_replayed_with_each_steps_uploads() {
+        let mut r = Recorder::new(Fake::default(), true);
+        // First step of its shape: everything is the caller's to queue.
+        assert_eq!(r.begin(KEY, false), None);
+        assert_eq!(forward(&mut r, 1, 8), (vec![false; 4], true));
+        assert_eq!(r.finish(), RegionEnd::Ran);
+        let setup = r.queue.take();
+        assert_eq!(setup, [Call::Sync, Call::Arena(Arena::INITIAL)]);
+
+        // Second: captured, then the graph runs once, at the download.
+        r.begin(KEY, false);
+        assert_eq!(forward(&mut r, 2, 8), (vec![true; 4], true));
+        assert_eq!(r.finish(), RegionEnd::Ran);
+        let up = |b: u8| Call::Upload(0x1000, vec![b; 40]);
+        assert_eq!(
+            r.queue.take(),
+            [
+                Call::Sync,
+                Call::BeginCapture,
+                up(2),
+                Call::Launch(7),
+                Call::Launch(8),
+                Call::Memset(0x2000),
+                Call::EndCapture,
+                Call::Graph(vec![up(2)]),
+            ]
+        );
+
+        // Third: nothing queued but the graph, whose copy reads this step's rows.
+        r.begin(KEY, false);
+        assert_eq!(forward(&mut r, 3, 8), (vec![true; 4], true));
+        assert_eq!(r.finish(), RegionEnd::Ran);
+        assert_eq!(r.queue.take(), [Call::Sync, Call::Graph(vec![up(3)])]);
+        assert_eq!(r.counts().replayed, 1);
+
+        // A step that launches another kernel: nothing runs, the download is skipped, and the
+        // caller is told to run it again (eagerly: the recorder takes nothing then).
+        r.begin(KEY, false);
+        assert_eq!(forward(&mut r, 4, 9), (vec![true; 4], false));
+        assert_eq!(r.finish(), RegionEnd::Rerun);
+        assert_eq!(r.queue.take(), [Call::Sync]);
+        r.begin(None, false);
+        assert_eq!(forward(&mut r, 4, 9), (vec![false; 4], true));
+        assert_eq!(r.finish(), RegionEnd::Ran);
+        // The shape is captured afresh.
+        r.begin(KEY, false);
+        forward(&mut r, 5, 9);
+        assert_eq!(r.finish(), RegionEnd::Ran);
+        assert!(r.queue.take().contains(&Call::Graph(vec![up(5)])));
+        assert_eq!(
+            r.counts(),
+            GraphCounts {
+                eager: 2,
+                captured: 2,
+                replayed: 1,
+                rerun: 1
+            }
+        );
+    }
+
+    #[test]
+    fn an_allocation_while_capturing_discards_the_capture_and_the_step_reruns() {
+        let mut r = Recorder::new(Fake::default(), true);
+        for _ in 0..2 {
+            r.begin(KEY, false);
+            if r.regions.mode == Mode::Capture {
+                r.upload(&[1; 8], 0x1000);
+                r.before_alloc();
+                // Nothing more is queued, and no download may read.
+                assert!(r.launch("k", 7, GEOM, &mut args(&[1])));
+                assert!(!r.sync_point());
+            }
+            r.finish();
+        }
+        let calls = r.queue.take();
+        assert_eq!(calls.iter().filter(|c| **c == Call::Discard).count(), 1, "{calls:?}");
+        assert!(!calls.contains(&Call::Launch(7)), "{calls:?}");
+        assert!(
+            !calls.iter().any(|c| matches!(c, Call::EndCapture | Call::Graph(_))),
+            "{calls:?}"
+        );
+        assert_eq!(r.counts().rerun, 1);
+        // An allocation outside a capture changes nothing.
+        r.begin(None, false);
+        r.before_alloc();
+        assert!(!r.launch("k", 7, GEOM, &mut args(&[1])));
+        assert_eq!(r.finish(), RegionEnd::Ran);
+    }
+
+    #[test]
+    fn uploads_beyond_the_arena_rerun_and_grow_it_and_timing_keeps_steps_eager() {
+        let mut r = Recorder::new(Fake::default(), true);
+        let big = vec![9u8; Arena::INITIAL + 1];
+        for _ in 0..2 {
+            r.begin(KEY, false);
+            r.upload(&big, 0x1000);
+            r.finish();
+        }
+        assert_eq!(r.counts().rerun, 1);
+        r.begin(KEY, false);
+        assert_eq!(r.finish(), RegionEnd::Ran);
+        let calls = r.queue.take();
+        assert!(calls.contains(&Call::Arena(2 * Arena::INITIAL)), "{calls:?}");
+        // With kernels timed, no region takes anything.
+        for _ in 0..3 {
+            r.begin(KEY, true);
+            assert!(!r.launch("k", 7, GEOM, &mut args(&[1])));
+            assert_eq!(r.finish(), RegionEnd::Ran);
+        }
+        let epoch = r.epoch();
+        r.begin(None, false);
+        assert_eq!(r.epoch(), epoch + 1);
     }
 }

@@ -32,9 +32,9 @@ use crate::kernels::cuda::experts::{
 use crate::kernels::cuda::linear::{self, LinearSeq};
 use crate::kernels::cuda::{self as geometry, MatmulGroup, Q4Device, Q8Device, SampleRow};
 use crate::model::ForwardError;
-pub use device::{CudaError, Gpu, GpuInfo, KernelTime, RegionEnd};
+pub use device::{CudaError, Gpu, GpuInfo, KernelTime};
 use graphs::Args;
-pub use graphs::{GraphCounts, GraphKey};
+pub use graphs::{GraphCounts, GraphKey, RegionEnd};
 use kv::KvStore;
 pub use kv::{CudaBatch, CudaKvPool};
 use pinned::PinnedRows;
