@@ -229,17 +229,18 @@ struct ExpertTile {
     int count;  // entries in the tile (1 .. TILE)
 };
 
-// Four blocks per multiprocessor, not MIN_BLOCKS: the entries' rows take eight registers more
-// than matmul_q8 has, which at MIN_BLOCKS would spill.
-extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)
-matmul_q8_experts(const i8* __restrict__ xq, const float* __restrict__ xd, const ExpertQ8* experts,
-                  const ExpertTile* tiles, const u32* rows, float* out, int rows_w, int cols) {
+// What both one-go kernels do around their format's loop: warp r's weight row of tile
+// blockIdx.y's expert against the tile's entries. `partials(e, r, nt, row_of, acc)` is the
+// format's loop (q8_partials, q4_partials) over the expert record `e`; each output is then
+// stored as the product kernels store it.
+template <class Expert, class Partials>
+__device__ __forceinline__ void experts_tile(const Expert* experts, const ExpertTile* tiles, const u32* rows,
+                                             float* out, int rows_w, Partials partials) {
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (r >= rows_w) return;
     const ExpertTile tile = tiles[blockIdx.y];
-    const ExpertQ8 e = experts[tile.expert];
-    const int nb = cols / QK;
+    const Expert e = experts[tile.expert];
     int xrow[TILE];
 #pragma unroll
     for (int j = 0; j < TILE; ++j) {
@@ -247,14 +248,25 @@ matmul_q8_experts(const i8* __restrict__ xq, const float* __restrict__ xd, const
         xrow[j] = rows ? (int)rows[entry] : entry;
     }
     float acc[TILE];
-    q8_partials(xq, xd, (const int4*)((const i8*)e.q + (u64)r * cols), (const u16*)e.d + (u64)r * nb, nb, cols,
-                tile.count, [&xrow](int j) { return (u64)xrow[j]; }, acc);
+    partials(e, r, tile.count, [&xrow](int j) { return (u64)xrow[j]; }, acc);
 #pragma unroll
     for (int j = 0; j < TILE; ++j) {
         const float s = warp_sum(acc[j]);
-        // + 0: matmul_q8's missing bias, so even a -0 has its bits.
+        // + 0: the product kernels' missing bias, so even a -0 has their bits.
         if (lane == 0 && j < tile.count) out[(u64)(tile.first + j) * rows_w + r] = s + 0.0f;
     }
+}
+
+// Four blocks per multiprocessor, not MIN_BLOCKS: the entries' rows take eight registers more
+// than matmul_q8 has, which at MIN_BLOCKS would spill.
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)
+matmul_q8_experts(const i8* __restrict__ xq, const float* __restrict__ xd, const ExpertQ8* experts,
+                  const ExpertTile* tiles, const u32* rows, float* out, int rows_w, int cols) {
+    const int nb = cols / QK;
+    experts_tile(experts, tiles, rows, out, rows_w, [&](const ExpertQ8& e, int r, int nt, auto row_of, float* acc) {
+        q8_partials(xq, xd, (const int4*)((const i8*)e.q + (u64)r * cols), (const u16*)e.d + (u64)r * nb, nb, cols,
+                    nt, row_of, acc);
+    });
 }
 
 // Q8_0 products on the tensor cores, for batches: one warp computes a tile of 16 weight rows by
@@ -461,25 +473,8 @@ struct ExpertQ4 {
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)
 matmul_q4_experts(const i8* __restrict__ xq, const float* __restrict__ xd, const ExpertQ4* experts,
                   const ExpertTile* tiles, const u32* rows, float* out, int rows_w, int cols) {
-    const int lane = threadIdx.x & 31;
-    const int r = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (r >= rows_w) return;
-    const ExpertTile tile = tiles[blockIdx.y];
-    const ExpertQ4 e = experts[tile.expert];
     const int nb = cols / QK;
-    int xrow[TILE];
-#pragma unroll
-    for (int j = 0; j < TILE; ++j) {
-        const int entry = tile.first + min(j, tile.count - 1);
-        xrow[j] = rows ? (int)rows[entry] : entry;
-    }
-    float acc[TILE];
-    q4_partials(xq, xd, (const int4*)e.c, (const u16*)e.d, (const u16*)e.m, (u64)r, nb, cols, tile.count,
-                [&xrow](int j) { return (u64)xrow[j]; }, acc);
-#pragma unroll
-    for (int j = 0; j < TILE; ++j) {
-        const float s = warp_sum(acc[j]);
-        // + 0: matmul_q4's missing bias, so even a -0 has its bits.
-        if (lane == 0 && j < tile.count) out[(u64)(tile.first + j) * rows_w + r] = s + 0.0f;
-    }
+    experts_tile(experts, tiles, rows, out, rows_w, [&](const ExpertQ4& e, int r, int nt, auto row_of, float* acc) {
+        q4_partials(xq, xd, (const int4*)e.c, (const u16*)e.d, (const u16*)e.m, (u64)r, nb, cols, nt, row_of, acc);
+    });
 }
