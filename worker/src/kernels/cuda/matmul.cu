@@ -35,6 +35,30 @@ __device__ __forceinline__ int pick_rows(const Group& g, int p) {
     return p == 0 ? g.rows[0] : (p == 1 ? g.rows[1] : g.rows[2]);
 }
 
+// What the group kernels do around their format's loop: warp w's weight row of the group,
+// against tile blockIdx.y of the activation rows. `partials(p, r, t0, nt, acc)` is the format's
+// loop for row r of product p over activation rows t0 .. t0 + nt; each output then gets the
+// warp's sum plus its bias.
+template <class Partials>
+__device__ __forceinline__ void group_tile(const Group& g, int rows_x, Partials partials) {
+    const int lane = threadIdx.x & 31;
+    int p, r;
+    if (!locate(g, blockIdx.x * WARPS + (threadIdx.x >> 5), p, r)) return;
+    const int rows_w = pick_rows(g, p);
+    const float* bias = (const float*)pick(p, g.bias[0], g.bias[1], g.bias[2]);
+    float* out = (float*)pick(p, g.out[0], g.out[1], g.out[2]);
+    const int t0 = blockIdx.y * TILE;
+    const int nt = min(TILE, rows_x - t0);
+    float acc[TILE];
+    partials(p, r, t0, nt, acc);
+    const float bv = bias ? bias[r] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < TILE; ++j) {
+        const float s = warp_sum(acc[j]);
+        if (lane == 0 && j < nt) out[(u64)(t0 + j) * rows_w + r] = s + bv;
+    }
+}
+
 // Weights held as f32, f16 or bf16 (KIND 0, 1, 2), read as f32: the half formats widen
 // exactly, so a product computes with the same values in the same order as on f32 weights
 // holding the rounded values, at half the memory and half the bytes streamed.
@@ -191,26 +215,13 @@ __device__ __forceinline__ void q8_partials(const i8* __restrict__ xq, const flo
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 matmul_q8(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, int rows_x, int cols) {
-    const int lane = threadIdx.x & 31;
-    int p, r;
-    if (!locate(g, blockIdx.x * WARPS + (threadIdx.x >> 5), p, r)) return;
-    const int rows_w = pick_rows(g, p);
-    const i8* __restrict__ wq = (const i8*)pick(p, g.w[0], g.w[1], g.w[2]);
-    const u16* __restrict__ wd = (const u16*)pick(p, g.d[0], g.d[1], g.d[2]);
-    const float* bias = (const float*)pick(p, g.bias[0], g.bias[1], g.bias[2]);
-    float* out = (float*)pick(p, g.out[0], g.out[1], g.out[2]);
-    const int t0 = blockIdx.y * TILE;
-    const int nt = min(TILE, rows_x - t0);
     const int nb = cols / QK;
-    float acc[TILE];
-    q8_partials(xq, xd, (const int4*)(wq + (u64)r * cols), wd + (u64)r * nb, nb, cols, nt,
-                [t0](int j) { return (u64)(t0 + j); }, acc);
-    const float bv = bias ? bias[r] : 0.0f;
-#pragma unroll
-    for (int j = 0; j < TILE; ++j) {
-        const float s = warp_sum(acc[j]);
-        if (lane == 0 && j < nt) out[(u64)(t0 + j) * rows_w + r] = s + bv;
-    }
+    group_tile(g, rows_x, [&](int p, int r, int t0, int nt, float* acc) {
+        const i8* __restrict__ wq = (const i8*)pick(p, g.w[0], g.w[1], g.w[2]);
+        const u16* __restrict__ wd = (const u16*)pick(p, g.d[0], g.d[1], g.d[2]);
+        q8_partials(xq, xd, (const int4*)(wq + (u64)r * cols), wd + (u64)r * nb, nb, cols, nt,
+                    [t0](int j) { return (u64)(t0 + j); }, acc);
+    });
 }
 
 // The experts of a mixture in one launch. Each expert's entries (the rows routed to it) are
@@ -440,26 +451,13 @@ __device__ __forceinline__ void q4_partials(const i8* __restrict__ xq, const flo
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 matmul_q4(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, int rows_x, int cols) {
-    const int lane = threadIdx.x & 31;
-    int p, r;
-    if (!locate(g, blockIdx.x * WARPS + (threadIdx.x >> 5), p, r)) return;
-    const int rows_w = pick_rows(g, p);
-    const int4* __restrict__ wc = (const int4*)pick(p, g.w[0], g.w[1], g.w[2]);
-    const u16* __restrict__ wd = (const u16*)pick(p, g.d[0], g.d[1], g.d[2]);
-    const u16* __restrict__ wm = (const u16*)pick(p, g.m[0], g.m[1], g.m[2]);
-    const float* bias = (const float*)pick(p, g.bias[0], g.bias[1], g.bias[2]);
-    float* out = (float*)pick(p, g.out[0], g.out[1], g.out[2]);
-    const int t0 = blockIdx.y * TILE;
-    const int nt = min(TILE, rows_x - t0);
     const int nb = cols / QK;
-    float acc[TILE];
-    q4_partials(xq, xd, wc, wd, wm, (u64)r, nb, cols, nt, [t0](int j) { return (u64)(t0 + j); }, acc);
-    const float bv = bias ? bias[r] : 0.0f;
-#pragma unroll
-    for (int j = 0; j < TILE; ++j) {
-        const float s = warp_sum(acc[j]);
-        if (lane == 0 && j < nt) out[(u64)(t0 + j) * rows_w + r] = s + bv;
-    }
+    group_tile(g, rows_x, [&](int p, int r, int t0, int nt, float* acc) {
+        const int4* __restrict__ wc = (const int4*)pick(p, g.w[0], g.w[1], g.w[2]);
+        const u16* __restrict__ wd = (const u16*)pick(p, g.d[0], g.d[1], g.d[2]);
+        const u16* __restrict__ wm = (const u16*)pick(p, g.m[0], g.m[1], g.m[2]);
+        q4_partials(xq, xd, wc, wd, wm, (u64)r, nb, cols, nt, [t0](int j) { return (u64)(t0 + j); }, acc);
+    });
 }
 
 // matmul_q8_experts for Q4_0 / Q4_1 experts: the same tiles and entries, q4_partials for the
