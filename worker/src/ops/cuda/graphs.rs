@@ -318,8 +318,7 @@ impl<G> Regions<G> {
     /// so the shape's next step captures a fresh one.
     pub fn end(&mut self) -> Ending {
         let mode = std::mem::replace(&mut self.mode, Mode::Eager);
-        let key = self.key.take();
-        let ending = match (mode, key) {
+        let ending = match (mode, self.key) {
             (Mode::Capture, Some(_)) => Ending::Captured,
             (Mode::Replay, Some(k)) => match self.graphs.get(&k) {
                 Some((tape, _)) if *tape == self.tape => Ending::Replayed,
@@ -340,14 +339,13 @@ impl<G> Regions<G> {
             Ending::Replayed => self.counts.replayed += 1,
             Ending::Rerun => self.counts.rerun += 1,
         }
-        self.key = key;
         ending
     }
 
     /// Keep `graph`, captured in the region just ended, with its tape.
     pub fn keep(&mut self, graph: G) {
         if let Some(k) = self.key {
-            self.graphs.insert(k, (self.tape.clone(), graph));
+            self.graphs.insert(k, (std::mem::take(&mut self.tape), graph));
         }
     }
 

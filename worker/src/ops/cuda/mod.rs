@@ -461,6 +461,27 @@ impl CudaOps {
         Some((ws.xq.as_ref()?, ws.xd.as_ref()?))
     }
 
+    /// `silu_mul_q8`: `gate = silu(gate) · up` over `values` values (whole Q8_0 blocks), and
+    /// the result quantized into `ws` in the same launch; false when `ws` has no room.
+    fn silu_mul_q8(&self, ws: &mut CudaWorkspace, gate: &CudaSlice<f32>, up: &CudaSlice<f32>, values: usize) -> bool {
+        let Some((xq, xd)) = self.quantized_rows(ws, values) else {
+            return false;
+        };
+        let blocks = values / baton_shared::dtype::QK;
+        let n = blocks as u64;
+        launch!(
+            self.gpu,
+            "silu_mul_q8",
+            geometry::quantize_geometry(blocks),
+            gate,
+            up,
+            xq,
+            xd,
+            &n
+        );
+        true
+    }
+
     /// Remember that `ws` now holds the quantization of the `values` values at `rows`.
     fn prepared(&self, ws: &mut CudaWorkspace, rows: &CudaSlice<f32>, values: usize) {
         ws.prepared = Some(Prepared {
@@ -1091,13 +1112,9 @@ impl Ops for CudaOps {
         let (Some(g), Some(u)) = (self.dev(gate), self.dev(up)) else {
             return;
         };
-        let Some((xq, xd)) = self.quantized_rows(ws, n) else {
-            return;
-        };
-        let blocks = (n / baton_shared::dtype::QK) as u64;
-        let geom = geometry::quantize_geometry(n / baton_shared::dtype::QK);
-        launch!(self.gpu, "silu_mul_q8", geom, g, u, xq, xd, &blocks);
-        self.prepared(ws, g, n);
+        if self.silu_mul_q8(ws, g, u, n) {
+            self.prepared(ws, g, n);
+        }
     }
 
     fn rope_qk(
@@ -1312,12 +1329,9 @@ impl Ops for CudaOps {
         }
         // SiLU·up and the down product's quantization in one launch (the MLP's width is
         // whole Q8_0 blocks, as every quantized product needs).
-        let Some((hq, hd)) = self.quantized_rows(ws, n * ffn) else {
+        if !self.silu_mul_q8(ws, g, u, n * ffn) {
             return 0;
-        };
-        let blocks = (n * ffn / baton_shared::dtype::QK) as u64;
-        let geom = geometry::quantize_geometry(n * ffn / baton_shared::dtype::QK);
-        launch!(self.gpu, "silu_mul_q8", geom, g, u, hq, hd, &blocks);
+        }
         // The down product reads the gated rows entry by entry: no row table.
         self.launch_experts(ws, (experts.kernel, &experts.tables[2]), tiles, 0, y, hidden, ffn);
         let (k, w) = (top_k as i32, hidden as i32);
