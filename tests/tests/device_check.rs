@@ -51,9 +51,10 @@ fn the_dry_run_checks_every_part_on_the_cpu() {
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     assert_eq!(report["device"], "cpu:2");
     let cases = report["kernels"]["cases"].as_array().expect("kernel cases");
-    // Six matrix formats with and without bias, nine row-wise operations, five fused forms
-    // and two mixtures of experts (Q8_0, Q4_1) two ways each, at four batch sizes.
-    assert_eq!(cases.len(), 4 * (12 + 9 + 5 + 4), "{cases:?}");
+    // Six matrix formats with and without bias, nine row-wise operations, five fused forms,
+    // two mixtures of experts (Q8_0, Q4_1) two ways each and the Q8_0 one routed on the
+    // device, at four batch sizes.
+    assert_eq!(cases.len(), 4 * (12 + 9 + 5 + 5), "{cases:?}");
     assert_eq!(report["kernels"]["failed"], 0, "{cases:?}");
     // The CPU samples on the host: the part says so rather than comparing the reference with
     // itself.

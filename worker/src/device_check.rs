@@ -167,15 +167,23 @@ fn kernel_cases<O: Ops>(ops: &O) -> Value {
         // again for the down product, so a product's last-bit difference can move a quant by
         // one step: a looser tolerance than one product's. In one go and expert by expert on
         // the device itself must agree bit for bit.
+        // The one-go runs route on the device where it can (as the model does); the kernels'
+        // bit-for-bit check routes on the host, and routing on the device is checked against
+        // it (only the device's exp differs: an ulp or two of a weight).
+        let (host, device) = (Routing::Host, Routing::Device);
         for (format, name, self_name) in [
             (WeightFormat::Q8_0, "moe_q8_experts", "moe_one_go_vs_by_expert"),
             (WeightFormat::Q4_1, "moe_q4_experts", "moe_q4_one_go_vs_by_expert"),
         ] {
-            let one_go = moe_on(ops, &x, cols, format, true);
-            let want = moe_on(&reference, &x, cols, format, false);
+            let one_go = moe_on(ops, &x, cols, format, true, device);
+            let want = moe_on(&reference, &x, cols, format, false, host);
             cases.push(case(name, rows, false, &one_go, &want, 1e-3));
-            let by_expert = moe_on(ops, &x, cols, format, false);
-            cases.push(case(self_name, rows, false, &one_go, &by_expert, 0.0));
+            let host_routed = moe_on(ops, &x, cols, format, true, host);
+            let by_expert = moe_on(ops, &x, cols, format, false, host);
+            cases.push(case(self_name, rows, false, &host_routed, &by_expert, 0.0));
+            if format == WeightFormat::Q8_0 {
+                cases.push(case("moe_device_routing", rows, false, &one_go, &host_routed, 1e-5));
+            }
         }
     }
     let failed = cases.iter().filter(|c| c["ok"] == json!(false)).count();
@@ -469,10 +477,19 @@ fn fused_on<O: Ops>(
     out
 }
 
+/// Where [`moe_on`] routes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Routing {
+    /// [`Ops::route`].
+    Host,
+    /// [`Ops::route_on_device`] where the device can (experts in one go only).
+    Device,
+}
+
 /// Six gated-MLP experts of width 256 with `format` weights, two a row, over `x`: in one go
 /// ([`Ops::routed_experts`]) when `one_go` and the device has that path, else expert by expert
-/// as the model runs them.
-fn moe_on<O: Ops>(ops: &O, x: &[f32], cols: usize, format: WeightFormat, one_go: bool) -> Vec<f32> {
+/// as the model runs them; routed on the device when `routing` says so and it can.
+fn moe_on<O: Ops>(ops: &O, x: &[f32], cols: usize, format: WeightFormat, one_go: bool, routing: Routing) -> Vec<f32> {
     let (rows, experts, ffn) = (x.len() / cols, 6usize, 256usize);
     let mat = |r: usize, c: usize, seed: u64| {
         let values = values(r * c, seed).iter().map(|v| v * 0.1).collect();
@@ -497,13 +514,17 @@ fn moe_on<O: Ops>(ops: &O, x: &[f32], cols: usize, format: WeightFormat, one_go:
         O::Buf::default(),
         O::Buf::default(),
     );
+    let on_device = routing == Routing::Device && set.is_some() && ops.routes_on_device(experts, 2);
     let (mut routing, mut ws) = (O::Routing::default(), O::Workspace::default());
     ops.upload(x, &mut xb);
     ops.upload(
         &values(rows * experts, 97).iter().map(|v| v * 4.0).collect::<Vec<_>>(),
         &mut logits,
     );
-    ops.route(&logits, experts, 2, true, &mut routing);
+    match on_device {
+        true => ops.route_on_device(&logits, experts, 2, true, &mut routing),
+        false => ops.route(&logits, experts, 2, true, &mut routing),
+    }
     match &set {
         Some(set) => {
             ops.routed_experts(&mut ws, &xb, &routing, set, [&mut gate, &mut up, &mut y], &mut out);

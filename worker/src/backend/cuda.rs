@@ -12,7 +12,7 @@ use super::{
 };
 use crate::kernels::cuda::{SampleRow, linear};
 use crate::model::dflash::DflashFiles;
-use crate::model::spec::{FfnKind, LayerKind, LayerSpec, uniform_kv_dim};
+use crate::model::spec::{LayerKind, LayerSpec, uniform_kv_dim};
 use crate::model::{ForwardError, Scratch, StageModel, registry};
 use crate::ops::Ops;
 use crate::ops::cuda::{CudaBatch, CudaKvPool, CudaOps, GraphKey, RegionEnd};
@@ -22,6 +22,9 @@ pub struct CudaBackend {
     shape: StageShape,
     device: Device,
     model: StageModel<CudaOps>,
+    /// Some mixture of experts is routed on the host (no one-go kernel for its format), so a
+    /// forward waits mid-way and never runs as a graph.
+    routes_on_host: bool,
     kv: CudaKvPool,
     scratch: Scratch<CudaOps>,
     ids: Vec<u32>,
@@ -87,6 +90,7 @@ impl CudaBackend {
         if let Some(e) = gpu_handle.take_error() {
             return Err(BackendError::Cuda(format!("loading weights: {e}")));
         }
+        let routes_on_host = model.routes_on_host();
         let kv_dim = uniform_kv_dim(&model.specs).map_err(|(a, b)| BackendError::MixedKvWidths(a, b))?;
         let c = &model.cache;
         let kv = CudaKvPool::new(
@@ -116,6 +120,7 @@ impl CudaBackend {
             shape: shape.clone(),
             device: opts.device,
             model,
+            routes_on_host,
             kv,
             scratch: Scratch::default(),
             ids: Vec::new(),
@@ -136,12 +141,11 @@ impl CudaBackend {
     }
 
     /// The graph a step of `seqs` may run as: decode steps (a row per sequence) of a stage
-    /// whose forward never waits on the host mid-way (no mixture-of-experts layer, whose
-    /// routing does) and is not timed layer by layer.
+    /// whose forward never waits on the host mid-way (no mixture of experts routed on the
+    /// host) and is not timed layer by layer.
     fn graph_key(&self, seqs: &[SeqChunk<'_>], taps: bool) -> Option<GraphKey> {
         let decode = !seqs.is_empty() && seqs.iter().all(|s| s.len == 1);
-        let host_waits = self.scratch.layer_seconds.is_some()
-            || self.model.specs.iter().any(|s| matches!(s.ffn, FfnKind::Moe { .. }));
+        let host_waits = self.scratch.layer_seconds.is_some() || self.routes_on_host;
         (decode && !host_waits).then_some(GraphKey { rows: seqs.len(), taps })
     }
 

@@ -92,8 +92,11 @@ impl<O: Ops> std::fmt::Debug for Scratch<O> {
 pub struct MoeStats {
     /// Sparse layers run.
     pub layers: usize,
-    /// Experts that had rows, summed over those layers (each read its weights once).
+    /// Experts that had rows, summed over the layers whose count the host knows (each read its
+    /// weights once): not those routed on the device.
     pub active_experts: usize,
+    /// Layers counted in `active_experts`.
+    pub counted_layers: usize,
     /// Of those layers, the ones whose experts ran in one go ([`crate::ops::Ops::routed_experts`]).
     pub one_go_layers: usize,
 }

@@ -9,7 +9,7 @@ use baton_shared::model_files::{LoadError, ModelFiles};
 
 use super::ForwardError;
 use super::arch::{self, Architecture};
-use super::blocks::{DecoderLayer, RmsNorm};
+use super::blocks::{DecoderLayer, Ffn, RmsNorm};
 use super::dflash::{DflashError, DflashFiles, TapProjection};
 use super::loader::WeightLoader;
 use super::registry;
@@ -297,15 +297,17 @@ impl<O: Ops> StageModel<O> {
         if s.moe.layers > 0 {
             // How many experts' weights a micro-batch streams per sparse layer: 1 × top-k for
             // one row, up to every expert for a large batch.
-            let per_layer = s.moe.active_experts as f64 / s.moe.layers as f64;
-            metrics::histogram!("baton_moe_active_experts").record(per_layer);
+            let per_layer = s.moe.active_experts as f64 / s.moe.counted_layers.max(1) as f64;
+            if s.moe.counted_layers > 0 {
+                metrics::histogram!("baton_moe_active_experts").record(per_layer);
+                tracing::Span::current().record("moe_active_experts", per_layer);
+            }
             // Whether the device ran each layer's experts in one go or one by one (a GPU goes
             // one by one for weight formats without a one-go kernel).
             let one_go = s.moe.one_go_layers as u64;
             metrics::counter!("baton_moe_layers_total", "experts" => "one_go").increment(one_go);
             metrics::counter!("baton_moe_layers_total", "experts" => "by_expert")
                 .increment(s.moe.layers as u64 - one_go);
-            tracing::Span::current().record("moe_active_experts", per_layer);
         }
         Ok(())
     }
@@ -387,6 +389,14 @@ impl<O: Ops> StageModel<O> {
             });
         }
         Ok(head)
+    }
+
+    /// Whether a forward waits for the device mid-way: some mixture of experts is routed on the
+    /// host (its logits cross first).
+    pub fn routes_on_host(&self) -> bool {
+        self.blocks
+            .iter()
+            .any(|b| matches!(&b.ffn, Ffn::Moe(m) if !m.routes_on_device(&self.ops)))
     }
 
     /// Bytes of weights held (vectors and matrices as stored on the device).

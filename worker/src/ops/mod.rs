@@ -249,6 +249,26 @@ pub trait Ops: Send + Sync + Sized + 'static {
     /// Route each `experts`-wide row of router `logits`: softmax over experts, the `top_k`
     /// largest probabilities (renormalized to sum to one when `normalize`), grouped by expert.
     fn route(&self, logits: &Self::Buf, experts: usize, top_k: usize, normalize: bool, routing: &mut Self::Routing);
+    /// Whether this device routes a mixture of `experts` experts, `top_k` a row, whose experts
+    /// run in one go ([`routed_experts`](Self::routed_experts)) on itself
+    /// ([`route_on_device`](Self::route_on_device)), so the host never waits for its logits.
+    fn routes_on_device(&self, _experts: usize, _top_k: usize) -> bool {
+        false
+    }
+    /// [`route`](Self::route) without the host: the routing stays on the device, for
+    /// [`routed_experts`](Self::routed_experts) alone, where
+    /// [`routes_on_device`](Self::routes_on_device) says so. A row takes the experts `route`
+    /// would give it but where the device's `exp` moves a (near) tie of probabilities.
+    fn route_on_device(
+        &self,
+        logits: &Self::Buf,
+        experts: usize,
+        top_k: usize,
+        normalize: bool,
+        routing: &mut Self::Routing,
+    ) {
+        self.route(logits, experts, top_k, normalize, routing);
+    }
     /// The rows of `x` routed to `expert`, packed into `out` (resized to fit); how many there
     /// are (0: the expert is idle in this batch).
     fn gather_routed(&self, x: &Self::Buf, routing: &Self::Routing, expert: usize, out: &mut Self::Buf) -> usize;
@@ -262,7 +282,8 @@ pub trait Ops: Send + Sync + Sized + 'static {
     /// weighted and summed into `out` (resized to `x`'s length), which is what zeroing `out`,
     /// then [`gather_routed`](Self::gather_routed), gate and up, [`silu_mul`](Self::silu_mul),
     /// down and [`scatter_routed`](Self::scatter_routed) expert by expert compute, bit for bit.
-    /// `scratch` holds the gate, up and down outputs. Returns the experts that had rows.
+    /// `scratch` holds the gate, up and down outputs. Returns the experts that had rows, where
+    /// the host knows (not for a routing left on the device).
     fn routed_experts(
         &self,
         ws: &mut Self::Workspace,
@@ -271,7 +292,7 @@ pub trait Ops: Send + Sync + Sized + 'static {
         experts: &Self::Experts,
         scratch: [&mut Self::Buf; 3],
         out: &mut Self::Buf,
-    ) -> usize;
+    ) -> Option<usize>;
     /// Qwen3-Next's fused projections in the order [`linear_attention`](Self::linear_attention)
     /// takes: `qkvz` (per key head: q, k, then its value heads' v and z) into `qkv` (every q,
     /// every k, every v) and `z`; `ba` (per key head: its value heads' b, then their a) into

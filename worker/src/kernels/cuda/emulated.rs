@@ -1007,6 +1007,117 @@ fn the_mixture_of_experts_kernels_move_rows_as_the_cpu_routing_says() {
     }
 }
 
+/// `route_rows` then `align_experts` over `logits`: the packed words they write (as many as
+/// [`experts::device_layout`] says).
+fn route_on_the_emulation(logits: &[f32], experts: usize, top_k: usize, normalize: bool) -> Vec<u32> {
+    use super::experts::{align_geometry, device_layout, max_tiles, route_geometry};
+    type Route = unsafe extern "C" fn(Dim3, Dim3, *const f32, *mut u32, *mut f32, i32, i32, i32);
+    type Align = unsafe extern "C" fn(Dim3, Dim3, *const u32, *const f32, *mut u32, i32, i32, i32, i32);
+    let (route, align): (Route, Align) = (kernel("route_rows"), kernel("align_experts"));
+    let rows = logits.len() / experts;
+    let n = rows * top_k;
+    let tiles = max_tiles(n, experts);
+    let (_, words) = device_layout(n, tiles);
+    let (mut chosen, mut weights) = (vec![u32::MAX; n], vec![f32::NAN; n]);
+    // Words the kernel must write are poisoned first.
+    let mut packed = vec![0xdead_beef_u32; words];
+    let (grid, block) = dims(route_geometry(rows));
+    // SAFETY: `logits` holds `rows` rows of `experts`; `chosen` and `weights` `top_k` a row.
+    unsafe {
+        route(
+            grid,
+            block,
+            logits.as_ptr(),
+            chosen.as_mut_ptr(),
+            weights.as_mut_ptr(),
+            experts as i32,
+            top_k as i32,
+            i32::from(normalize),
+        )
+    };
+    let (grid, block) = dims(align_geometry());
+    // SAFETY: `packed` holds the layout's words for `n` entries and `tiles` tiles.
+    unsafe {
+        align(
+            grid,
+            block,
+            chosen.as_ptr(),
+            weights.as_ptr(),
+            packed.as_mut_ptr(),
+            rows as i32,
+            top_k as i32,
+            experts as i32,
+            tiles as i32,
+        )
+    };
+    packed
+}
+
+#[test]
+fn routing_on_the_device_packs_what_the_host_routing_packs() {
+    use super::experts::{ExpertPlan, device_layout, max_tiles, pack};
+    use crate::kernels::cpu::moe;
+    let mut routing = moe::Routing::default();
+    let mut plan = ExpertPlan::default();
+    let mut host = Vec::new();
+    // (rows, experts, top_k, normalize): a decode row and a batch of Qwen3-30B-A3B's router,
+    // Qwen3-Next's 512 experts (two row groups per expert), 300 rows over 64 experts (16
+    // groups), the most experts, and a small mixture whose first expert every row takes.
+    let cases = [
+        (1usize, 128usize, 8usize, true),
+        (32, 128, 8, true),
+        (3, 512, 10, true),
+        (300, 64, 4, false),
+        (2, 1024, 16, true),
+        (11, 5, 3, true),
+    ];
+    for (case, &(rows, experts, top_k, normalize)) in cases.iter().enumerate() {
+        let mut logits: Vec<f32> = values(rows * experts, 400 + case as u64)
+            .iter()
+            .map(|v| 4.0 * v)
+            .collect();
+        match case {
+            // Ties: row 0 all equal (the lowest experts win), row 1 equal pairs.
+            1 => {
+                logits[..experts].fill(0.25);
+                for e in 0..experts / 2 {
+                    logits[experts + 2 * e + 1] = logits[experts + 2 * e];
+                }
+            }
+            // A -inf logit, never taken while a finite one is left.
+            2 => logits[7] = f32::NEG_INFINITY,
+            5 => logits.chunks_exact_mut(experts).for_each(|l| l[0] += 5.0),
+            _ => {}
+        }
+        moe::route(&logits, experts, top_k, normalize, &mut routing);
+        plan.build(&routing, experts);
+        let at = pack(&routing, &plan, &mut host);
+        let n = rows * top_k;
+        let tiles = max_tiles(n, experts);
+        let (dev_at, _) = device_layout(n, tiles);
+        let got = route_on_the_emulation(&logits, experts, top_k, normalize);
+        let what = format!("case {case}: {rows} rows, {top_k} of {experts}");
+        assert_eq!(&got[..n], &host[..at.weights], "{what}: entry rows");
+        // The emulation's expf is the host's exp: the same bits.
+        assert_eq!(&got[n..2 * n], &host[at.weights..at.tiles], "{what}: weights");
+        let used = 3 * plan.tiles.len();
+        assert_eq!(
+            &got[dev_at.tiles..dev_at.tiles + used],
+            &host[at.tiles..at.row_entries],
+            "{what}: tiles"
+        );
+        assert!(
+            got[dev_at.tiles + used..dev_at.row_entries].iter().all(|&w| w == 0),
+            "{what}: the unused tiles hold no entries"
+        );
+        assert_eq!(
+            &got[dev_at.row_entries..],
+            &host[at.row_entries..],
+            "{what}: row entries"
+        );
+    }
+}
+
 #[test]
 fn experts_in_one_go_give_the_bits_of_going_expert_by_expert() {
     experts_one_go_against_by_expert(false);
@@ -1085,7 +1196,7 @@ fn expert_group(weights: &[&ExpertMat], outs: &mut [Vec<f32>]) -> MatmulGroup {
 /// `matmul_q4_experts`, `combine_rows`) against going expert by expert (gather, quantize, the
 /// product kernel, SiLU·up, scatter): the same bits.
 fn experts_one_go_against_by_expert(q4: bool) {
-    use super::experts::{ExpertPlan, ExpertTile, experts_geometry, pack};
+    use super::experts::{ExpertPlan, ExpertTile, device_layout, experts_geometry, max_tiles, pack};
     use crate::kernels::cpu::moe;
     type Product = unsafe extern "C" fn(Dim3, Dim3, *const i8, *const f32, MatmulGroup, i32, i32);
     type Experts = unsafe extern "C" fn(
@@ -1195,94 +1306,108 @@ fn experts_one_go_against_by_expert(q4: bool) {
     }
 
     // In one go: a launch per product over every expert's tiles, then one combine, reading the
-    // routing packed as the CUDA operations upload it.
+    // routing packed as the CUDA operations upload it: from the host (exactly the tiles the
+    // routing uses), or made on the device (grids over the most tiles it could need, the rest
+    // empty; the emulation's expf is the host's exp, so the weights are the same bits).
     let mut plan = ExpertPlan::default();
     plan.build(&routing, experts);
     assert!(plan.tiles.len() > experts, "expert 0 spans two tiles");
-    let mut packed = Vec::new();
-    let at = pack(&routing, &plan, &mut packed);
-    let entry_rows = packed.as_ptr();
-    // SAFETY: `pack` put `n` weights, the tiles and the row entries at these word offsets.
-    let (weights, tiles, row_entries) = unsafe {
-        (
-            packed.as_ptr().add(at.weights) as *const f32,
-            packed.as_ptr().add(at.tiles) as *const ExpertTile,
-            packed.as_ptr().add(at.row_entries),
-        )
-    };
+    let mut host_packed = Vec::new();
+    let host_at = pack(&routing, &plan, &mut host_packed);
+    let device_tiles = max_tiles(n, experts);
+    assert!(
+        device_tiles > plan.tiles.len(),
+        "some tiles of the device's grid are empty"
+    );
+    let (device_at, _) = device_layout(n, device_tiles);
+    let device_packed = route_on_the_emulation(&logits, experts, top_k, true);
     let table = |i: usize| -> Vec<u64> { mats.iter().flat_map(|m| m[i].record(q4)).collect() };
     let (gate_t, up_t, down_t) = (table(0), table(1), table(2));
     let (xq, xd) = quantize(&x);
-    let (mut h, mut u, mut y) = (
-        vec![f32::NAN; n * ffn],
-        vec![f32::NAN; n * ffn],
-        vec![f32::NAN; n * hidden],
-    );
-    let (grid, block) = dims(experts_geometry(ffn, plan.tiles.len()));
-    // SAFETY: every tile's entries are below `n`, their rows below `rows`; `h` and `u` hold
-    // `n` rows of `ffn`.
-    unsafe {
-        for (t, out) in [(&gate_t, &mut h), (&up_t, &mut u)] {
+    for (packed, at, tile_count, made) in [
+        (&host_packed, host_at, plan.tiles.len(), "on the host"),
+        (&device_packed, device_at, device_tiles, "on the device"),
+    ] {
+        let entry_rows = packed.as_ptr();
+        // SAFETY: the layout puts `n` weights, the tiles and the row entries at these offsets.
+        let (weights, tiles, row_entries) = unsafe {
+            (
+                packed.as_ptr().add(at.weights) as *const f32,
+                packed.as_ptr().add(at.tiles) as *const ExpertTile,
+                packed.as_ptr().add(at.row_entries),
+            )
+        };
+        let (mut h, mut u, mut y) = (
+            vec![f32::NAN; n * ffn],
+            vec![f32::NAN; n * ffn],
+            vec![f32::NAN; n * hidden],
+        );
+        let (grid, block) = dims(experts_geometry(ffn, tile_count));
+        // SAFETY: every tile's entries are below `n`, their rows below `rows`; `h` and `u` hold
+        // `n` rows of `ffn`.
+        unsafe {
+            for (t, out) in [(&gate_t, &mut h), (&up_t, &mut u)] {
+                grouped(
+                    grid,
+                    block,
+                    xq.as_ptr(),
+                    xd.as_ptr(),
+                    t.as_ptr(),
+                    tiles,
+                    entry_rows,
+                    out.as_mut_ptr(),
+                    ffn as i32,
+                    hidden as i32,
+                );
+            }
+        }
+        let (grid, block) = elementwise(n * ffn);
+        // SAFETY: both hold `n * ffn` values.
+        unsafe { silu(grid, block, h.as_mut_ptr(), u.as_ptr(), (n * ffn) as u64) };
+        if let Some(i) = (0..h.len()).find(|&i| h[i].to_bits() != gates[i].to_bits()) {
+            panic!(
+                "routed {made}: the gated hidden rows, entry by entry: entry {} value {}: {} vs {}",
+                i / ffn,
+                i % ffn,
+                h[i],
+                gates[i]
+            );
+        }
+        let (hq, hd) = quantize(&h);
+        let (grid, block) = dims(experts_geometry(hidden, tile_count));
+        // SAFETY: as above, the down product reading entry rows in place (no row table).
+        unsafe {
             grouped(
                 grid,
                 block,
-                xq.as_ptr(),
-                xd.as_ptr(),
-                t.as_ptr(),
+                hq.as_ptr(),
+                hd.as_ptr(),
+                down_t.as_ptr(),
                 tiles,
-                entry_rows,
-                out.as_mut_ptr(),
-                ffn as i32,
+                std::ptr::null(),
+                y.as_mut_ptr(),
                 hidden as i32,
-            );
-        }
+                ffn as i32,
+            )
+        };
+        let mut one_go = vec![f32::NAN; rows * hidden];
+        let (grid, block) = dims(copy_geometry(rows, hidden));
+        // SAFETY: `row_entries` holds `top_k` entries below `n` per row.
+        unsafe {
+            combine(
+                grid,
+                block,
+                y.as_ptr(),
+                row_entries,
+                weights,
+                one_go.as_mut_ptr(),
+                top_k as i32,
+                hidden as i32,
+            )
+        };
+        assert!(one_go == by_expert, "the mixture's bits (q4 {q4}, routed {made})");
+        assert!(one_go.iter().all(|v| v.is_finite() && *v != 0.0));
     }
-    let (grid, block) = elementwise(n * ffn);
-    // SAFETY: both hold `n * ffn` values.
-    unsafe { silu(grid, block, h.as_mut_ptr(), u.as_ptr(), (n * ffn) as u64) };
-    if let Some(i) = (0..h.len()).find(|&i| h[i].to_bits() != gates[i].to_bits()) {
-        panic!(
-            "the gated hidden rows, entry by entry: entry {} value {}: {} vs {}",
-            i / ffn,
-            i % ffn,
-            h[i],
-            gates[i]
-        );
-    }
-    let (hq, hd) = quantize(&h);
-    let (grid, block) = dims(experts_geometry(hidden, plan.tiles.len()));
-    // SAFETY: as above, the down product reading entry rows in place (no row table).
-    unsafe {
-        grouped(
-            grid,
-            block,
-            hq.as_ptr(),
-            hd.as_ptr(),
-            down_t.as_ptr(),
-            tiles,
-            std::ptr::null(),
-            y.as_mut_ptr(),
-            hidden as i32,
-            ffn as i32,
-        )
-    };
-    let mut one_go = vec![f32::NAN; rows * hidden];
-    let (grid, block) = dims(copy_geometry(rows, hidden));
-    // SAFETY: `row_entries` holds `top_k` entries below `n` per row.
-    unsafe {
-        combine(
-            grid,
-            block,
-            y.as_ptr(),
-            row_entries,
-            weights,
-            one_go.as_mut_ptr(),
-            top_k as i32,
-            hidden as i32,
-        )
-    };
-    assert!(one_go == by_expert, "the mixture's bits (q4 {q4})");
-    assert!(one_go.iter().all(|v| v.is_finite() && *v != 0.0));
 }
 
 /// A Gated DeltaNet shape for the tests: 2 key heads of 16, 4 value heads of 24 (not a whole

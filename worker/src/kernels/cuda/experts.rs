@@ -116,6 +116,54 @@ pub fn pack(routing: &Routing, plan: &ExpertPlan, out: &mut Vec<u32>) -> Packed 
     }
 }
 
+/// The most experts a mixture routed on the device may have (moe.cu's `ROUTE_MAX_EXPERTS`,
+/// one `align_experts` thread per expert).
+pub const ROUTE_MAX_EXPERTS: usize = 1024;
+/// The most experts a row may take when routed on the device (moe.cu's `ROUTE_MAX_TOP_K`).
+pub const ROUTE_MAX_TOP_K: usize = 16;
+/// `align_experts`' threads (its one block).
+pub const ALIGN_THREADS: u32 = 1024;
+
+/// Whether a mixture of `experts` experts, `top_k` a row, can be routed on the device.
+pub fn routes_on_device(experts: usize, top_k: usize) -> bool {
+    (1..=ROUTE_MAX_EXPERTS).contains(&experts) && (1..=ROUTE_MAX_TOP_K.min(experts)).contains(&top_k)
+}
+
+/// The most tiles a routing of `entries` entries over `experts` experts can need: an expert
+/// with c entries takes ⌈c / tile⌉ ≤ c tiles, and at most c / tile + 1; so the routing at most
+/// `entries` and at most `entries / tile` plus one per expert with entries. A routing made on
+/// the device sizes its grids for this many, the unused tiles holding no entries.
+pub fn max_tiles(entries: usize, experts: usize) -> usize {
+    entries.min(entries / MATMUL_TILE as usize + experts.min(entries))
+}
+
+/// Where `align_experts` puts a device routing's parts for `entries` entries and room for
+/// `max_tiles` tiles, and the words it writes in all.
+pub fn device_layout(entries: usize, max_tiles: usize) -> (Packed, usize) {
+    let at = Packed {
+        weights: entries,
+        tiles: 2 * entries,
+        row_entries: 2 * entries + 3 * max_tiles,
+    };
+    (at, at.row_entries + entries)
+}
+
+/// `route_rows` over `rows` rows: a warp per row.
+pub fn route_geometry(rows: usize) -> Geometry {
+    Geometry {
+        grid: (rows as u32, 1, 1),
+        block: (32, 1, 1),
+    }
+}
+
+/// `align_experts`: one block.
+pub fn align_geometry() -> Geometry {
+    Geometry {
+        grid: (1, 1, 1),
+        block: (ALIGN_THREADS, 1, 1),
+    }
+}
+
 /// `matmul_q8_experts` or `matmul_q4_experts` over `tiles` tiles (at most [`MAX_TILES_PER_LAUNCH`]) of a product
 /// with `rows_w` weight rows.
 pub fn experts_geometry(rows_w: usize, tiles: usize) -> Geometry {
@@ -174,6 +222,49 @@ mod tests {
         assert_eq!((plan.active, plan.tiles.len(), plan.row_entries.len()), (3, 3, 3));
         assert_eq!(plan.row_entries.as_ptr(), at);
         assert_eq!(experts_geometry(1536, 7).grid, (384, 7, 1));
+    }
+
+    #[test]
+    fn max_tiles_bounds_every_routing_and_is_reached() {
+        let mut routing = moe::Routing::default();
+        let mut plan = ExpertPlan::default();
+        for (rows, experts, top_k) in [(1, 128, 8), (3, 5, 2), (17, 4, 4), (40, 64, 8), (9, 512, 10)] {
+            let n = rows * top_k;
+            for seed in 0..20u64 {
+                // Random logits, with every row once sent to the same first experts (long
+                // spans) and once spread.
+                let logits: Vec<f32> = (0..rows * experts)
+                    .map(|i| {
+                        let h = (i as u64 ^ seed.wrapping_mul(0x9e37_79b9)).wrapping_mul(0x2545_f491_4f6c_dd1d);
+                        let skew = if seed % 2 == 0 { (i % experts) as f32 * 0.5 } else { 0.0 };
+                        (h >> 40) as f32 / (1u64 << 24) as f32 + skew
+                    })
+                    .collect();
+                moe::route(&logits, experts, top_k, true, &mut routing);
+                plan.build(&routing, experts);
+                assert!(
+                    plan.tiles.len() <= max_tiles(n, experts),
+                    "{rows} × {top_k} of {experts}"
+                );
+            }
+        }
+        // Reached: one entry for each of 8 experts (8 tiles), or 9 for one and 1 for another.
+        assert_eq!(max_tiles(8, 128), 8);
+        assert_eq!(max_tiles(10, 2), 3);
+        let (at, words) = device_layout(10, 3);
+        assert_eq!((at.weights, at.tiles, at.row_entries, words), (10, 20, 29, 39));
+        assert!(routes_on_device(512, 10) && routes_on_device(1, 1));
+        assert!(!routes_on_device(1025, 8) && !routes_on_device(128, 17) && !routes_on_device(4, 5));
+        assert!(!routes_on_device(128, 0));
+        let src = include_str!("moe.cu");
+        for (name, value) in [
+            ("ROUTE_MAX_EXPERTS", ROUTE_MAX_EXPERTS),
+            ("ROUTE_MAX_TOP_K", ROUTE_MAX_TOP_K),
+            ("ALIGN_THREADS", ALIGN_THREADS as usize),
+            ("ROUTE_TILE", MATMUL_TILE as usize),
+        ] {
+            assert!(src.contains(&format!("#define {name} {value}\n")), "moe.cu's {name}");
+        }
     }
 
     #[test]

@@ -237,7 +237,7 @@ struct ExpertQ8 {
 struct ExpertTile {
     int expert;
     int first;  // the tile's first entry
-    int count;  // entries in the tile (1 .. TILE)
+    int count;  // entries in the tile (1 .. TILE; 0: an unused tile, skipped)
 };
 
 // What both one-go kernels do around their format's loop: warp r's weight row of tile
@@ -251,6 +251,9 @@ __device__ __forceinline__ void experts_tile(const Expert* experts, const Expert
     const int r = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (r >= rows_w) return;
     const ExpertTile tile = tiles[blockIdx.y];
+    // A tile past the routing's last (a routing made on the device sizes the grid for the most
+    // tiles any routing of its entries can need).
+    if (tile.count <= 0) return;
     const Expert e = experts[tile.expert];
     int xrow[TILE];
 #pragma unroll

@@ -53,3 +53,150 @@ extern "C" __global__ void combine_rows(const float* y, const u32* entries, cons
         out[r * width + c] = acc;
     }
 }
+
+// Routing on the device, for a mixture whose experts run in one go: route_rows picks each
+// row's experts, align_experts lays the picks out as the one-go kernels read them. The host
+// then never waits for the router's logits, so such a stage's decode step can be a CUDA graph.
+// Both follow the CPU's moe::route step by step (the softmax's sum in expert order, the first
+// of equal probabilities, the renormalization in pick order); only expf may differ from the
+// host's exp, by an ulp or two, so a row's experts can differ from the CPU's only where two
+// probabilities (nearly) tie.
+#define ROUTE_MAX_EXPERTS 1024
+#define ROUTE_MAX_TOP_K 16
+#define ALIGN_THREADS 1024
+// The one-go kernels' entries per tile (matmul.cu's TILE).
+#define ROUTE_TILE 8
+
+// Row blockIdx.x of `logits` (`experts` wide): its `top_k` experts, ascending, into `chosen`,
+// and their probabilities (renormalized to sum to one when `normalize`) into `weights`, at
+// row * top_k. One warp per row.
+extern "C" __global__ void route_rows(const float* logits, u32* chosen, float* weights, int experts, int top_k,
+                                      int normalize) {
+    __shared__ float p[ROUTE_MAX_EXPERTS];
+    const int lane = threadIdx.x & 31;
+    const u64 r = blockIdx.x;
+    const float* x = logits + r * experts;
+    const float neg_inf = __int_as_float(0xff800000);
+    float m = neg_inf;
+    for (int e = lane; e < experts; e += 32) m = fmaxf(m, x[e]);
+    m = warp_max(m);
+    for (int e = lane; e < experts; e += 32) p[e] = expf(x[e] - m);
+    __syncwarp();
+    float sum = 0.0f;
+    if (lane == 0)
+        for (int e = 0; e < experts; ++e) sum = __fadd_rn(sum, p[e]);
+    sum = __shfl_sync(0xffffffffu, sum, 0);
+    for (int e = lane; e < experts; e += 32) p[e] = p[e] / sum;
+    __syncwarp();
+    u32 ce[ROUTE_MAX_TOP_K];
+    float cw[ROUTE_MAX_TOP_K];
+    for (int k = 0; k < top_k; ++k) {
+        // The first largest: a lane's own in expert order, then the lower expert of equals.
+        float best = neg_inf;
+        int at = -1;
+        for (int e = lane; e < experts; e += 32)
+            if (p[e] > best) best = p[e], at = e;
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oa = __shfl_xor_sync(0xffffffffu, at, o);
+            if (ob > best || (ob == best && (unsigned)oa < (unsigned)at)) best = ob, at = oa;
+        }
+        // Nothing above -inf (NaN logits): expert 0, as the CPU's fold leaves it.
+        if (at < 0) at = 0;
+        ce[k] = (u32)at;
+        cw[k] = best;
+        __syncwarp();
+        if (lane == 0) p[at] = neg_inf;
+        __syncwarp();
+    }
+    if (lane != 0) return;
+    if (normalize) {
+        float s = 0.0f;
+        for (int k = 0; k < top_k; ++k) s = __fadd_rn(s, cw[k]);
+        for (int k = 0; k < top_k; ++k) cw[k] = cw[k] / s;
+    }
+    // Experts ascending (insertion sort of a few): each expert's entries then ascend by row.
+    for (int k = 1; k < top_k; ++k) {
+        const u32 e = ce[k];
+        const float w = cw[k];
+        int j = k - 1;
+        for (; j >= 0 && ce[j] > e; --j) ce[j + 1] = ce[j], cw[j + 1] = cw[j];
+        ce[j + 1] = e, cw[j + 1] = w;
+    }
+    for (int k = 0; k < top_k; ++k) chosen[r * top_k + k] = ce[k], weights[r * top_k + k] = cw[k];
+}
+
+// route_rows' picks (`rows` rows of `top_k`, experts ascending in a row) laid out in `packed` as
+// the CUDA operations pack a host routing (kernels/cuda/experts.rs): every entry's row, then
+// its weight (f32 bits), expert after expert and rows ascending within one; `max_tiles` tiles
+// of up to ROUTE_TILE entries of one expert (the tiles past the last hold no entries); each
+// row's entries, experts ascending. One block: thread (g, e) walks group g of the rows for
+// expert e, counting, then writing; groups and experts are summed in between.
+extern "C" __global__ void __launch_bounds__(ALIGN_THREADS, 1)
+    align_experts(const u32* chosen, const float* weights, u32* packed, int rows, int top_k, int experts,
+                  int max_tiles) {
+    __shared__ int part[ALIGN_THREADS];   // thread (g, e)'s entries, then where they start in e's
+    __shared__ int start[ALIGN_THREADS];  // expert e's entries (then its first entry)
+    __shared__ int tiles[ALIGN_THREADS];  // expert e's tiles (then its first tile)
+    const int t = threadIdx.x;
+    const int groups = max(1, min(ALIGN_THREADS / experts, rows));
+    const int g = t / experts, e = t % experts;
+    const bool walker = g < groups;
+    const int per = (rows + groups - 1) / groups;
+    const int r0 = min(rows, g * per), r1 = min(rows, r0 + per);
+    const u64 n = (u64)rows * top_k;
+    u32* entry_rows = packed;
+    u32* entry_weights = packed + n;
+    u32* tile_words = packed + 2 * n;
+    u32* row_entries = packed + 2 * n + 3 * (u64)max_tiles;
+    int count = 0;
+    if (walker)
+        for (u64 i = (u64)r0 * top_k; i < (u64)r1 * top_k; ++i) count += chosen[i] == (u32)e;
+    part[t] = count;
+    __syncthreads();
+    if (t < experts) {
+        int total = 0;
+        for (int h = 0; h < groups; ++h) {
+            const int c = part[h * experts + t];
+            part[h * experts + t] = total;
+            total += c;
+        }
+        start[t] = total;
+        tiles[t] = (total + ROUTE_TILE - 1) / ROUTE_TILE;
+    }
+    __syncthreads();
+    // Inclusive sums over experts (Hillis-Steele), then each expert's own taken off.
+    int own_entries = t < experts ? start[t] : 0, own_tiles = t < experts ? tiles[t] : 0;
+    for (int o = 1; o < experts; o <<= 1) {
+        int a = 0, b = 0;
+        if (t < experts && t >= o) a = start[t - o], b = tiles[t - o];
+        __syncthreads();
+        if (t < experts && t >= o) start[t] += a, tiles[t] += b;
+        __syncthreads();
+    }
+    const int used_tiles = tiles[experts - 1];
+    __syncthreads();
+    if (t < experts) start[t] -= own_entries, tiles[t] -= own_tiles;
+    __syncthreads();
+    if (walker) {
+        u32 at = (u32)(start[e] + part[t]);
+        for (u64 i = (u64)r0 * top_k; i < (u64)r1 * top_k; ++i) {
+            if (chosen[i] != (u32)e) continue;
+            entry_rows[at] = (u32)(i / top_k);
+            entry_weights[at] = __float_as_uint(weights[i]);
+            row_entries[i] = at;
+            ++at;
+        }
+    }
+    if (t < experts)
+        for (int k = 0; k < own_tiles; ++k) {
+            u32* w = tile_words + 3 * (u64)(tiles[t] + k);
+            w[0] = (u32)t;
+            w[1] = (u32)(start[t] + k * ROUTE_TILE);
+            w[2] = (u32)min(ROUTE_TILE, own_entries - k * ROUTE_TILE);
+        }
+    for (int k = used_tiles + t; k < max_tiles; k += blockDim.x) {
+        u32* w = tile_words + 3 * (u64)k;
+        w[0] = 0, w[1] = 0, w[2] = 0;
+    }
+}

@@ -48,20 +48,27 @@ impl<O: Ops> SparseMoe<O> {
         })
     }
 
+    /// Whether the device routes this mixture on itself: its experts run in one go and the
+    /// device can route that many experts (so the host never waits mid-forward).
+    pub fn routes_on_device(&self, ops: &O) -> bool {
+        self.one_go.is_some() && ops.routes_on_device(self.experts.len(), self.top_k)
+    }
+
     /// `s.proj = moe(s.xn)`.
     pub fn forward(&self, ops: &O, s: &mut Scratch<O>) {
         ops.matmul(&mut s.ws, &s.xn, &self.router, None, &mut s.router);
-        ops.route(
-            &s.router,
-            self.experts.len(),
-            self.top_k,
-            self.normalize,
-            &mut s.routing,
-        );
+        let (experts, top_k) = (self.experts.len(), self.top_k);
+        match self.routes_on_device(ops) {
+            true => ops.route_on_device(&s.router, experts, top_k, self.normalize, &mut s.routing),
+            false => ops.route(&s.router, experts, top_k, self.normalize, &mut s.routing),
+        }
         s.moe.layers += 1;
         if let Some(experts) = &self.one_go {
             let scratch = [&mut s.gate, &mut s.up, &mut s.expert_out];
-            s.moe.active_experts += ops.routed_experts(&mut s.ws, &s.xn, &s.routing, experts, scratch, &mut s.proj);
+            if let Some(active) = ops.routed_experts(&mut s.ws, &s.xn, &s.routing, experts, scratch, &mut s.proj) {
+                s.moe.active_experts += active;
+                s.moe.counted_layers += 1;
+            }
             s.moe.one_go_layers += 1;
         } else {
             let len = ops.len(&s.xn);
@@ -74,6 +81,7 @@ impl<O: Ops> SparseMoe<O> {
                 expert.apply(ops, &mut s.ws, &s.expert_in, &mut s.gate, &mut s.up, &mut s.expert_out);
                 ops.scatter_routed(&s.expert_out, &s.routing, e, &mut s.proj);
             }
+            s.moe.counted_layers += 1;
         }
         if let Some((expert, gate)) = &self.shared {
             expert.apply(ops, &mut s.ws, &s.xn, &mut s.gate, &mut s.up, &mut s.expert_out);

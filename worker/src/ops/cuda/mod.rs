@@ -27,7 +27,8 @@ use crate::kernels::cpu::moe;
 use baton_shared::dtype::DType;
 
 use crate::kernels::cuda::experts::{
-    ExpertPlan, ExpertQ4, ExpertQ8, MAX_TILES_PER_LAUNCH, Packed, experts_geometry, pack,
+    ExpertPlan, ExpertQ4, ExpertQ8, MAX_TILES_PER_LAUNCH, Packed, align_geometry, device_layout, experts_geometry,
+    max_tiles, pack, route_geometry, routes_on_device,
 };
 use crate::kernels::cuda::linear::{self, LinearSeq};
 use crate::kernels::cuda::{self as geometry, MatmulGroup, Q4Device, Q8Device, SampleRow};
@@ -232,11 +233,16 @@ unsafe impl ValidAsZeroBits for SampleRow {}
 unsafe impl DeviceRepr for LinearSeq {}
 unsafe impl ValidAsZeroBits for LinearSeq {}
 
-/// Which rows of a batch go to which expert. The router's logits are downloaded and routed by
-/// the CPU's own [`moe::route`], so a row picks the experts it picks on the CPU; the host must
-/// know each expert's row count anyway to size its products. What the kernels read (each
-/// entry's row and weight, expert after expert; the one-go plan's tiles and each row's
-/// entries) is packed into one upload per layer.
+/// Which rows of a batch go to which expert, made one of two ways:
+///
+/// * on the host ([`Ops::route`]): the router's logits are downloaded and routed by the CPU's
+///   own [`moe::route`], so a row picks the experts it picks on the CPU. Expert by expert, the
+///   host needs each expert's row count to size its products. What the kernels read (each
+///   entry's row and weight, expert after expert; the one-go plan's tiles and each row's
+///   entries) is packed into one upload per layer;
+/// * on the device ([`Ops::route_on_device`], experts in one go only): `route_rows` and
+///   `align_experts` write the same words in place, with room for the most tiles the entries
+///   can need, so nothing waits and the step can be a graph.
 #[derive(Default)]
 pub struct CudaRouting {
     host: moe::Routing,
@@ -245,12 +251,38 @@ pub struct CudaRouting {
     packed: Vec<u32>,
     dev: Option<CudaSlice<u32>>,
     at: Packed,
+    /// Set when the last routing was made on the device.
+    device: Option<DeviceRouting>,
+    /// `route_rows`' picks: each entry's expert, then its weight (f32 bits).
+    picks: Option<CudaSlice<u32>>,
+}
+
+/// The shape of a routing made on the device (the host never sees its contents).
+#[derive(Debug, Clone, Copy)]
+struct DeviceRouting {
+    rows: usize,
+    top_k: usize,
+    /// Tiles the one-go kernels' grids cover ([`max_tiles`]).
+    tiles: usize,
 }
 
 impl CudaRouting {
     /// The device address of word `at` of the packed routing (`None` before the first upload).
     fn word(&self, ops: &CudaOps, at: usize) -> Option<u64> {
         self.dev.as_ref().map(|d| ops.address(d) + 4 * at as u64)
+    }
+
+    /// Rows routed and experts per row.
+    fn shape(&self) -> (usize, usize) {
+        match self.device {
+            Some(d) => (d.rows, d.top_k),
+            None => (self.host.rows(), self.host.top_k()),
+        }
+    }
+
+    /// Tiles the one-go kernels run over.
+    fn tiles(&self) -> usize {
+        self.device.map_or(self.plan.tiles.len(), |d| d.tiles)
     }
 }
 
@@ -1170,6 +1202,7 @@ impl Ops for CudaOps {
     }
 
     fn route(&self, logits: &CudaBuf, experts: usize, top_k: usize, normalize: bool, routing: &mut CudaRouting) {
+        routing.device = None;
         routing.logits.resize(logits.len, 0.0);
         self.download(logits, &mut routing.logits);
         moe::route(&routing.logits, experts, top_k, normalize, &mut routing.host);
@@ -1180,7 +1213,73 @@ impl Ops for CudaOps {
         metrics::counter!("baton_cuda_moe_host_routes_total").increment(1);
     }
 
+    fn routes_on_device(&self, experts: usize, top_k: usize) -> bool {
+        routes_on_device(experts, top_k)
+    }
+
+    fn route_on_device(
+        &self,
+        logits: &CudaBuf,
+        experts: usize,
+        top_k: usize,
+        normalize: bool,
+        routing: &mut CudaRouting,
+    ) {
+        if !routes_on_device(experts, top_k) {
+            return self.route(logits, experts, top_k, normalize, routing);
+        }
+        let rows = logits.len / experts;
+        let n = rows * top_k;
+        let tiles = max_tiles(n, experts);
+        let (at, words) = device_layout(n, tiles);
+        routing.device = Some(DeviceRouting { rows, top_k, tiles });
+        routing.at = at;
+        metrics::counter!("baton_cuda_moe_device_routes_total").increment(1);
+        if n == 0 {
+            return;
+        }
+        // Powers of two, so a batch growing by a row rarely moves them (and a step's graph
+        // keeps its addresses).
+        self.reserve(&mut routing.picks, (2 * n).next_power_of_two());
+        self.reserve(&mut routing.dev, words.next_power_of_two());
+        let (Some(x), Some(picks), Some(packed)) = (self.dev(logits), routing.picks.as_ref(), routing.dev.as_ref())
+        else {
+            return;
+        };
+        let weights = self.address(picks) + 4 * n as u64;
+        let (e, k, norm) = (experts as i32, top_k as i32, i32::from(normalize));
+        launch!(
+            self.gpu,
+            "route_rows",
+            route_geometry(rows),
+            x,
+            picks,
+            &weights,
+            &e,
+            &k,
+            &norm
+        );
+        let (r, t) = (rows as i32, tiles as i32);
+        launch!(
+            self.gpu,
+            "align_experts",
+            align_geometry(),
+            picks,
+            &weights,
+            packed,
+            &r,
+            &k,
+            &e,
+            &t
+        );
+    }
+
     fn gather_routed(&self, x: &CudaBuf, routing: &CudaRouting, expert: usize, out: &mut CudaBuf) -> usize {
+        if routing.device.is_some() {
+            self.gpu
+                .record("a routing made on the device was read expert by expert".into());
+            return 0;
+        }
         let span = routing.host.span(expert);
         let n = span.len();
         if n == 0 {
@@ -1205,6 +1304,11 @@ impl Ops for CudaOps {
     }
 
     fn scatter_routed(&self, y: &CudaBuf, routing: &CudaRouting, expert: usize, out: &mut CudaBuf) {
+        if routing.device.is_some() {
+            self.gpu
+                .record("a routing made on the device was read expert by expert".into());
+            return;
+        }
         let span = routing.host.span(expert);
         let n = span.len();
         if n == 0 {
@@ -1289,14 +1393,14 @@ impl Ops for CudaOps {
         experts: &CudaExperts,
         scratch: [&mut CudaBuf; 3],
         out: &mut CudaBuf,
-    ) -> usize {
+    ) -> Option<usize> {
         let [gate, up, down] = scratch;
-        let (rows, top_k) = (routing.host.rows(), routing.host.top_k());
+        let (rows, top_k) = routing.shape();
         let n = rows * top_k;
         let (ffn, hidden) = (experts.ffn, experts.hidden);
         self.resize(out, x.len);
         if n == 0 {
-            return 0;
+            return Some(0);
         }
         self.resize(gate, n * ffn);
         self.resize(up, n * ffn);
@@ -1308,7 +1412,7 @@ impl Ops for CudaOps {
             down.data.as_ref(),
             out.data.as_ref(),
         ) else {
-            return 0;
+            return None;
         };
         let word = |at| routing.word(self, at);
         let (Some(base), Some(weights), Some(tiles), Some(row_entries)) = (
@@ -1317,12 +1421,12 @@ impl Ops for CudaOps {
             word(routing.at.tiles),
             word(routing.at.row_entries),
         ) else {
-            return 0;
+            return None;
         };
         if !self.quantize(ws, xd, x.len) {
-            return 0;
+            return None;
         }
-        let tiles = (tiles, routing.plan.tiles.len());
+        let tiles = (tiles, routing.tiles());
         // Gate and up read the batch rows through the entries' row table (at `base`).
         for (table, product) in [(&experts.tables[0], g), (&experts.tables[1], u)] {
             self.launch_experts(ws, (experts.kernel, table), tiles, base, product, ffn, hidden);
@@ -1330,7 +1434,7 @@ impl Ops for CudaOps {
         // SiLU·up and the down product's quantization in one launch (the MLP's width is
         // whole Q8_0 blocks, as every quantized product needs).
         if !self.silu_mul_q8(ws, g, u, n * ffn) {
-            return 0;
+            return None;
         }
         // The down product reads the gated rows entry by entry: no row table.
         self.launch_experts(ws, (experts.kernel, &experts.tables[2]), tiles, 0, y, hidden, ffn);
@@ -1346,7 +1450,8 @@ impl Ops for CudaOps {
             &k,
             &w
         );
-        routing.plan.active
+        // Only the device knows how many experts a routing it made woke.
+        routing.device.is_none().then_some(routing.plan.active)
     }
 
     fn split_qkvz(

@@ -81,3 +81,8 @@ EMULATE(delta_rule,
         (conv, b, a, dt_bias, a_rate, out, seqs, states, layer, state_layers, state_values, conv_state, key_heads,
          value_heads, dk, dv, tiled))
 EMULATE(rmsnorm_gated, P(float* x, const float* w, const float* z, int n, float eps), (x, w, z, n, eps))
+EMULATE(route_rows, P(const float* logits, u32* chosen, float* weights, int experts, int top_k, int normalize),
+        (logits, chosen, weights, experts, top_k, normalize))
+EMULATE(align_experts,
+        P(const u32* chosen, const float* weights, u32* packed, int rows, int top_k, int experts, int max_tiles),
+        (chosen, weights, packed, rows, top_k, experts, max_tiles))
