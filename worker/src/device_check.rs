@@ -886,8 +886,9 @@ fn batch_invariance(model: &std::path::Path, device: Device) -> anyhow::Result<V
 /// Decode tokens/s at each batch and a long prefill, with the weight-streaming roofline.
 fn speed(model: &std::path::Path, device: Device, a: &CheckArgs) -> anyhow::Result<Value> {
     let max_batch = a.batches.iter().copied().max().unwrap_or(1);
-    // The prompt, two warm-up steps, then three passes of `decode_steps` (graphs, without, timed).
-    let context = 128 + 3 * a.decode_steps + 4;
+    // The prompt, two warm-up steps, then up to four passes of `decode_steps` (graphs, without,
+    // routed on the host for a mixture, timed).
+    let context = 128 + 4 * a.decode_steps + 4;
     let positions = context.max(a.prefill_tokens + 1);
     let blocks = positions.div_ceil(16);
     // A Q8_0 file's blocks as stored (what `--weights auto` serves it with).
@@ -953,6 +954,20 @@ fn speed(model: &std::path::Path, device: Device, a: &CheckArgs) -> anyhow::Resu
             }
             false => None,
         };
+        // A mixture routed on the host (a wait per sparse layer, and no graphs), for the ratio
+        // with routing on the device.
+        let host_routed_s = match c.moe.is_some() && b.set_device_routing(false) {
+            true => {
+                let t = Instant::now();
+                for _ in 0..a.decode_steps {
+                    step(&mut b, &mut seqs, &mut last)?;
+                }
+                let s = t.elapsed().as_secs_f64();
+                b.set_device_routing(true);
+                Some(s)
+            }
+            false => None,
+        };
         // Where a step's time goes on the device: the same steps again with each kernel timed
         // (events around every launch, so this pass is a little slower and not counted).
         b.kernel_times(true);
@@ -980,6 +995,7 @@ fn speed(model: &std::path::Path, device: Device, a: &CheckArgs) -> anyhow::Resu
             "weight_gb_s": steps_s * info.matrix_bytes as f64 / 1e9,
             "graph_steps": graphs,
             "tok_s_without_graphs": eager_s.map(|e| batch as f64 * a.decode_steps as f64 / e),
+            "tok_s_routed_on_host": host_routed_s.map(|e| batch as f64 * a.decode_steps as f64 / e),
             "kernel_profile": profile,
         }));
     }

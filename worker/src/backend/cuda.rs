@@ -364,6 +364,12 @@ impl Backend for CudaBackend {
         true
     }
 
+    fn set_device_routing(&mut self, on: bool) -> bool {
+        self.model.ops.set_device_routing(on);
+        self.routes_on_host = self.model.routes_on_host();
+        true
+    }
+
     fn graph_counts(&self) -> Option<[u64; 4]> {
         let c = self.model.ops.gpu().graph_counts();
         Some([c.eager, c.captured, c.replayed, c.rerun])

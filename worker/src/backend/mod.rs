@@ -285,6 +285,11 @@ pub trait Backend: Send {
     fn graph_counts(&self) -> Option<[u64; 4]> {
         None
     }
+    /// Route mixtures of experts on the device (`true`) or on the host; `false` where the
+    /// device never routes (the CPU).
+    fn set_device_routing(&mut self, _on: bool) -> bool {
+        false
+    }
     /// Whether the linear-attention layers run whole prompt windows of the delta rule in the
     /// chunked form ([`crate::kv_cache::delta_windows`]); `false` where every position runs
     /// token by token.

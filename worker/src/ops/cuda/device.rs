@@ -210,11 +210,20 @@ fn launch_raw(stream: &CudaStream, function: sys::CUfunction, g: Geometry, args:
 /// `off`, `false`) turns them off, as llama.cpp's `GGML_CUDA_DISABLE_GRAPHS` and vLLM's
 /// `--enforce-eager` do.
 pub fn graphs_wanted() -> bool {
-    !matches!(
-        std::env::var("BATON_CUDA_GRAPHS")
-            .as_deref()
-            .map(str::to_ascii_lowercase)
-            .as_deref(),
+    !switched_off("BATON_CUDA_GRAPHS")
+}
+
+/// Whether mixtures whose experts run in one go are routed on the GPU unless told otherwise:
+/// `BATON_CUDA_DEVICE_ROUTING=0` routes them on the host, as the CPU does (a wait per layer,
+/// and no graphs for such a stage).
+pub fn device_routing_wanted() -> bool {
+    !switched_off("BATON_CUDA_DEVICE_ROUTING")
+}
+
+/// Whether environment variable `name` says `0`, `off`, `false` or `no`.
+fn switched_off(name: &str) -> bool {
+    matches!(
+        std::env::var(name).as_deref().map(str::to_ascii_lowercase).as_deref(),
         Ok("0" | "off" | "false" | "no")
     )
 }

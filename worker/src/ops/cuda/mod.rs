@@ -16,6 +16,7 @@ pub mod graphs;
 pub mod kv;
 pub mod pinned;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, ValidAsZeroBits};
@@ -86,6 +87,9 @@ pub struct CudaOps {
     /// Activation rows from which Q8_0 products run on the tensor cores (`matmul_q8_mma`);
     /// `usize::MAX` when its check at open did not give `matmul_q8`'s bits.
     mma_min_rows: usize,
+    /// Whether one-go mixtures are routed on the GPU ([`device::device_routing_wanted`]);
+    /// shared by the clones, so a stage's model sees a switch.
+    device_routing: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for CudaOps {
@@ -305,6 +309,7 @@ impl CudaOps {
             gpu: Arc::new(Gpu::open(ordinal)?),
             staging: Arc::default(),
             mma_min_rows: usize::MAX,
+            device_routing: Arc::new(AtomicBool::new(device::device_routing_wanted())),
         };
         ops.mma_min_rows = match ops.tensor_cores_agree() {
             Ok(true) => geometry::MMA_MIN_ROWS,
@@ -321,6 +326,11 @@ impl CudaOps {
             }
         };
         Ok(ops)
+    }
+
+    /// Route one-go mixtures on the GPU (`true`) or on the host, from the next forward on.
+    pub fn set_device_routing(&self, on: bool) {
+        self.device_routing.store(on, Ordering::Relaxed);
     }
 
     /// These operations with Q8_0 products on the tensor cores from `rows` activation rows
@@ -1214,7 +1224,7 @@ impl Ops for CudaOps {
     }
 
     fn routes_on_device(&self, experts: usize, top_k: usize) -> bool {
-        routes_on_device(experts, top_k)
+        self.device_routing.load(Ordering::Relaxed) && routes_on_device(experts, top_k)
     }
 
     fn route_on_device(
@@ -1225,7 +1235,7 @@ impl Ops for CudaOps {
         normalize: bool,
         routing: &mut CudaRouting,
     ) {
-        if !routes_on_device(experts, top_k) {
+        if !self.routes_on_device(experts, top_k) {
             return self.route(logits, experts, top_k, normalize, routing);
         }
         let rows = logits.len / experts;
