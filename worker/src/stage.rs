@@ -623,15 +623,11 @@ impl Stage {
             }
         }
         if self.recurrent {
-            // How the delta rule ran: on the CPU whole prompt windows in the chunked form, the
-            // rest token by token (a prefill that shows no chunked rows was cut off its windows).
+            // How the delta rule ran: whole prompt windows in the chunked form, the rest token
+            // by token (a prefill that shows no chunked rows was cut off its windows).
             let (rows, windowed) = seqs.iter().fold((0, 0), |(r, w), c| {
                 let (pos0, len) = (c.pos0 as usize, c.tokens.len());
-                let windows = match self.backend.chunks_delta_rule() {
-                    true => delta_windows(pos0, len, c.prompt_len as usize).len(),
-                    false => 0,
-                };
-                (r + len, w + windows)
+                (r + len, w + delta_windows(pos0, len, c.prompt_len as usize).len())
             });
             let stage = self.stage_index.to_string();
             let chunked = [("stage", stage.clone()), ("form", "chunked".to_string())];

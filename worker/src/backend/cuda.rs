@@ -263,10 +263,6 @@ impl Backend for CudaBackend {
         Ok(self.model.attach_taps(draft)?)
     }
 
-    fn chunks_delta_rule(&self) -> bool {
-        false
-    }
-
     fn save_state(&self, slot: usize, out: &mut Vec<f32>) -> Result<(), ForwardError> {
         let r = self.kv.slot_state(slot, out);
         self.finish(r)

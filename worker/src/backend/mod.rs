@@ -290,12 +290,6 @@ pub trait Backend: Send {
     fn set_device_routing(&mut self, _on: bool) -> bool {
         false
     }
-    /// Whether the linear-attention layers run whole prompt windows of the delta rule in the
-    /// chunked form ([`crate::kv_cache::delta_windows`]); `false` where every position runs
-    /// token by token.
-    fn chunks_delta_rule(&self) -> bool {
-        true
-    }
     /// Bytes free in the device's own memory (a GPU's), or `None` where the stage lives in
     /// host memory.
     fn device_free_bytes(&self) -> Option<u64> {

@@ -1558,8 +1558,11 @@ fn linear_attention_kernels_give_the_cpu_operations_rows_and_state() {
         let (channels, values_w, state_values) = (shape.channels(), shape.values(), shape.state_values());
         // Sequence 0 goes on from position 5 with a state of its own (slot 2) for two rows, fewer
         // than the conv window's three (so the window shifts); sequence 1 is new (slot 0,
-        // zeroed). Their state is layer 1 of two.
-        let table = [0u32, 1, 2, 3];
+        // zeroed). Sequences 2 and 3 are prompt chunks that take the chunked form over whole
+        // windows: 2 goes on from position 16 (slot 3) through two windows, then five rows
+        // token by token; 3 from position 5 (slot 4) steps to 16, takes one window, and steps
+        // from 32 on. Their state is layer 1 of two.
+        let table: Vec<u32> = (0..16).collect();
         let seqs = [
             PagedSeq {
                 pos0: 5,
@@ -1577,10 +1580,26 @@ fn linear_attention_kernels_give_the_cpu_operations_rows_and_state() {
                 state_slot: 0,
                 prompt_len: 0,
             },
+            PagedSeq {
+                pos0: 16,
+                len: 37,
+                stored: 16,
+                table: &table,
+                state_slot: 3,
+                prompt_len: 60,
+            },
+            PagedSeq {
+                pos0: 5,
+                len: 30,
+                stored: 5,
+                table: &table,
+                state_slot: 4,
+                prompt_len: 40,
+            },
         ];
-        let rows = 8;
-        let (state_layers, layer, slots) = (2usize, 1usize, 3usize);
-        let mut pool = PagedKv::new(1, 8, 4, 4).with_states(state_layers, state_values, slots, 0);
+        let rows = 8 + 37 + 30;
+        let (state_layers, layer, slots) = (2usize, 1usize, 5usize);
+        let mut pool = PagedKv::new(1, 8, 4, 16).with_states(state_layers, state_values, slots, 0);
         for slot in 0..slots {
             let s = pool.slot_state_mut(slot).expect("a slot");
             s.copy_from_slice(
@@ -1628,6 +1647,8 @@ fn linear_attention_kernels_give_the_cpu_operations_rows_and_state() {
 
         let mut lseqs = Vec::new();
         linear_seqs(&seqs, &mut lseqs);
+        let windows: Vec<(i32, i32)> = lseqs.iter().map(|s| (s.win0, s.win1)).collect();
+        assert_eq!(windows, [(2, 2), (6, 6), (0, 32), (11, 27)]);
         let mut conv_out = vec![f32::NAN; rows * channels];
         let (grid, block) = dims(conv_geometry(channels, lseqs.len()));
         let (sl, sv) = (state_layers as i32, state_values as i32);

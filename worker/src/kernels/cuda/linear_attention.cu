@@ -5,19 +5,28 @@
 //
 // The conv1d and the delta rule add in the CPU's order, each product and sum rounded on its
 // own (no fused multiply-add), so they differ from the CPU only through the device's exp.
-// Every position takes the delta rule token by token; the CPU runs whole windows of a prompt
-// in the chunked form, the same function summed in another order, so prompts agree with the
-// CPU within a tolerance rather than bit for bit. A row's result depends only on its own
-// sequence, whatever else shares the batch.
+// The delta rule runs whole windows of DELTA_WINDOW prompt positions (aligned to position 0,
+// as the host marks them) in the chunked form, as the CPU does, and every other position token
+// by token; a window's arithmetic follows the CPU's chunked form step by step. Only the exp
+// differs, so prompts agree with the CPU within a tolerance rather than bit for bit. A row's
+// result depends only on its own sequence and positions, whatever else shares the batch.
 #include "common.cuh"
 
 #define MAX_KEY_DIM 256
+// The widest value head: a thread per state column, and a chunked window's registers (under
+// 128 a thread) for every thread of the block.
+#define MAX_VALUE_DIM 512
+// Positions of one chunked window (baton_shared::model_config::DELTA_RULE_WINDOW).
+#define DELTA_WINDOW 16
 
-// A sequence of the batch: its first row, its rows and its state slot (three ints).
+// A sequence of the batch: its first row, its rows, its state slot, and the rows (from its
+// first) that lie in whole delta-rule windows, [win0, win1) (five ints).
 struct LinearSeq {
     int row0;
     int rows;
     int slot;
+    int win0;
+    int win1;
 };
 
 __device__ __forceinline__ float* state_of(float* states, LinearSeq s, int layer, int state_layers, int state_values) {
@@ -104,17 +113,118 @@ extern "C" __global__ void l2norm_heads(float* x, u64 pieces, int key_heads, int
 
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
+// One window of DELTA_WINDOW rows from row t0 in the chunked form, as the CPU's delta_chunk
+// computes it (kernels/cpu/linear_attention.rs), with G_t the running sum of the log decays
+// and S the state before the window: token t learns δ_t = β_t (v_t − e^{G_t} Sᵀk_t −
+// Σ_{j<t} e^{G_t−G_j} (k_t·k_j) δ_j), reads o_t = e^{G_t} Sᵀq_t + Σ_{j≤t} e^{G_t−G_j} (q_t·k_j)
+// δ_j, and the state becomes e^{G_last} S + Σ_j e^{G_last−G_j} k_j ⊗ δ_j. The state is read
+// twice a window instead of twice a token, each read feeding DELTA_WINDOW independent sums.
+// The dot products k_t·k_j and q_t·k_j and the decays between positions are the block's to
+// share; thread c keeps column c's Sᵀk, Sᵀq and δ in registers.
+struct DeltaWindow {
+    float q[DELTA_WINDOW * MAX_KEY_DIM];
+    float k[DELTA_WINDOW * MAX_KEY_DIM];
+    float kk[DELTA_WINDOW * DELTA_WINDOW];   // k_t·k_j, j ≤ t
+    float qk[DELTA_WINDOW * DELTA_WINDOW];   // q_t·k_j, j ≤ t
+    float gap[DELTA_WINDOW * DELTA_WINDOW];  // e^{G_t − G_j}, j < t
+    float cum[DELTA_WINDOW];                 // G_t
+    float beta[DELTA_WINDOW];
+    float head[DELTA_WINDOW];                // e^{G_t}
+    float tail[DELTA_WINDOW];                // e^{G_last − G_t}
+};
+
+__device__ __forceinline__ void delta_window(DeltaWindow& w, const float* conv, const float* b, const float* a,
+                                             float rate, float bias, float* out, float* S, int t0, int h, int g,
+                                             int keys, int values, int channels, int value_heads, int dk, int dv) {
+    const int c = threadIdx.x;
+    for (int i = c; i < DELTA_WINDOW * dk; i += blockDim.x) {
+        const int j = i / dk, e = i % dk;
+        const float* row = conv + (u64)(t0 + j) * channels;
+        w.q[i] = row[g * dk + e];
+        w.k[i] = row[keys + g * dk + e];
+    }
+    if (c < DELTA_WINDOW) {
+        const u64 at = (u64)(t0 + c) * value_heads + h;
+        w.beta[c] = 1.0f / (1.0f + expf(-b[at]));
+        w.cum[c] = __fmul_rn(rate, softplus(a[at] + bias));
+    }
+    __syncthreads();
+    if (c == 0)
+        for (int j = 1; j < DELTA_WINDOW; ++j) w.cum[j] = __fadd_rn(w.cum[j - 1], w.cum[j]);
+    __syncthreads();
+    for (int i = c; i < DELTA_WINDOW * DELTA_WINDOW; i += blockDim.x) {
+        const int t = i / DELTA_WINDOW, j = i % DELTA_WINDOW;
+        if (j > t) continue;
+        float dkk = 0.0f, dqk = 0.0f;
+        for (int e = 0; e < dk; ++e) {
+            dkk = __fadd_rn(dkk, __fmul_rn(w.k[t * dk + e], w.k[j * dk + e]));
+            dqk = __fadd_rn(dqk, __fmul_rn(w.q[t * dk + e], w.k[j * dk + e]));
+        }
+        w.kk[i] = dkk;
+        w.qk[i] = dqk;
+        if (j < t) w.gap[i] = expf(__fsub_rn(w.cum[t], w.cum[j]));
+    }
+    if (c < DELTA_WINDOW) {
+        w.head[c] = expf(w.cum[c]);
+        w.tail[c] = expf(__fsub_rn(w.cum[DELTA_WINDOW - 1], w.cum[c]));
+    }
+    __syncthreads();
+    if (c < dv) {
+        float sk[DELTA_WINDOW], sq[DELTA_WINDOW], d[DELTA_WINDOW];
+#pragma unroll
+        for (int t = 0; t < DELTA_WINDOW; ++t) sk[t] = 0.0f, sq[t] = 0.0f;
+        for (int e = 0; e < dk; ++e) {
+            const float sv = S[(u64)e * dv + c];
+#pragma unroll
+            for (int t = 0; t < DELTA_WINDOW; ++t) {
+                sk[t] = __fadd_rn(sk[t], __fmul_rn(w.k[t * dk + e], sv));
+                sq[t] = __fadd_rn(sq[t], __fmul_rn(w.q[t * dk + e], sv));
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < DELTA_WINDOW; ++t) {
+            const float et = w.head[t], bt = w.beta[t];
+            const float v = conv[(u64)(t0 + t) * channels + 2 * keys + h * dv + c];
+            float dt = __fmul_rn(bt, __fsub_rn(v, __fmul_rn(et, sk[t])));
+#pragma unroll
+            for (int j = 0; j < t; ++j) {
+                const float coef = __fmul_rn(__fmul_rn(bt, w.gap[t * DELTA_WINDOW + j]), w.kk[t * DELTA_WINDOW + j]);
+                dt = __fsub_rn(dt, __fmul_rn(coef, d[j]));
+            }
+            float o = __fmul_rn(sq[t], et);
+#pragma unroll
+            for (int j = 0; j < t; ++j) {
+                const float coef = __fmul_rn(w.gap[t * DELTA_WINDOW + j], w.qk[t * DELTA_WINDOW + j]);
+                o = __fadd_rn(o, __fmul_rn(coef, d[j]));
+            }
+            o = __fadd_rn(o, __fmul_rn(w.qk[t * DELTA_WINDOW + t], dt));
+            d[t] = dt;
+            out[(u64)(t0 + t) * values + h * dv + c] = o;
+        }
+        const float el = w.head[DELTA_WINDOW - 1];
+        for (int e = 0; e < dk; ++e) {
+            float acc = __fmul_rn(el, S[(u64)e * dv + c]);
+#pragma unroll
+            for (int j = 0; j < DELTA_WINDOW; ++j)
+                acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(w.tail[j], w.k[j * dk + e]), d[j]));
+            S[(u64)e * dv + c] = acc;
+        }
+    }
+    __syncthreads(); // every thread is done with the window before the next rows are loaded
+}
+
 // The gated delta rule over each sequence's rows in order, a block per (value head, sequence),
 // a thread per state column (dv of the block's whole warps): per token the state decays by
 // exp(a_rate · softplus(a + dt_bias)), learns v at k at rate sigmoid(b) (only what the decayed
 // state does not already predict), and is read at q into `out` (`value_heads · dv` wide). A
 // column's sums run along the key dimension in order, as the CPU's token-by-token step adds.
 // Value head h reads key head h % key_heads when `tiled`, else h / (value_heads / key_heads).
-extern "C" __global__ void delta_rule(const float* conv, const float* b, const float* a, const float* dt_bias,
-                                      const float* a_rate, float* out, const LinearSeq* seqs, float* states,
-                                      int layer, int state_layers, int state_values, int conv_state, int key_heads,
-                                      int value_heads, int dk, int dv, int tiled) {
+extern "C" __global__ void __launch_bounds__(MAX_VALUE_DIM)
+    delta_rule(const float* conv, const float* b, const float* a, const float* dt_bias, const float* a_rate, float* out,
+               const LinearSeq* seqs, float* states, int layer, int state_layers, int state_values, int conv_state,
+               int key_heads, int value_heads, int dk, int dv, int tiled) {
     __shared__ float qs[MAX_KEY_DIM], ks[MAX_KEY_DIM];
+    __shared__ DeltaWindow window;
     const int h = blockIdx.x, c = threadIdx.x;
     const int g = tiled ? h % key_heads : h / (value_heads / key_heads);
     const int keys = key_heads * dk, values = value_heads * dv, channels = 2 * keys + values;
@@ -122,6 +232,11 @@ extern "C" __global__ void delta_rule(const float* conv, const float* b, const f
     float* S = state_of(states, s, layer, state_layers, state_values) + conv_state + (u64)h * dk * dv;
     const float rate = a_rate[h], bias = dt_bias[h];
     for (int t = s.row0; t < s.row0 + s.rows; ++t) {
+        if (t - s.row0 >= s.win0 && t - s.row0 < s.win1) {
+            delta_window(window, conv, b, a, rate, bias, out, S, t, h, g, keys, values, channels, value_heads, dk, dv);
+            t += DELTA_WINDOW - 1;
+            continue;
+        }
         const float* row = conv + (u64)t * channels;
         for (int i = c; i < dk; i += blockDim.x) {
             qs[i] = row[g * dk + i];

@@ -232,7 +232,7 @@ unsafe impl DeviceRepr for MatmulGroup {}
 // the kernel from an array in GPU memory; all-zero bits are a valid value.
 unsafe impl DeviceRepr for SampleRow {}
 unsafe impl ValidAsZeroBits for SampleRow {}
-// SAFETY: `LinearSeq` is `repr(C)` plain data (three i32) laid out as linear_attention.cu's
+// SAFETY: `LinearSeq` is `repr(C)` plain data (five i32) laid out as linear_attention.cu's
 // `LinearSeq`, read from an array in GPU memory; all-zero bits are a valid value.
 unsafe impl DeviceRepr for LinearSeq {}
 unsafe impl ValidAsZeroBits for LinearSeq {}
