@@ -931,12 +931,16 @@ fn speed(model: &std::path::Path, device: Device, a: &CheckArgs) -> anyhow::Resu
         // into a CUDA graph (where the device has them), which the timed steps replay.
         step(&mut b, &mut seqs, &mut last)?;
         step(&mut b, &mut seqs, &mut last)?;
+        // Seconds for `decode_steps` steps.
+        let mut pass = |b: &mut Box<dyn Backend>, seqs: &mut [Seq], last: &mut Vec<u32>| -> anyhow::Result<f64> {
+            let t = Instant::now();
+            for _ in 0..a.decode_steps {
+                step(b, seqs, last)?;
+            }
+            Ok(t.elapsed().as_secs_f64())
+        };
         let graphs_before = b.graph_counts();
-        let t = Instant::now();
-        for _ in 0..a.decode_steps {
-            step(&mut b, &mut seqs, &mut last)?;
-        }
-        let s = t.elapsed().as_secs_f64();
+        let s = pass(&mut b, &mut seqs, &mut last)?;
         let graphs = b.graph_counts().zip(graphs_before).map(|(now, before)| {
             let d: Vec<u64> = now.iter().zip(before).map(|(n, b)| n - b).collect();
             json!({"eager": d[0], "captured": d[1], "replayed": d[2], "rerun": d[3]})
@@ -944,11 +948,7 @@ fn speed(model: &std::path::Path, device: Device, a: &CheckArgs) -> anyhow::Resu
         // The same steps with every kernel launched one by one (no graphs), for the ratio.
         let eager_s = match b.set_graphs(false) {
             true => {
-                let t = Instant::now();
-                for _ in 0..a.decode_steps {
-                    step(&mut b, &mut seqs, &mut last)?;
-                }
-                let eager_s = t.elapsed().as_secs_f64();
+                let eager_s = pass(&mut b, &mut seqs, &mut last)?;
                 b.set_graphs(true);
                 Some(eager_s)
             }
@@ -958,11 +958,7 @@ fn speed(model: &std::path::Path, device: Device, a: &CheckArgs) -> anyhow::Resu
         // with routing on the device.
         let host_routed_s = match c.moe.is_some() && b.set_device_routing(false) {
             true => {
-                let t = Instant::now();
-                for _ in 0..a.decode_steps {
-                    step(&mut b, &mut seqs, &mut last)?;
-                }
-                let s = t.elapsed().as_secs_f64();
+                let s = pass(&mut b, &mut seqs, &mut last)?;
                 b.set_device_routing(true);
                 Some(s)
             }
@@ -971,11 +967,7 @@ fn speed(model: &std::path::Path, device: Device, a: &CheckArgs) -> anyhow::Resu
         // Where a step's time goes on the device: the same steps again with each kernel timed
         // (events around every launch, so this pass is a little slower and not counted).
         b.kernel_times(true);
-        let t = Instant::now();
-        for _ in 0..a.decode_steps {
-            step(&mut b, &mut seqs, &mut last)?;
-        }
-        let timed_s = t.elapsed().as_secs_f64();
+        let timed_s = pass(&mut b, &mut seqs, &mut last)?;
         let kernels = b.kernel_times(false);
         let gpu_ms: f64 = kernels.iter().map(|k| k.2).sum();
         let per_step = |ms: f64| ms / a.decode_steps as f64;
