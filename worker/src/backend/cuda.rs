@@ -171,6 +171,18 @@ impl CudaBackend {
             r = self.model.forward_host_tapped(hidden, taps, &mut kv, &mut self.scratch);
             gpu.finish_region();
         }
+        // The experts woken per layer, for the layers routed on the device (the model counts
+        // the others): one more small read once the step's rows are down.
+        let moe = self.scratch.moe;
+        let routed_on_device = moe.layers - moe.counted_layers;
+        if r.is_ok()
+            && routed_on_device > 0
+            && let Some(active) = self.model.ops.take_device_routed_experts()
+        {
+            let per_layer = active as f64 / routed_on_device as f64;
+            metrics::histogram!("baton_moe_active_experts").record(per_layer);
+            tracing::Span::current().record("moe_active_experts", per_layer);
+        }
         self.finish(r)
     }
 }

@@ -93,7 +93,7 @@ pub struct MoeStats {
     /// Sparse layers run.
     pub layers: usize,
     /// Experts that had rows, summed over the layers whose count the host knows (each read its
-    /// weights once): not those routed on the device.
+    /// weights once): not those routed on the device, which the device counts.
     pub active_experts: usize,
     /// Layers counted in `active_experts`.
     pub counted_layers: usize,

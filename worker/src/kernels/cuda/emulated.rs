@@ -1008,11 +1008,12 @@ fn the_mixture_of_experts_kernels_move_rows_as_the_cpu_routing_says() {
 }
 
 /// `route_rows` then `align_experts` over `logits`: the packed words they write (as many as
-/// [`experts::device_layout`] says).
-fn route_on_the_emulation(logits: &[f32], experts: usize, top_k: usize, normalize: bool) -> Vec<u32> {
+/// [`experts::device_layout`] says) and the experts with entries (what they add to the host's
+/// counter, here started at 5).
+fn route_on_the_emulation(logits: &[f32], experts: usize, top_k: usize, normalize: bool) -> (Vec<u32>, u32) {
     use super::experts::{align_geometry, device_layout, max_tiles, route_geometry};
     type Route = unsafe extern "C" fn(Dim3, Dim3, *const f32, *mut u32, *mut f32, i32, i32, i32);
-    type Align = unsafe extern "C" fn(Dim3, Dim3, *const u32, *const f32, *mut u32, i32, i32, i32, i32);
+    type Align = unsafe extern "C" fn(Dim3, Dim3, *const u32, *const f32, *mut u32, i32, i32, i32, i32, *mut u32);
     let (route, align): (Route, Align) = (kernel("route_rows"), kernel("align_experts"));
     let rows = logits.len() / experts;
     let n = rows * top_k;
@@ -1036,7 +1037,9 @@ fn route_on_the_emulation(logits: &[f32], experts: usize, top_k: usize, normaliz
         )
     };
     let (grid, block) = dims(align_geometry());
-    // SAFETY: `packed` holds the layout's words for `n` entries and `tiles` tiles.
+    let mut active = 5u32;
+    // SAFETY: `packed` holds the layout's words for `n` entries and `tiles` tiles; `active` is
+    // one word.
     unsafe {
         align(
             grid,
@@ -1048,9 +1051,10 @@ fn route_on_the_emulation(logits: &[f32], experts: usize, top_k: usize, normaliz
             top_k as i32,
             experts as i32,
             tiles as i32,
+            &mut active,
         )
     };
-    packed
+    (packed, active - 5)
 }
 
 #[test]
@@ -1095,8 +1099,9 @@ fn routing_on_the_device_packs_what_the_host_routing_packs() {
         let n = rows * top_k;
         let tiles = max_tiles(n, experts);
         let (dev_at, _) = device_layout(n, tiles);
-        let got = route_on_the_emulation(&logits, experts, top_k, normalize);
+        let (got, active) = route_on_the_emulation(&logits, experts, top_k, normalize);
         let what = format!("case {case}: {rows} rows, {top_k} of {experts}");
+        assert_eq!(active as usize, plan.active, "{what}: experts with entries");
         assert_eq!(&got[..n], &host[..at.weights], "{what}: entry rows");
         // The emulation's expf is the host's exp: the same bits.
         assert_eq!(&got[n..2 * n], &host[at.weights..at.tiles], "{what}: weights");
@@ -1320,7 +1325,7 @@ fn experts_one_go_against_by_expert(q4: bool) {
         "some tiles of the device's grid are empty"
     );
     let (device_at, _) = device_layout(n, device_tiles);
-    let device_packed = route_on_the_emulation(&logits, experts, top_k, true);
+    let (device_packed, _) = route_on_the_emulation(&logits, experts, top_k, true);
     let table = |i: usize| -> Vec<u64> { mats.iter().flat_map(|m| m[i].record(q4)).collect() };
     let (gate_t, up_t, down_t) = (table(0), table(1), table(2));
     let (xq, xd) = quantize(&x);

@@ -131,10 +131,12 @@ extern "C" __global__ void route_rows(const float* logits, u32* chosen, float* w
 // its weight (f32 bits), expert after expert and rows ascending within one; `max_tiles` tiles
 // of up to ROUTE_TILE entries of one expert (the tiles past the last hold no entries); each
 // row's entries, experts ascending. One block: thread (g, e) walks group g of the rows for
-// expert e, counting, then writing; groups and experts are summed in between.
+// expert e, counting, then writing; groups and experts are summed in between. The experts with
+// entries are added to `*active` (a counter the host reads when it likes), since the host
+// never sees the routing itself.
 extern "C" __global__ void __launch_bounds__(ALIGN_THREADS, 1)
     align_experts(const u32* chosen, const float* weights, u32* packed, int rows, int top_k, int experts,
-                  int max_tiles) {
+                  int max_tiles, u32* active) {
     __shared__ int part[ALIGN_THREADS];   // thread (g, e)'s entries, then where they start in e's
     __shared__ int start[ALIGN_THREADS];  // expert e's entries (then its first entry)
     __shared__ int tiles[ALIGN_THREADS];  // expert e's tiles (then its first tile)
@@ -175,6 +177,7 @@ extern "C" __global__ void __launch_bounds__(ALIGN_THREADS, 1)
         __syncthreads();
     }
     const int used_tiles = tiles[experts - 1];
+    if (t < experts && own_entries > 0) atomicAdd(active, 1u);
     __syncthreads();
     if (t < experts) start[t] -= own_entries, tiles[t] -= own_tiles;
     __syncthreads();

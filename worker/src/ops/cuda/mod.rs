@@ -115,6 +115,9 @@ struct Staging {
     /// Page-locked buffers for the rows uploaded and downloaded (made on first use).
     rows_in: Option<PinnedRows>,
     rows_out: Option<PinnedRows>,
+    /// Experts that had entries in the routings made on the device since the host last read
+    /// it (`align_experts` adds to it; [`CudaOps::take_device_routed_experts`] reads it).
+    routed_experts: Option<CudaSlice<u32>>,
 }
 
 /// f32 rows in GPU memory; keeps its largest allocation.
@@ -326,6 +329,21 @@ impl CudaOps {
             }
         };
         Ok(ops)
+    }
+
+    /// The experts that had rows in the routings made on the device since the last call (a wait
+    /// for the device; outside a region, as after a forward), the counter then zeroed; `None`
+    /// before any such routing.
+    pub fn take_device_routed_experts(&self) -> Option<u64> {
+        let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        let counter = staging.routed_experts.as_mut()?;
+        let mut n = [0u32];
+        let r = self.gpu.stream.memcpy_dtoh(&counter.slice(0..1), &mut n);
+        self.gpu.check("reading the routed experts' count", r)?;
+        let r = self.gpu.stream.memset_zeros(counter);
+        self.gpu.check("zeroing the routed experts' count", r)?;
+        self.gpu.check("synchronizing", self.gpu.stream.synchronize())?;
+        Some(u64::from(n[0]))
     }
 
     /// Route one-go mixtures on the GPU (`true`) or on the host, from the next forward on.
@@ -1257,6 +1275,14 @@ impl Ops for CudaOps {
             return;
         };
         let weights = self.address(picks) + 4 * n as u64;
+        let counter = {
+            let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+            self.reserve(&mut staging.routed_experts, 1);
+            match staging.routed_experts.as_ref() {
+                Some(c) => self.address(c),
+                None => return,
+            }
+        };
         let (e, k, norm) = (experts as i32, top_k as i32, i32::from(normalize));
         launch!(
             self.gpu,
@@ -1280,7 +1306,8 @@ impl Ops for CudaOps {
             &r,
             &k,
             &e,
-            &t
+            &t,
+            &counter
         );
     }
 

@@ -84,5 +84,6 @@ EMULATE(rmsnorm_gated, P(float* x, const float* w, const float* z, int n, float 
 EMULATE(route_rows, P(const float* logits, u32* chosen, float* weights, int experts, int top_k, int normalize),
         (logits, chosen, weights, experts, top_k, normalize))
 EMULATE(align_experts,
-        P(const u32* chosen, const float* weights, u32* packed, int rows, int top_k, int experts, int max_tiles),
-        (chosen, weights, packed, rows, top_k, experts, max_tiles))
+        P(const u32* chosen, const float* weights, u32* packed, int rows, int top_k, int experts, int max_tiles,
+          u32* active),
+        (chosen, weights, packed, rows, top_k, experts, max_tiles, active))
