@@ -172,12 +172,13 @@ impl CudaBackend {
             gpu.finish_region();
         }
         // The experts woken per layer, for the layers routed on the device (the model counts
-        // the others): one more small read once the step's rows are down.
+        // the others): one more small read once the step's rows are down. Read (and zeroed)
+        // after a failed step too, so the next step counts only its own.
         let moe = self.scratch.moe;
         let routed_on_device = moe.layers - moe.counted_layers;
-        if r.is_ok()
-            && routed_on_device > 0
+        if routed_on_device > 0
             && let Some(active) = self.model.ops.take_device_routed_experts()
+            && r.is_ok()
         {
             let per_layer = active as f64 / routed_on_device as f64;
             metrics::histogram!("baton_moe_active_experts").record(per_layer);

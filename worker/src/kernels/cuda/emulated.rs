@@ -1534,7 +1534,8 @@ fn linear_attention_kernels_give_the_cpu_operations_rows_and_state() {
         i32,
     );
     type Norm = unsafe extern "C" fn(Dim3, Dim3, *mut f32, u64, i32, i32, i32, f32);
-    type Delta = unsafe extern "C" fn(
+    // delta_rule_windows' parameters; delta_rule adds `after`.
+    type Windows = unsafe extern "C" fn(
         Dim3,
         Dim3,
         *const f32,
@@ -1555,8 +1556,34 @@ fn linear_attention_kernels_give_the_cpu_operations_rows_and_state() {
         i32,
         i32,
     );
-    let (conv, norm, delta): (Conv, Norm, Delta) =
-        (kernel("conv1d_silu"), kernel("l2norm_heads"), kernel("delta_rule"));
+    type Delta = unsafe extern "C" fn(
+        Dim3,
+        Dim3,
+        *const f32,
+        *const f32,
+        *const f32,
+        *const f32,
+        *const f32,
+        *mut f32,
+        *const LinearSeq,
+        *mut f32,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+    );
+    let (conv, norm, delta, windows_kernel): (Conv, Norm, Delta, Windows) = (
+        kernel("conv1d_silu"),
+        kernel("l2norm_heads"),
+        kernel("delta_rule"),
+        kernel("delta_rule_windows"),
+    );
     for tiled in [false, true] {
         let shape = linear_shape(tiled);
         let (nk, nv, dk, dv) = (2usize, 4usize, 16usize, 24usize);
@@ -1691,30 +1718,38 @@ fn linear_attention_kernels_give_the_cpu_operations_rows_and_state() {
         };
         let mut got = vec![f32::NAN; rows * values_w];
         let (grid, block) = dims(delta_geometry(nv, lseqs.len(), dv));
+        let (ls, nk32, nv32, dk32, dv32, cs) = (
+            layer as i32,
+            nk as i32,
+            nv as i32,
+            dk as i32,
+            dv as i32,
+            shape.conv_state() as i32,
+        );
+        let t = i32::from(tiled);
+        // As the operations launch them: the steps before the windows, the windows, the steps
+        // after.
         // SAFETY: as for the conv.
         unsafe {
-            delta(
-                grid,
-                block,
+            let (c, bp, ap, db, ar, o) = (
                 conv_out.as_ptr(),
                 b.as_ptr(),
                 a.as_ptr(),
                 dt_bias.as_ptr(),
                 a_rate.as_ptr(),
                 got.as_mut_ptr(),
-                lseqs.as_ptr(),
-                states.as_mut_ptr(),
-                layer as i32,
-                sl,
-                sv,
-                shape.conv_state() as i32,
-                nk as i32,
-                nv as i32,
-                dk as i32,
-                dv as i32,
-                i32::from(tiled),
-            )
-        };
+            );
+            let (sp, st) = (lseqs.as_ptr(), states.as_mut_ptr());
+            delta(
+                grid, block, c, bp, ap, db, ar, o, sp, st, ls, sl, sv, cs, nk32, nv32, dk32, dv32, t, 0,
+            );
+            windows_kernel(
+                grid, block, c, bp, ap, db, ar, o, sp, st, ls, sl, sv, cs, nk32, nv32, dk32, dv32, t,
+            );
+            delta(
+                grid, block, c, bp, ap, db, ar, o, sp, st, ls, sl, sv, cs, nk32, nv32, dk32, dv32, t, 1,
+            );
+        }
         // Only the exp differs (the device's against the CPU's own), an ulp or so at a time.
         let close = |g: f32, w: f32| (g - w).abs() <= 2e-5 * w.abs().max(1.0);
         for (i, (g, w)) in got.iter().zip(want.iter()).enumerate() {

@@ -7,9 +7,11 @@
 // own (no fused multiply-add), so they differ from the CPU only through the device's exp.
 // The delta rule runs whole windows of DELTA_WINDOW prompt positions (aligned to position 0,
 // as the host marks them) in the chunked form, as the CPU does, and every other position token
-// by token; a window's arithmetic follows the CPU's chunked form step by step. Only the exp
-// differs, so prompts agree with the CPU within a tolerance rather than bit for bit. A row's
-// result depends only on its own sequence and positions, whatever else shares the batch.
+// by token; a window's arithmetic follows the CPU's chunked form step by step but for the
+// device's exp and the order of the window's k·k and q·k dot products (in order here, in 16
+// lanes on the CPU), so prompts agree with the CPU within a tolerance rather than bit for bit.
+// A row's result depends only on its own sequence and positions, whatever else shares the
+// batch.
 #include "common.cuh"
 
 #define MAX_KEY_DIM 256
@@ -121,9 +123,11 @@ __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1
 // twice a window instead of twice a token, each read feeding DELTA_WINDOW independent sums.
 // The dot products k_t·k_j and q_t·k_j and the decays between positions are the block's to
 // share; thread c keeps column c's Sᵀk, Sᵀq and δ in registers.
+// q and k rows are dk + 1 apart, so the 16 rows a warp's dot products read at once fall in
+// different banks.
 struct DeltaWindow {
-    float q[DELTA_WINDOW * MAX_KEY_DIM];
-    float k[DELTA_WINDOW * MAX_KEY_DIM];
+    float q[DELTA_WINDOW * (MAX_KEY_DIM + 1)];
+    float k[DELTA_WINDOW * (MAX_KEY_DIM + 1)];
     float kk[DELTA_WINDOW * DELTA_WINDOW];   // k_t·k_j, j ≤ t
     float qk[DELTA_WINDOW * DELTA_WINDOW];   // q_t·k_j, j ≤ t
     float gap[DELTA_WINDOW * DELTA_WINDOW];  // e^{G_t − G_j}, j < t
@@ -133,20 +137,48 @@ struct DeltaWindow {
     float tail[DELTA_WINDOW];                // e^{G_last − G_t}
 };
 
+// What a block of delta_rule or delta_rule_windows works on: value head blockIdx.x of
+// sequence blockIdx.y, which reads key head g (h % key_heads when `tiled`, else
+// h / (value_heads / key_heads)), and its [dk, dv] state S.
+struct DeltaHead {
+    LinearSeq s;
+    float* S;
+    float rate, bias;
+    int h, g, keys, values, channels;
+};
+
+__device__ __forceinline__ DeltaHead delta_head(const float* dt_bias, const float* a_rate, const LinearSeq* seqs,
+                                                float* states, int layer, int state_layers, int state_values,
+                                                int conv_state, int key_heads, int value_heads, int dk, int dv,
+                                                int tiled) {
+    DeltaHead d;
+    d.h = blockIdx.x;
+    d.g = tiled ? d.h % key_heads : d.h / (value_heads / key_heads);
+    d.keys = key_heads * dk;
+    d.values = value_heads * dv;
+    d.channels = 2 * d.keys + d.values;
+    d.s = seqs[blockIdx.y];
+    d.S = state_of(states, d.s, layer, state_layers, state_values) + conv_state + (u64)d.h * dk * dv;
+    d.rate = a_rate[d.h];
+    d.bias = dt_bias[d.h];
+    return d;
+}
+
 __device__ __forceinline__ void delta_window(DeltaWindow& w, const float* conv, const float* b, const float* a,
-                                             float rate, float bias, float* out, float* S, int t0, int h, int g,
-                                             int keys, int values, int channels, int value_heads, int dk, int dv) {
-    const int c = threadIdx.x;
+                                             float* out, const DeltaHead& hd, int t0, int value_heads, int dk,
+                                             int dv) {
+    const int c = threadIdx.x, ld = dk + 1, h = hd.h, keys = hd.keys, values = hd.values, channels = hd.channels;
+    float* S = hd.S;
     for (int i = c; i < DELTA_WINDOW * dk; i += blockDim.x) {
         const int j = i / dk, e = i % dk;
         const float* row = conv + (u64)(t0 + j) * channels;
-        w.q[i] = row[g * dk + e];
-        w.k[i] = row[keys + g * dk + e];
+        w.q[j * ld + e] = row[hd.g * dk + e];
+        w.k[j * ld + e] = row[keys + hd.g * dk + e];
     }
     if (c < DELTA_WINDOW) {
         const u64 at = (u64)(t0 + c) * value_heads + h;
         w.beta[c] = 1.0f / (1.0f + expf(-b[at]));
-        w.cum[c] = __fmul_rn(rate, softplus(a[at] + bias));
+        w.cum[c] = __fmul_rn(hd.rate, softplus(a[at] + hd.bias));
     }
     __syncthreads();
     if (c == 0)
@@ -157,8 +189,8 @@ __device__ __forceinline__ void delta_window(DeltaWindow& w, const float* conv, 
         if (j > t) continue;
         float dkk = 0.0f, dqk = 0.0f;
         for (int e = 0; e < dk; ++e) {
-            dkk = __fadd_rn(dkk, __fmul_rn(w.k[t * dk + e], w.k[j * dk + e]));
-            dqk = __fadd_rn(dqk, __fmul_rn(w.q[t * dk + e], w.k[j * dk + e]));
+            dkk = __fadd_rn(dkk, __fmul_rn(w.k[t * ld + e], w.k[j * ld + e]));
+            dqk = __fadd_rn(dqk, __fmul_rn(w.q[t * ld + e], w.k[j * ld + e]));
         }
         w.kk[i] = dkk;
         w.qk[i] = dqk;
@@ -177,8 +209,8 @@ __device__ __forceinline__ void delta_window(DeltaWindow& w, const float* conv, 
             const float sv = S[(u64)e * dv + c];
 #pragma unroll
             for (int t = 0; t < DELTA_WINDOW; ++t) {
-                sk[t] = __fadd_rn(sk[t], __fmul_rn(w.k[t * dk + e], sv));
-                sq[t] = __fadd_rn(sq[t], __fmul_rn(w.q[t * dk + e], sv));
+                sk[t] = __fadd_rn(sk[t], __fmul_rn(w.k[t * ld + e], sv));
+                sq[t] = __fadd_rn(sq[t], __fmul_rn(w.q[t * ld + e], sv));
             }
         }
 #pragma unroll
@@ -206,38 +238,34 @@ __device__ __forceinline__ void delta_window(DeltaWindow& w, const float* conv, 
             float acc = __fmul_rn(el, S[(u64)e * dv + c]);
 #pragma unroll
             for (int j = 0; j < DELTA_WINDOW; ++j)
-                acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(w.tail[j], w.k[j * dk + e]), d[j]));
+                acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(w.tail[j], w.k[j * ld + e]), d[j]));
             S[(u64)e * dv + c] = acc;
         }
     }
     __syncthreads(); // every thread is done with the window before the next rows are loaded
 }
 
-// The gated delta rule over each sequence's rows in order, a block per (value head, sequence),
-// a thread per state column (dv of the block's whole warps): per token the state decays by
-// exp(a_rate · softplus(a + dt_bias)), learns v at k at rate sigmoid(b) (only what the decayed
-// state does not already predict), and is read at q into `out` (`value_heads · dv` wide). A
-// column's sums run along the key dimension in order, as the CPU's token-by-token step adds.
-// Value head h reads key head h % key_heads when `tiled`, else h / (value_heads / key_heads).
+// The gated delta rule token by token over each sequence's rows before its windows (`after`
+// 0) or after them (1): a block per (value head, sequence), a thread per state column (dv of
+// the block's whole warps). Per token the state decays by exp(a_rate · softplus(a + dt_bias)),
+// learns v at k at rate sigmoid(b) (only what the decayed state does not already predict), and
+// is read at q into `out` (`value_heads · dv` wide). A column's sums run along the key
+// dimension in order, as the CPU's token-by-token step adds. Decode rows have no windows, so
+// this is the one launch of a decode step; a prompt's windows run between the two launches
+// (delta_rule_windows), whose shared memory and registers the steps do not carry.
 extern "C" __global__ void __launch_bounds__(MAX_VALUE_DIM)
     delta_rule(const float* conv, const float* b, const float* a, const float* dt_bias, const float* a_rate, float* out,
                const LinearSeq* seqs, float* states, int layer, int state_layers, int state_values, int conv_state,
-               int key_heads, int value_heads, int dk, int dv, int tiled) {
+               int key_heads, int value_heads, int dk, int dv, int tiled, int after) {
     __shared__ float qs[MAX_KEY_DIM], ks[MAX_KEY_DIM];
-    __shared__ DeltaWindow window;
-    const int h = blockIdx.x, c = threadIdx.x;
-    const int g = tiled ? h % key_heads : h / (value_heads / key_heads);
-    const int keys = key_heads * dk, values = value_heads * dv, channels = 2 * keys + values;
-    const LinearSeq s = seqs[blockIdx.y];
-    float* S = state_of(states, s, layer, state_layers, state_values) + conv_state + (u64)h * dk * dv;
-    const float rate = a_rate[h], bias = dt_bias[h];
-    for (int t = s.row0; t < s.row0 + s.rows; ++t) {
-        if (t - s.row0 >= s.win0 && t - s.row0 < s.win1) {
-            delta_window(window, conv, b, a, rate, bias, out, S, t, h, g, keys, values, channels, value_heads, dk, dv);
-            t += DELTA_WINDOW - 1;
-            continue;
-        }
-        const float* row = conv + (u64)t * channels;
+    const DeltaHead hd = delta_head(dt_bias, a_rate, seqs, states, layer, state_layers, state_values, conv_state,
+                                    key_heads, value_heads, dk, dv, tiled);
+    const int c = threadIdx.x, h = hd.h, g = hd.g, keys = hd.keys, values = hd.values;
+    const LinearSeq s = hd.s;
+    float* S = hd.S;
+    const int first = after ? s.win1 : 0, last = after ? s.rows : s.win0;
+    for (int t = s.row0 + first; t < s.row0 + last; ++t) {
+        const float* row = conv + (u64)t * hd.channels;
         for (int i = c; i < dk; i += blockDim.x) {
             qs[i] = row[g * dk + i];
             ks[i] = row[keys + g * dk + i];
@@ -245,7 +273,7 @@ extern "C" __global__ void __launch_bounds__(MAX_VALUE_DIM)
         __syncthreads();
         if (c < dv) {
             const float beta = 1.0f / (1.0f + expf(-b[(u64)t * value_heads + h]));
-            const float decay = expf(rate * softplus(a[(u64)t * value_heads + h] + bias));
+            const float decay = expf(hd.rate * softplus(a[(u64)t * value_heads + h] + hd.bias));
             const float v = row[2 * keys + h * dv + c];
             float m = 0.0f;
             for (int i = 0; i < dk; ++i) {
@@ -264,6 +292,19 @@ extern "C" __global__ void __launch_bounds__(MAX_VALUE_DIM)
         }
         __syncthreads(); // every thread has read q and k before the next row's are loaded
     }
+}
+
+// Each sequence's whole windows, [win0, win1) of its rows, in the chunked form
+// (delta_window), between delta_rule's two launches; the same blocks and threads.
+extern "C" __global__ void __launch_bounds__(MAX_VALUE_DIM)
+    delta_rule_windows(const float* conv, const float* b, const float* a, const float* dt_bias, const float* a_rate,
+                       float* out, const LinearSeq* seqs, float* states, int layer, int state_layers,
+                       int state_values, int conv_state, int key_heads, int value_heads, int dk, int dv, int tiled) {
+    __shared__ DeltaWindow window;
+    const DeltaHead hd = delta_head(dt_bias, a_rate, seqs, states, layer, state_layers, state_values, conv_state,
+                                    key_heads, value_heads, dk, dv, tiled);
+    for (int t = hd.s.row0 + hd.s.win0; t < hd.s.row0 + hd.s.win1; t += DELTA_WINDOW)
+        delta_window(window, conv, b, a, out, hd, t, value_heads, dk, dv);
 }
 
 // RMSNorm of each `n`-wide piece of x in place, times silu(z) of the same values: Gated

@@ -225,7 +225,8 @@ matmul_q8(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, int 
 }
 
 // The experts of a mixture in one launch. Each expert's entries (the rows routed to it) are
-// cut into tiles of up to TILE on the host; block (x, y) computes weight rows x·WARPS .. of
+// cut into tiles of up to TILE (by the host, or by align_experts; tiles past the routing's last
+// hold no entries and their blocks return); block (x, y) computes weight rows x·WARPS .. of
 // tile y's expert for the tile's entries. An entry's activation row is `rows[entry]` (the
 // batch row a gate/up product reads) or the entry itself when `rows` is null (the down
 // product, over the gated hidden rows packed by entry). Every output has matmul_q8's bits for

@@ -1,7 +1,8 @@
 // Mixture-of-experts rows: the rows the routing sends to one expert, packed for its products,
 // and the expert's weighted outputs added back into their rows (expert by expert), or every
 // row's experts summed at once (after matmul_q8_experts ran them all in one go); and a shared
-// expert's gate. The routing (which rows, what weight) is the host's, uploaded once per layer:
+// expert's gate. The routing (which rows, what weight) is made on the host and uploaded once
+// per layer, or made on the device (route_rows, align_experts, below) for the one-go path:
 // one expert's entries name distinct rows, so no two blocks of one launch write the same
 // value, and expert by expert the launches follow each other on the stream in ascending
 // expert order, the order the CPU adds them in.
@@ -86,6 +87,7 @@ extern "C" __global__ void route_rows(const float* logits, u32* chosen, float* w
     if (lane == 0)
         for (int e = 0; e < experts; ++e) sum = __fadd_rn(sum, p[e]);
     sum = __shfl_sync(0xffffffffu, sum, 0);
+    __syncwarp(); // lane 0's reads of p come before any lane writes it
     for (int e = lane; e < experts; e += 32) p[e] = p[e] / sum;
     __syncwarp();
     u32 ce[ROUTE_MAX_TOP_K];

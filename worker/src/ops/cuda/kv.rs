@@ -38,7 +38,7 @@ pub struct CudaKvPool {
     /// linear-attention layers).
     pub(super) states: Option<CudaSlice<f32>>,
     pub(super) state_at: StateLayout,
-    linear_host: Vec<LinearSeq>,
+    pub(super) linear_host: Vec<LinearSeq>,
     /// The batch's sequences for the linear-attention kernels.
     pub(super) linear: Option<CudaSlice<LinearSeq>>,
 }

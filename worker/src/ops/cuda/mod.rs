@@ -1606,28 +1606,61 @@ impl Ops for CudaOps {
         );
         let (conv_state, nv32, dv32) = (shape.conv_state() as i32, nv as i32, dv as i32);
         let tiled = i32::from(shape.value_heads_tiled);
-        launch!(
-            self.gpu,
-            "delta_rule",
-            linear::delta_geometry(nv, seqs, dv),
-            conv,
-            bd,
-            ad,
-            &dt_bias.data,
-            &a_rate.data,
-            o,
-            meta,
-            states,
-            &l,
-            &sl,
-            &sv,
-            &conv_state,
-            &nk32,
-            &nv32,
-            &dk32,
-            &dv32,
-            &tiled
-        );
+        let geometry = linear::delta_geometry(nv, seqs, dv);
+        let (dt, ar) = (&dt_bias.data, &a_rate.data);
+        // Token by token up to each sequence's windows (all of a decode step's rows); then, if a
+        // prompt has whole windows, those in the chunked form and the rows after them.
+        let steps = |after: i32| {
+            launch!(
+                self.gpu,
+                "delta_rule",
+                geometry,
+                conv,
+                bd,
+                ad,
+                dt,
+                ar,
+                o,
+                meta,
+                states,
+                &l,
+                &sl,
+                &sv,
+                &conv_state,
+                &nk32,
+                &nv32,
+                &dk32,
+                &dv32,
+                &tiled,
+                &after
+            );
+        };
+        steps(0);
+        if pool.linear_host.iter().any(|s| s.win1 > s.win0) {
+            launch!(
+                self.gpu,
+                "delta_rule_windows",
+                geometry,
+                conv,
+                bd,
+                ad,
+                dt,
+                ar,
+                o,
+                meta,
+                states,
+                &l,
+                &sl,
+                &sv,
+                &conv_state,
+                &nk32,
+                &nv32,
+                &dk32,
+                &dv32,
+                &tiled
+            );
+            steps(1);
+        }
     }
 
     fn store_kv(&self, layer: usize, k: &CudaBuf, v: &CudaBuf, kv: &mut CudaBatch<'_>) {

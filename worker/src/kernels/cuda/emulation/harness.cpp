@@ -77,6 +77,12 @@ EMULATE(l2norm_heads, P(float* x, u64 pieces, int key_heads, int dk, int channel
 EMULATE(delta_rule,
         P(const float* conv, const float* b, const float* a, const float* dt_bias, const float* a_rate, float* out,
           const LinearSeq* seqs, float* states, int layer, int state_layers, int state_values, int conv_state,
+          int key_heads, int value_heads, int dk, int dv, int tiled, int after),
+        (conv, b, a, dt_bias, a_rate, out, seqs, states, layer, state_layers, state_values, conv_state, key_heads,
+         value_heads, dk, dv, tiled, after))
+EMULATE(delta_rule_windows,
+        P(const float* conv, const float* b, const float* a, const float* dt_bias, const float* a_rate, float* out,
+          const LinearSeq* seqs, float* states, int layer, int state_layers, int state_values, int conv_state,
           int key_heads, int value_heads, int dk, int dv, int tiled),
         (conv, b, a, dt_bias, a_rate, out, seqs, states, layer, state_layers, state_values, conv_state, key_heads,
          value_heads, dk, dv, tiled))
