@@ -1534,28 +1534,7 @@ fn linear_attention_kernels_give_the_cpu_operations_rows_and_state() {
         i32,
     );
     type Norm = unsafe extern "C" fn(Dim3, Dim3, *mut f32, u64, i32, i32, i32, f32);
-    // delta_rule_windows' parameters; delta_rule adds `after`.
-    type Windows = unsafe extern "C" fn(
-        Dim3,
-        Dim3,
-        *const f32,
-        *const f32,
-        *const f32,
-        *const f32,
-        *const f32,
-        *mut f32,
-        *const LinearSeq,
-        *mut f32,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-    );
+    // delta_rule's and delta_rule_windows' parameters.
     type Delta = unsafe extern "C" fn(
         Dim3,
         Dim3,
@@ -1578,7 +1557,7 @@ fn linear_attention_kernels_give_the_cpu_operations_rows_and_state() {
         i32,
         i32,
     );
-    let (conv, norm, delta, windows_kernel): (Conv, Norm, Delta, Windows) = (
+    let (conv, norm, delta, windows_kernel): (Conv, Norm, Delta, Delta) = (
         kernel("conv1d_silu"),
         kernel("l2norm_heads"),
         kernel("delta_rule"),
@@ -1744,7 +1723,7 @@ fn linear_attention_kernels_give_the_cpu_operations_rows_and_state() {
                 grid, block, c, bp, ap, db, ar, o, sp, st, ls, sl, sv, cs, nk32, nv32, dk32, dv32, t, 0,
             );
             windows_kernel(
-                grid, block, c, bp, ap, db, ar, o, sp, st, ls, sl, sv, cs, nk32, nv32, dk32, dv32, t,
+                grid, block, c, bp, ap, db, ar, o, sp, st, ls, sl, sv, cs, nk32, nv32, dk32, dv32, t, 0,
             );
             delta(
                 grid, block, c, bp, ap, db, ar, o, sp, st, ls, sl, sv, cs, nk32, nv32, dk32, dv32, t, 1,

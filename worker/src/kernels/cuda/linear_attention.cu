@@ -295,11 +295,13 @@ extern "C" __global__ void __launch_bounds__(MAX_VALUE_DIM)
 }
 
 // Each sequence's whole windows, [win0, win1) of its rows, in the chunked form
-// (delta_window), between delta_rule's two launches; the same blocks and threads.
+// (delta_window), between delta_rule's two launches; the same blocks, threads and parameters
+// (`after` unused), so the host launches both from one list.
 extern "C" __global__ void __launch_bounds__(MAX_VALUE_DIM)
     delta_rule_windows(const float* conv, const float* b, const float* a, const float* dt_bias, const float* a_rate,
                        float* out, const LinearSeq* seqs, float* states, int layer, int state_layers,
-                       int state_values, int conv_state, int key_heads, int value_heads, int dk, int dv, int tiled) {
+                       int state_values, int conv_state, int key_heads, int value_heads, int dk, int dv, int tiled,
+                       int after) {
     __shared__ DeltaWindow window;
     const DeltaHead hd = delta_head(dt_bias, a_rate, seqs, states, layer, state_layers, state_values, conv_state,
                                     key_heads, value_heads, dk, dv, tiled);

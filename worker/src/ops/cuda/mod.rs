@@ -1610,10 +1610,10 @@ impl Ops for CudaOps {
         let (dt, ar) = (&dt_bias.data, &a_rate.data);
         // Token by token up to each sequence's windows (all of a decode step's rows); then, if a
         // prompt has whole windows, those in the chunked form and the rows after them.
-        let steps = |after: i32| {
+        let part = |name: &'static str, after: i32| {
             launch!(
                 self.gpu,
-                "delta_rule",
+                name,
                 geometry,
                 conv,
                 bd,
@@ -1635,31 +1635,10 @@ impl Ops for CudaOps {
                 &after
             );
         };
-        steps(0);
+        part("delta_rule", 0);
         if pool.linear_host.iter().any(|s| s.win1 > s.win0) {
-            launch!(
-                self.gpu,
-                "delta_rule_windows",
-                geometry,
-                conv,
-                bd,
-                ad,
-                dt,
-                ar,
-                o,
-                meta,
-                states,
-                &l,
-                &sl,
-                &sv,
-                &conv_state,
-                &nk32,
-                &nv32,
-                &dk32,
-                &dv32,
-                &tiled
-            );
-            steps(1);
+            part("delta_rule_windows", 0);
+            part("delta_rule", 1);
         }
     }
 

@@ -83,9 +83,9 @@ EMULATE(delta_rule,
 EMULATE(delta_rule_windows,
         P(const float* conv, const float* b, const float* a, const float* dt_bias, const float* a_rate, float* out,
           const LinearSeq* seqs, float* states, int layer, int state_layers, int state_values, int conv_state,
-          int key_heads, int value_heads, int dk, int dv, int tiled),
+          int key_heads, int value_heads, int dk, int dv, int tiled, int after),
         (conv, b, a, dt_bias, a_rate, out, seqs, states, layer, state_layers, state_values, conv_state, key_heads,
-         value_heads, dk, dv, tiled))
+         value_heads, dk, dv, tiled, after))
 EMULATE(rmsnorm_gated, P(float* x, const float* w, const float* z, int n, float eps), (x, w, z, n, eps))
 EMULATE(route_rows, P(const float* logits, u32* chosen, float* weights, int experts, int top_k, int normalize),
         (logits, chosen, weights, experts, top_k, normalize))
