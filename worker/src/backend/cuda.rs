@@ -22,9 +22,6 @@ pub struct CudaBackend {
     shape: StageShape,
     device: Device,
     model: StageModel<CudaOps>,
-    /// Some mixture of experts is routed on the host (no one-go kernel for its format), so a
-    /// forward waits mid-way and never runs as a graph.
-    routes_on_host: bool,
     kv: CudaKvPool,
     scratch: Scratch<CudaOps>,
     ids: Vec<u32>,
@@ -90,7 +87,6 @@ impl CudaBackend {
         if let Some(e) = gpu_handle.take_error() {
             return Err(BackendError::Cuda(format!("loading weights: {e}")));
         }
-        let routes_on_host = model.routes_on_host();
         let kv_dim = uniform_kv_dim(&model.specs).map_err(|(a, b)| BackendError::MixedKvWidths(a, b))?;
         let c = &model.cache;
         let kv = CudaKvPool::new(
@@ -120,7 +116,6 @@ impl CudaBackend {
             shape: shape.clone(),
             device: opts.device,
             model,
-            routes_on_host,
             kv,
             scratch: Scratch::default(),
             ids: Vec::new(),
@@ -145,7 +140,7 @@ impl CudaBackend {
     /// host) and is not timed layer by layer.
     fn graph_key(&self, seqs: &[SeqChunk<'_>], taps: bool) -> Option<GraphKey> {
         let decode = !seqs.is_empty() && seqs.iter().all(|s| s.len == 1);
-        let host_waits = self.scratch.layer_seconds.is_some() || self.routes_on_host;
+        let host_waits = self.scratch.layer_seconds.is_some() || self.model.routes_on_host();
         (decode && !host_waits).then_some(GraphKey { rows: seqs.len(), taps })
     }
 
@@ -375,7 +370,6 @@ impl Backend for CudaBackend {
 
     fn set_device_routing(&mut self, on: bool) -> bool {
         self.model.ops.set_device_routing(on);
-        self.routes_on_host = self.model.routes_on_host();
         true
     }
 

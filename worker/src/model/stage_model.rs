@@ -297,8 +297,8 @@ impl<O: Ops> StageModel<O> {
         if s.moe.layers > 0 {
             // How many experts' weights a micro-batch streams per sparse layer: 1 × top-k for
             // one row, up to every expert for a large batch.
-            let per_layer = s.moe.active_experts as f64 / s.moe.counted_layers.max(1) as f64;
             if s.moe.counted_layers > 0 {
+                let per_layer = s.moe.active_experts as f64 / s.moe.counted_layers as f64;
                 metrics::histogram!("baton_moe_active_experts").record(per_layer);
                 tracing::Span::current().record("moe_active_experts", per_layer);
             }

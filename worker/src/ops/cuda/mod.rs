@@ -291,6 +291,17 @@ impl CudaRouting {
     fn tiles(&self) -> usize {
         self.device.map_or(self.plan.tiles.len(), |d| d.tiles)
     }
+
+    /// Expert `expert`'s span of a routing made on the host; `None` (an error recorded) for
+    /// one made on the device, whose spans only the device knows.
+    fn host_span(&self, ops: &CudaOps, expert: usize) -> Option<std::ops::Range<usize>> {
+        if self.device.is_some() {
+            ops.gpu
+                .record("a routing made on the device was read expert by expert".into());
+            return None;
+        }
+        Some(self.host.span(expert))
+    }
 }
 
 /// A mixture's Q8_0 or Q4 experts as `matmul_q8_experts` or `matmul_q4_experts` reads them: for
@@ -1312,12 +1323,9 @@ impl Ops for CudaOps {
     }
 
     fn gather_routed(&self, x: &CudaBuf, routing: &CudaRouting, expert: usize, out: &mut CudaBuf) -> usize {
-        if routing.device.is_some() {
-            self.gpu
-                .record("a routing made on the device was read expert by expert".into());
+        let Some(span) = routing.host_span(self, expert) else {
             return 0;
-        }
-        let span = routing.host.span(expert);
+        };
         let n = span.len();
         if n == 0 {
             return 0;
@@ -1341,12 +1349,9 @@ impl Ops for CudaOps {
     }
 
     fn scatter_routed(&self, y: &CudaBuf, routing: &CudaRouting, expert: usize, out: &mut CudaBuf) {
-        if routing.device.is_some() {
-            self.gpu
-                .record("a routing made on the device was read expert by expert".into());
+        let Some(span) = routing.host_span(self, expert) else {
             return;
-        }
-        let span = routing.host.span(expert);
+        };
         let n = span.len();
         if n == 0 {
             return;
