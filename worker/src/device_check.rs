@@ -554,60 +554,102 @@ const BANDWIDTH_SHAPES: [(usize, usize); 2] = [(8192, 8192), (16384, 8192)];
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const LAYER_SHAPES: [(usize, usize); 4] = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)];
 
-/// Copy bandwidth of the device and the Q8_0 product's GB/s on matrices of 64 and 128 MiB.
+/// Copy bandwidth of the device and the Q8_0 product's GB/s on matrices of 64 and 128 MiB (on a
+/// GPU also one Llama-3-8B layer's): with the kernels the operations chose for each batch size,
+/// and on a GPU with each Q8_0 kernel alone, with the timings the choice was made from.
 fn bandwidth_on(device: Device) -> anyhow::Result<Value> {
     match device {
-        Device::Cpu { threads } => Ok(bandwidth(
-            &CpuOps::new(threads.unwrap_or(2), None),
-            None,
-            8,
-            &BANDWIDTH_SHAPES,
-        )),
+        Device::Cpu { threads } => {
+            let ops = CpuOps::new(threads.unwrap_or(2), None);
+            let mut runs = bandwidth(&[&ops], 8, &BANDWIDTH_SHAPES, &[1, 8, 32]);
+            Ok(json!({ "copy_gb_s": null, "q8_0_products": runs.remove(0) }))
+        }
         #[cfg(feature = "cuda")]
         Device::Cuda { gpu } => {
+            use crate::kernels::cuda::{Q8Kernel, Q8Plan};
             let ops = crate::ops::cuda::CudaOps::open(gpu)?;
             let copy = ops.copy_bandwidth(1 << 30, 20)?;
             let shapes: Vec<_> = BANDWIDTH_SHAPES.iter().chain(&LAYER_SHAPES).copied().collect();
-            let mut report = bandwidth(&ops, Some(copy), 100, &shapes);
-            // The same products with every batch on matmul_q8 (dp4a), to weigh the tensor cores.
-            let dp4a = bandwidth(&ops.with_mma_from(usize::MAX), Some(copy), 100, &shapes);
-            report["tensor_cores"] = json!(ops.tensor_cores());
-            report["q8_0_products_dp4a"] = dp4a["q8_0_products"].clone();
-            Ok(report)
+            let alone: Vec<_> = Q8Kernel::ALL
+                .iter()
+                .map(|&k| ops.with_q8_plan(Q8Plan::only(k)))
+                .collect();
+            let mut variants = vec![&ops];
+            variants.extend(alone.iter());
+            let mut runs = bandwidth(&variants, 100, &shapes, &Q8Plan::FROM_ROWS);
+            for run in &mut runs {
+                for row in run.iter_mut() {
+                    let gb_s = row["gb_s"].as_f64().unwrap_or(0.0);
+                    row["of_copy"] = json!(gb_s / copy);
+                }
+            }
+            let plan = runs.remove(0);
+            let kernels: serde_json::Map<String, Value> = Q8Kernel::ALL
+                .iter()
+                .zip(runs)
+                .map(|(k, run)| (k.label().to_string(), Value::Array(run)))
+                .collect();
+            let timed: Vec<Value> = ops
+                .q8_timings()
+                .iter()
+                .map(|t| json!({ "kernel": t.kernel.label(), "rows": t.rows, "us": t.seconds * 1e6 }))
+                .collect();
+            Ok(json!({
+                "copy_gb_s": copy,
+                "q8_0_plan": ops.q8_plan().to_string(),
+                "tensor_cores": ops.q8_plan().tensor_cores(),
+                "q8_0_plan_timings": timed,
+                "q8_0_products": plan,
+                "q8_0_kernels": kernels,
+            }))
         }
         #[cfg(not(feature = "cuda"))]
         Device::Cuda { .. } => anyhow::bail!("this build has no CUDA backend"),
     }
 }
 
-fn bandwidth<O: Ops>(ops: &O, copy_gb_s: Option<f64>, reps: usize, shapes: &[(usize, usize)]) -> Value {
-    let mut rows_out = Vec::new();
+/// Each of `variants`' Q8_0 products over `shapes` (weight rows, columns) at each of `rows`
+/// activation rows: `reps` launches a point, a tenth of them from 256 rows. Each matrix is
+/// made once for all the variants.
+fn bandwidth<O: Ops>(variants: &[&O], reps: usize, shapes: &[(usize, usize)], rows: &[usize]) -> Vec<Vec<Value>> {
+    let mut runs = vec![Vec::new(); variants.len()];
     for &(rows_w, cols) in shapes {
-        let w = values(rows_w * cols, 3);
-        let m = ops
-            .matrix(HostMatrix::F32 { values: w, cols }, WeightFormat::Q8_0)
+        let Some(first) = variants.first() else {
+            break;
+        };
+        let m = first
+            .matrix(
+                HostMatrix::F32 {
+                    values: values(rows_w * cols, 3),
+                    cols,
+                },
+                WeightFormat::Q8_0,
+            )
             .expect("a valid matrix");
-        let bytes = ops.matrix_bytes(&m);
-        for rows in [1usize, 8, 32] {
-            let (mut xb, mut out, mut ws) = (O::Buf::default(), O::Buf::default(), O::Workspace::default());
-            ops.upload(&values(rows * cols, 5), &mut xb);
-            ops.matmul(&mut ws, &xb, &m, None, &mut out);
-            let mut sink = vec![0f32; ops.len(&out)];
-            ops.download(&out, &mut sink);
-            let t = Instant::now();
-            for _ in 0..reps {
+        let bytes = first.matrix_bytes(&m);
+        for &n in rows {
+            let reps = if n >= 256 { reps.div_ceil(10) } else { reps };
+            let x = values(n * cols, 5);
+            for (ops, run) in variants.iter().zip(&mut runs) {
+                let (mut xb, mut out, mut ws) = (O::Buf::default(), O::Buf::default(), O::Workspace::default());
+                ops.upload(&x, &mut xb);
                 ops.matmul(&mut ws, &xb, &m, None, &mut out);
+                let mut sink = vec![0f32; ops.len(&out)];
+                ops.download(&out, &mut sink);
+                let t = Instant::now();
+                for _ in 0..reps {
+                    ops.matmul(&mut ws, &xb, &m, None, &mut out);
+                }
+                ops.download(&out, &mut sink);
+                let s = t.elapsed().as_secs_f64() / reps as f64;
+                run.push(json!({
+                    "matrix": format!("{rows_w}x{cols} q8_0"), "bytes": bytes, "rows": n,
+                    "us": s * 1e6, "gb_s": bytes as f64 / s / 1e9, "of_copy": null,
+                }));
             }
-            ops.download(&out, &mut sink);
-            let s = t.elapsed().as_secs_f64() / reps as f64;
-            let gb_s = bytes as f64 / s / 1e9;
-            rows_out.push(json!({
-                "matrix": format!("{rows_w}x{cols} q8_0"), "bytes": bytes, "rows": rows,
-                "us": s * 1e6, "gb_s": gb_s, "of_copy": copy_gb_s.map(|c| gb_s / c),
-            }));
         }
     }
-    json!({ "copy_gb_s": copy_gb_s, "q8_0_products": rows_out })
+    runs
 }
 
 /// Options for a whole-model backend on `device` with room for `seqs` sequences of `positions`.

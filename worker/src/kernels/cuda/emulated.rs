@@ -257,29 +257,37 @@ fn q8_group(weights: &[Q8Device], outs: &mut [Vec<f32>], bias: &[f32]) -> Matmul
 #[test]
 fn tensor_core_q8_products_give_the_dp4a_kernels_bits() {
     type Product = unsafe extern "C" fn(Dim3, Dim3, *const i8, *const f32, MatmulGroup, i32, i32);
-    let (dp4a, mma): (Product, Product) = (kernel("matmul_q8"), kernel("matmul_q8_mma"));
-    // Two products of 5 and 27 rows, so 16-row tiles straddle them and end part-way; 9 and 17
-    // activation rows end 8-row tiles part-way. 2,048 columns: 64 blocks, two per partial;
-    // 64 columns: 2 blocks, so most partials hold none.
-    for (rows_x, cols) in [(9usize, 2048usize), (17, 64), (1, 2048)] {
+    let product = |k: Q8Kernel| -> Product { kernel(k.name()) };
+    // Two products of 5 and 27 rows, so 16-row tiles straddle them and end part-way. 9, 17 and
+    // 33 activation rows end 8- and 32-row tiles part-way (33: a second split32 block of one
+    // row). 2,048 columns: 64 blocks, two per partial; 64 columns: 2 blocks, so most partials
+    // hold none; 5,120 columns: 160 blocks, five per partial, so a split kernel's warp loops
+    // over its SPLIT_UNROLL blocks more than once, the last time part-way.
+    for (rows_x, cols) in [(9usize, 2048usize), (17, 64), (1, 2048), (33, 5120)] {
         let x = values(rows_x * cols, 60 + rows_x as u64);
         let (xq, xd) = quantize(&x);
         let weights = [q8_matrix(5, cols, 70), q8_matrix(27, cols, 72)];
         let bias = values(27, 74);
-        let run = |k: Product, geometry: Geometry| -> Vec<Vec<f32>> {
+        let run = |k: Q8Kernel| -> Vec<Vec<f32>> {
             let mut outs: Vec<Vec<f32>> = weights.iter().map(|w| vec![f32::NAN; rows_x * w.rows]).collect();
             let g = q8_group(&weights, &mut outs, &bias);
-            let (grid, block) = dims(geometry);
+            let (grid, block) = dims(k.geometry(rows_x, 32).expect("a small grid"));
             // SAFETY: the group's addresses are live buffers of the sizes its row counts imply.
-            unsafe { k(grid, block, xq.as_ptr(), xd.as_ptr(), g, rows_x as i32, cols as i32) };
+            unsafe { product(k)(grid, block, xq.as_ptr(), xd.as_ptr(), g, rows_x as i32, cols as i32) };
             outs
         };
-        let want = run(dp4a, matmul_geometry(rows_x, 32));
-        let got = run(mma, matmul_mma_geometry(rows_x, 32));
-        for p in 0..2 {
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert!(want[p].iter().all(|v| v.is_finite()), "every output written");
-            assert_eq!(bits(&got[p]), bits(&want[p]), "product {p}, {rows_x} rows of {cols}");
+        let want = run(Q8Kernel::Dp4a);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for k in Q8Kernel::ALL.into_iter().filter(|k| k.tensor_cores()) {
+            let got = run(k);
+            for p in 0..2 {
+                assert!(want[p].iter().all(|v| v.is_finite()), "every output written");
+                assert_eq!(
+                    bits(&got[p]),
+                    bits(&want[p]),
+                    "{k:?}: product {p}, {rows_x} rows of {cols}"
+                );
+            }
         }
     }
 }

@@ -392,6 +392,144 @@ matmul_q8_mma(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, 
     }
 }
 
+// Q8_0 products on the tensor cores with a block's columns split over its warps. Warp w of
+// SPLIT_WARPS accumulates partials w and w + SPLIT_WARPS, ... (each over blocks b ≡ partial mod
+// 32, increasing, by fma, as lane `partial` of matmul_q8 adds them) for a tile of 16 weight rows
+// by N · 8 activation rows; the 32 partials then meet in warp_sum's butterfly order, the first
+// levels inside a warp and the last through shared memory, so every output has matmul_q8's bits
+// again. What differs from matmul_q8_mma is how the weights stream: a block reads its 16 rows
+// whole, every warp's loads of SPLIT_UNROLL blocks in flight together (as many as 64 registers
+// a thread hold without spilling), each weight fragment
+// serves N mma, and the blocks sharing weight rows are neighbours in the grid (activation tiles
+// vary fastest) so a batch wider than N · 8 rows reads them again from L2, not from memory.
+// Lane (g, t) loads bytes 8t .. 8t + 7 of its rows' block for both operands: A's k order and
+// B's are the same permutation of the PTX layout's, and the int32 dot over a block is exact in
+// any order.
+__device__ __forceinline__ uint2 load8(const i8* p) { return __ldg((const uint2*)p); }
+
+template <int WARPS_, int N, int SPLIT_UNROLL>
+__device__ __forceinline__ void q8_split(const i8* __restrict__ xq, const float* __restrict__ xd, const Group& g,
+                                         int rows_x, int cols, float (*shared)[N * 4][32]) {
+    constexpr int CLASSES = 32 / WARPS_; // partials per warp
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, gid = lane >> 2, tig = lane & 3;
+    const int nb = cols / QK;
+    const int r0 = blockIdx.y * 16;
+    int p_lo, row_lo, p_hi, row_hi;
+    const WRow lo = weight_row(g, r0 + gid, cols, p_lo, row_lo);
+    const WRow hi = weight_row(g, r0 + gid + 8, cols, p_hi, row_hi);
+    const int t0 = blockIdx.x * (8 * N);
+    // Activation tiles past the batch's last row are skipped whole (the same for the block).
+    const int tiles = min(N, (rows_x - t0 + 7) / 8);
+    float acc[CLASSES][N][4];
+#pragma unroll
+    for (int c = 0; c < CLASSES; ++c)
+#pragma unroll
+        for (int j = 0; j < N; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[c][j][i] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < CLASSES; ++c) {
+        const int partial = w + c * WARPS_;
+        for (int b0 = partial; b0 < nb; b0 += 32 * SPLIT_UNROLL) {
+            uint2 wl[SPLIT_UNROLL], wh[SPLIT_UNROLL];
+            float sl[SPLIT_UNROLL], sh[SPLIT_UNROLL];
+#pragma unroll
+            for (int u = 0; u < SPLIT_UNROLL; ++u) {
+                const int b = b0 + 32 * u;
+                if (b < nb) {
+                    const uint2 zero = {0u, 0u};
+                    wl[u] = lo.q ? load8(lo.q + b * QK + 8 * tig) : zero;
+                    wh[u] = hi.q ? load8(hi.q + b * QK + 8 * tig) : zero;
+                    sl[u] = lo.d ? h2f(__ldg(lo.d + b)) : 0.0f;
+                    sh[u] = hi.d ? h2f(__ldg(hi.d + b)) : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < SPLIT_UNROLL; ++u) {
+                const int b = b0 + 32 * u;
+                if (b >= nb) continue;
+                const int a[4] = {(int)wl[u].x, (int)wh[u].x, (int)wl[u].y, (int)wh[u].y};
+#pragma unroll
+                for (int j = 0; j < N; ++j) {
+                    if (j >= tiles) continue;
+                    const int tb = t0 + 8 * j + gid, tc = t0 + 8 * j + 2 * tig;
+                    const uint2 xb = tb < rows_x ? load8(xq + (u64)tb * cols + b * QK + 8 * tig) : uint2{0u, 0u};
+                    const int bx[2] = {(int)xb.x, (int)xb.y};
+                    int d[4];
+                    mma_s8(d, a, bx);
+                    const float x0 = tc < rows_x ? __ldg(xd + (u64)tc * nb + b) : 0.0f;
+                    const float x1 = tc + 1 < rows_x ? __ldg(xd + (u64)(tc + 1) * nb + b) : 0.0f;
+                    acc[c][j][0] = fmaf(sl[u] * x0, (float)d[0], acc[c][j][0]);
+                    acc[c][j][1] = fmaf(sl[u] * x1, (float)d[1], acc[c][j][1]);
+                    acc[c][j][2] = fmaf(sh[u] * x0, (float)d[2], acc[c][j][2]);
+                    acc[c][j][3] = fmaf(sh[u] * x1, (float)d[3], acc[c][j][3]);
+                }
+            }
+        }
+    }
+    // The butterfly's levels: partial p takes p + s for s = 16, 8, ... 1. Those between a warp's
+    // own partials (s ≥ WARPS_) are register adds; the rest go through shared memory, warps
+    // [s, 2s) handing theirs to warps [0, s).
+#pragma unroll
+    for (int s = 16; s >= WARPS_; s >>= 1) {
+        // Partial w + c·WARPS_ takes w + (c + s / WARPS_)·WARPS_.
+#pragma unroll
+        for (int c = 0; c < s / WARPS_; ++c)
+#pragma unroll
+            for (int j = 0; j < N; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[c][j][i] = acc[c][j][i] + acc[c + s / WARPS_][j][i];
+    }
+    for (int s = WARPS_ / 2; s > 0; s >>= 1) {
+        if (w >= s && w < 2 * s) {
+#pragma unroll
+            for (int j = 0; j < N; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) shared[w - s][4 * j + i][lane] = acc[0][j][i];
+        }
+        __syncthreads();
+        if (w < s) {
+#pragma unroll
+            for (int j = 0; j < N; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[0][j][i] = acc[0][j][i] + shared[w][4 * j + i][lane];
+        }
+        __syncthreads();
+    }
+    if (w != 0) return;
+    const int rows_w[2] = {lo.q ? pick_rows(g, p_lo) : 0, hi.q ? pick_rows(g, p_hi) : 0};
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const bool upper = i >= 2;
+            const WRow& wr = upper ? hi : lo;
+            const int t = t0 + 8 * j + 2 * tig + (i & 1);
+            if (!wr.q || t >= rows_x) continue;
+            const int p = upper ? p_hi : p_lo, r = upper ? row_hi : row_lo;
+            const float* bias = (const float*)pick(p, g.bias[0], g.bias[1], g.bias[2]);
+            float* out = (float*)pick(p, g.out[0], g.out[1], g.out[2]);
+            out[(u64)t * rows_w[upper] + r] = acc[0][j][i] + (bias ? bias[r] : 0.0f);
+        }
+    }
+}
+
+// Two shapes of it, both timed by CudaOps::open: 32 warps each owning one partial of 32
+// activation rows (one block a multiprocessor at 64 registers), and 16 warps each owning two
+// partials of 8 activation rows, three blocks' loads in flight a partial (two blocks a
+// multiprocessor, so one's reduction can overlap the other's loads).
+extern "C" __global__ void __launch_bounds__(32 * 32, 1)
+matmul_q8_split32(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, int rows_x, int cols) {
+    __shared__ float shared[16][4 * 4][32];
+    q8_split<32, 4, 2>(xq, xd, g, rows_x, cols, shared);
+}
+
+extern "C" __global__ void __launch_bounds__(16 * 32, 2)
+matmul_q8_split16(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, int rows_x, int cols) {
+    __shared__ float shared[8][1 * 4][32];
+    q8_split<16, 1, 3>(xq, xd, g, rows_x, cols, shared);
+}
+
 // Q4_0 / Q4_1 weights (16 code bytes per block as ggml packs them, f16 scales d and, for Q4_1,
 // f16 minimums m; Q4_0's minimum is -8 d) against activations quantized by quantize_q8. A weight
 // is code·d + m, so a block contributes d·dx·Σ code·x + m·dx·Σ x: two integer sums (dp4a).

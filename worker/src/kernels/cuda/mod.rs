@@ -53,15 +53,162 @@ pub fn matmul_geometry(rows_x: usize, rows_w: usize) -> Geometry {
 /// (`MMA_WARPS` in matmul.cu).
 pub const MMA_WARPS: u32 = 4;
 
-/// Activation rows from which Q8_0 products take the tensor cores (`matmul_q8_mma`, the same
-/// bits as `matmul_q8`): one row streams the weights best with `matmul_q8`'s 16-byte loads.
-pub const MMA_MIN_ROWS: usize = 8;
-
 /// `matmul_q8_mma` over `rows_x` activation rows by `rows_w` weight rows.
 pub fn matmul_mma_geometry(rows_x: usize, rows_w: usize) -> Geometry {
     Geometry {
         grid: ((rows_w as u32).div_ceil(16 * MMA_WARPS), (rows_x as u32).div_ceil(8), 1),
         block: (MMA_WARPS * 32, 1, 1),
+    }
+}
+
+/// The Q8_0 product kernels, all giving `matmul_q8`'s bits for every output (so a row's result
+/// never depends on which one its batch took); `CudaOps` times them on the GPU and gives each
+/// batch size the fastest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Q8Kernel {
+    /// `matmul_q8`: a warp per weight row, `dp4a`, tiles of 8 activation rows.
+    Dp4a,
+    /// `matmul_q8_mma`: a warp per 16 weight rows by 8 activation rows, int8 `mma`.
+    Mma,
+    /// `matmul_q8_split32`: a block of 32 warps per 16 weight rows by 32 activation rows, the
+    /// columns split over the warps.
+    Split32,
+    /// `matmul_q8_split16`: 16 warps per 16 weight rows by 8 activation rows.
+    Split16,
+}
+
+impl Q8Kernel {
+    /// Every kernel, `matmul_q8` (the reference the others must equal) first.
+    pub const ALL: [Q8Kernel; 4] = [Q8Kernel::Dp4a, Q8Kernel::Mma, Q8Kernel::Split32, Q8Kernel::Split16];
+
+    /// The kernel's name in matmul.cu.
+    pub fn name(self) -> &'static str {
+        match self {
+            Q8Kernel::Dp4a => "matmul_q8",
+            Q8Kernel::Mma => "matmul_q8_mma",
+            Q8Kernel::Split32 => "matmul_q8_split32",
+            Q8Kernel::Split16 => "matmul_q8_split16",
+        }
+    }
+
+    /// A short name for reports and `BATON_CUDA_Q8_KERNEL`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Q8Kernel::Dp4a => "dp4a",
+            Q8Kernel::Mma => "mma",
+            Q8Kernel::Split32 => "split32",
+            Q8Kernel::Split16 => "split16",
+        }
+    }
+
+    /// The kernel a label names.
+    pub fn from_label(label: &str) -> Option<Q8Kernel> {
+        Self::ALL.into_iter().find(|k| k.label() == label)
+    }
+
+    /// Whether it runs on the int8 tensor cores.
+    pub fn tensor_cores(self) -> bool {
+        self != Q8Kernel::Dp4a
+    }
+
+    /// Its launch over `rows_x` activation rows by `rows_w` weight rows, or `None` where the
+    /// grid would pass CUDA's 65,535 blocks in y (only `matmul_q8` takes any shape).
+    pub fn geometry(self, rows_x: usize, rows_w: usize) -> Option<Geometry> {
+        let split = |warps: u32, rows_per_block: u32| -> Option<Geometry> {
+            let tiles = (rows_w as u64).div_ceil(16);
+            (tiles <= 65_535).then(|| Geometry {
+                grid: ((rows_x as u32).div_ceil(rows_per_block), tiles as u32, 1),
+                block: (warps * 32, 1, 1),
+            })
+        };
+        match self {
+            Q8Kernel::Dp4a => Some(matmul_geometry(rows_x, rows_w)),
+            Q8Kernel::Mma => (rows_x.div_ceil(8) <= 65_535).then(|| matmul_mma_geometry(rows_x, rows_w)),
+            Q8Kernel::Split32 => split(32, 32),
+            Q8Kernel::Split16 => split(16, 8),
+        }
+    }
+}
+
+/// How long one Q8_0 kernel took for a product of `rows` activation rows (seconds per launch).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Q8Timing {
+    pub kernel: Q8Kernel,
+    pub rows: usize,
+    pub seconds: f64,
+}
+
+/// Which Q8_0 kernel a product takes at each batch size: `kernels[i]` from
+/// [`Q8Plan::FROM_ROWS`]`[i]` activation rows up to the next entry's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Q8Plan {
+    pub kernels: [Q8Kernel; 4],
+}
+
+impl Q8Plan {
+    /// The batch sizes a plan is timed at: decode of one sequence, small and large decode
+    /// batches, and prompt chunks.
+    pub const FROM_ROWS: [usize; 4] = [1, 8, 32, 256];
+
+    /// One kernel for every batch.
+    pub fn only(kernel: Q8Kernel) -> Self {
+        Self { kernels: [kernel; 4] }
+    }
+
+    /// The plan when the kernels could not be timed: `matmul_q8` for fewer than 8 rows and
+    /// `matmul_q8_mma` from 8 where the tensor cores gave `matmul_q8`'s bits.
+    pub fn untimed(mma: bool) -> Self {
+        let batch = if mma { Q8Kernel::Mma } else { Q8Kernel::Dp4a };
+        Self {
+            kernels: [Q8Kernel::Dp4a, batch, batch, batch],
+        }
+    }
+
+    /// The fastest kernel timed at each size; a size with no timing takes `matmul_q8`, and a
+    /// tie keeps the kernel earlier in [`Q8Kernel::ALL`].
+    pub fn fastest(timings: &[Q8Timing]) -> Self {
+        let mut kernels = [Q8Kernel::Dp4a; 4];
+        for (i, &rows) in Self::FROM_ROWS.iter().enumerate() {
+            let mut best: Option<Q8Timing> = None;
+            for k in Q8Kernel::ALL {
+                let Some(t) = timings
+                    .iter()
+                    .find(|t| t.kernel == k && t.rows == rows && t.seconds.is_finite())
+                else {
+                    continue;
+                };
+                if best.is_none_or(|b| t.seconds < b.seconds) {
+                    best = Some(*t);
+                }
+            }
+            kernels[i] = best.map_or(Q8Kernel::Dp4a, |b| b.kernel);
+        }
+        Self { kernels }
+    }
+
+    /// The kernel a product of `rows` activation rows by `rows_w` weight rows takes, and its
+    /// launch (`matmul_q8` where the planned kernel's grid would not fit).
+    pub fn launch(&self, rows: usize, rows_w: usize) -> (Q8Kernel, Geometry) {
+        let i = Self::FROM_ROWS.iter().rposition(|&from| rows >= from).unwrap_or(0);
+        match self.kernels[i].geometry(rows, rows_w) {
+            Some(g) => (self.kernels[i], g),
+            None => (Q8Kernel::Dp4a, matmul_geometry(rows, rows_w)),
+        }
+    }
+
+    /// Whether any batch size runs on the tensor cores.
+    pub fn tensor_cores(&self) -> bool {
+        self.kernels.iter().any(|k| k.tensor_cores())
+    }
+}
+
+impl std::fmt::Display for Q8Plan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, (k, from)) in self.kernels.iter().zip(Self::FROM_ROWS).enumerate() {
+            let sep = if i == 0 { "" } else { ", " };
+            write!(f, "{sep}{} from {from} rows", k.label())?;
+        }
+        Ok(())
     }
 }
 
@@ -435,6 +582,91 @@ mod emulated;
 mod tests {
     use super::*;
     use crate::kernels::cpu::q8::Q8Matrix;
+
+    #[test]
+    fn a_q8_plan_gives_each_batch_size_the_fastest_kernel_timed() {
+        let t = |kernel, rows, seconds| Q8Timing { kernel, rows, seconds };
+        let timings = [
+            t(Q8Kernel::Dp4a, 1, 2.0),
+            t(Q8Kernel::Split32, 1, 1.5),
+            t(Q8Kernel::Mma, 1, f64::NAN),
+            t(Q8Kernel::Dp4a, 8, 3.0),
+            t(Q8Kernel::Mma, 8, 2.0),
+            t(Q8Kernel::Split16, 8, 2.0),
+            t(Q8Kernel::Dp4a, 32, 9.0),
+            t(Q8Kernel::Split16, 32, 4.0),
+            t(Q8Kernel::Split32, 32, 3.0),
+        ];
+        let plan = Q8Plan::fastest(&timings);
+        // 8 rows: a tie keeps the earlier kernel; 256: not timed, so matmul_q8.
+        assert_eq!(
+            plan.kernels,
+            [Q8Kernel::Split32, Q8Kernel::Mma, Q8Kernel::Split32, Q8Kernel::Dp4a]
+        );
+        assert_eq!(
+            plan.to_string(),
+            "split32 from 1 rows, mma from 8 rows, split32 from 32 rows, dp4a from 256 rows"
+        );
+        assert!(plan.tensor_cores());
+        assert!(!Q8Plan::untimed(false).tensor_cores());
+        assert_eq!(Q8Plan::untimed(true).launch(7, 64).0, Q8Kernel::Dp4a);
+        assert_eq!(Q8Plan::untimed(true).launch(8, 64).0, Q8Kernel::Mma);
+        // Each size takes the entry of the largest timed size not above it.
+        let launch = |rows| plan.launch(rows, 4096).0;
+        assert_eq!(
+            [
+                launch(1),
+                launch(7),
+                launch(8),
+                launch(31),
+                launch(32),
+                launch(255),
+                launch(256),
+                launch(4096)
+            ],
+            [
+                Q8Kernel::Split32,
+                Q8Kernel::Split32,
+                Q8Kernel::Mma,
+                Q8Kernel::Mma,
+                Q8Kernel::Split32,
+                Q8Kernel::Split32,
+                Q8Kernel::Dp4a,
+                Q8Kernel::Dp4a
+            ]
+        );
+        // A split kernel's grid holds 65,535 tiles of 16 weight rows in y; past that matmul_q8.
+        let only = Q8Plan::only(Q8Kernel::Split16);
+        assert_eq!(only.launch(3, 16 * 65_535).0, Q8Kernel::Split16);
+        assert_eq!(
+            only.launch(3, 16 * 65_535 + 1),
+            (Q8Kernel::Dp4a, matmul_geometry(3, 16 * 65_535 + 1))
+        );
+        for k in Q8Kernel::ALL {
+            assert_eq!(Q8Kernel::from_label(k.label()), Some(k));
+        }
+        assert_eq!(Q8Kernel::from_label("cublas"), None);
+    }
+
+    #[test]
+    fn split_kernels_cover_every_row_with_whole_blocks() {
+        // Blocks of 32 warps × 32 activation rows and 16 warps × 8, 16 weight rows each, as
+        // matmul.cu instantiates q8_split.
+        let matmul = include_str!("matmul.cu");
+        assert!(matmul.contains("__launch_bounds__(32 * 32, 1)\nmatmul_q8_split32"));
+        assert!(matmul.contains("q8_split<32, 4, 2>(xq"));
+        assert!(matmul.contains("__launch_bounds__(16 * 32, 2)\nmatmul_q8_split16"));
+        assert!(matmul.contains("q8_split<16, 1, 3>(xq"));
+        for (k, warps, rows_per_block) in [(Q8Kernel::Split32, 32, 32), (Q8Kernel::Split16, 16, 8)] {
+            for (rows_x, rows_w) in [(1usize, 16usize), (33, 17), (256, 4096)] {
+                let g = k.geometry(rows_x, rows_w).expect("a small grid");
+                assert_eq!(g.block, (warps * 32, 1, 1));
+                assert!(g.grid.0 as usize * rows_per_block >= rows_x);
+                assert!((g.grid.0 as usize - 1) * rows_per_block < rows_x);
+                assert!(g.grid.1 as usize * 16 >= rows_w && (g.grid.1 as usize - 1) * 16 < rows_w);
+            }
+        }
+    }
 
     /// The constants above are the kernels' own `#define`s.
     #[test]

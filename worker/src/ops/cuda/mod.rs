@@ -32,7 +32,7 @@ use crate::kernels::cuda::experts::{
     max_tiles, pack, route_geometry, routes_on_device,
 };
 use crate::kernels::cuda::linear::{self, LinearSeq};
-use crate::kernels::cuda::{self as geometry, MatmulGroup, Q4Device, Q8Device, SampleRow};
+use crate::kernels::cuda::{self as geometry, MatmulGroup, Q4Device, Q8Device, Q8Kernel, Q8Plan, Q8Timing, SampleRow};
 use crate::model::ForwardError;
 pub use device::{CudaError, Gpu, GpuInfo, KernelTime};
 use graphs::Args;
@@ -84,9 +84,11 @@ macro_rules! launch {
 pub struct CudaOps {
     gpu: Arc<Gpu>,
     staging: Arc<Mutex<Staging>>,
-    /// Activation rows from which Q8_0 products run on the tensor cores (`matmul_q8_mma`);
-    /// `usize::MAX` when its check at open did not give `matmul_q8`'s bits.
-    mma_min_rows: usize,
+    /// The Q8_0 product kernel of each batch size, timed at open among those that gave
+    /// `matmul_q8`'s bits ([`CudaOps::open`]).
+    q8: Q8Plan,
+    /// What the plan was chosen from (empty when not timed).
+    q8_timings: Arc<[Q8Timing]>,
     /// Whether one-go mixtures are routed on the GPU ([`device::device_routing_wanted`]);
     /// shared by the clones, so a stage's model sees a switch.
     device_routing: Arc<AtomicBool>,
@@ -317,29 +319,94 @@ pub struct CudaExperts {
 }
 
 impl CudaOps {
-    /// Operations on GPU `ordinal`.
+    /// Operations on GPU `ordinal`, with each batch size's Q8_0 kernel chosen by timing
+    /// ([`CudaOps::choose_q8_kernels`]).
     pub fn open(ordinal: u32) -> Result<Self, CudaError> {
         let mut ops = Self {
             gpu: Arc::new(Gpu::open(ordinal)?),
             staging: Arc::default(),
-            mma_min_rows: usize::MAX,
+            q8: Q8Plan::only(Q8Kernel::Dp4a),
+            q8_timings: Arc::new([]),
             device_routing: Arc::new(AtomicBool::new(device::device_routing_wanted())),
         };
-        ops.mma_min_rows = match ops.tensor_cores_agree() {
-            Ok(true) => geometry::MMA_MIN_ROWS,
-            Ok(false) => {
-                tracing::warn!(
-                    gpu = ordinal,
-                    "the tensor-core Q8_0 product differs from matmul_q8 on this GPU; batches use matmul_q8"
-                );
-                usize::MAX
-            }
+        ops.choose_q8_kernels(ordinal);
+        Ok(ops)
+    }
+
+    /// Every Q8_0 kernel that gives `matmul_q8`'s bits on a small product is timed at each of
+    /// [`Q8Plan::FROM_ROWS`] on a matrix larger than any GPU's L2, and each size takes the
+    /// fastest; `BATON_CUDA_Q8_KERNEL` (`dp4a`, `mma`, `split32`, `split16`) picks one kernel
+    /// for every size instead. Since all of them give the same bits, the choice moves speed,
+    /// never a result.
+    fn choose_q8_kernels(&mut self, ordinal: u32) {
+        let agreeing = match self.q8_kernels_agreeing() {
+            Ok(kernels) => kernels,
             Err(e) => {
-                tracing::warn!(gpu = ordinal, error = %e, "checking the tensor-core Q8_0 product failed; batches use matmul_q8");
-                usize::MAX
+                tracing::warn!(gpu = ordinal, error = %e, "checking the Q8_0 kernels against matmul_q8 failed; products use matmul_q8");
+                return;
             }
         };
-        Ok(ops)
+        for k in Q8Kernel::ALL.into_iter().filter(|k| !agreeing.contains(k)) {
+            tracing::warn!(
+                gpu = ordinal,
+                kernel = k.name(),
+                "differs from matmul_q8 on this GPU; not used"
+            );
+        }
+        let wanted = std::env::var("BATON_CUDA_Q8_KERNEL").ok().filter(|v| !v.is_empty());
+        if let Some(label) = wanted {
+            match Q8Kernel::from_label(&label) {
+                Some(k) if agreeing.contains(&k) => {
+                    self.q8 = Q8Plan::only(k);
+                    tracing::info!(
+                        gpu = ordinal,
+                        kernel = k.name(),
+                        "BATON_CUDA_Q8_KERNEL: every Q8_0 product"
+                    );
+                    return;
+                }
+                Some(k) => tracing::warn!(
+                    gpu = ordinal,
+                    kernel = k.name(),
+                    "BATON_CUDA_Q8_KERNEL names a kernel that differs from matmul_q8 here; timing the others"
+                ),
+                None => tracing::warn!(
+                    gpu = ordinal,
+                    value = %label,
+                    "BATON_CUDA_Q8_KERNEL is none of dp4a, mma, split32, split16; timing the kernels"
+                ),
+            }
+        }
+        // Timed once per GPU and process: a process that opens a GPU again (a device check
+        // loading model after model) takes the same kernels.
+        static TIMED: Mutex<Vec<(u32, Arc<[Q8Timing]>)>> = Mutex::new(Vec::new());
+        let known = TIMED
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|(gpu, _)| *gpu == ordinal)
+            .map(|(_, t)| t.clone());
+        let timings = match known {
+            Some(t) => t,
+            None => match self.time_q8_kernels(&agreeing) {
+                Ok(t) => {
+                    let t: Arc<[Q8Timing]> = t.into();
+                    TIMED
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push((ordinal, t.clone()));
+                    t
+                }
+                Err(e) => {
+                    self.q8 = Q8Plan::untimed(agreeing.contains(&Q8Kernel::Mma));
+                    tracing::warn!(gpu = ordinal, error = %e, "timing the Q8_0 kernels failed");
+                    return;
+                }
+            },
+        };
+        self.q8 = Q8Plan::fastest(&timings);
+        self.q8_timings = timings;
+        tracing::info!(gpu = ordinal, plan = %self.q8, "Q8_0 product kernels by batch size");
     }
 
     /// The experts that had rows in the routings made on the device since the last call (a wait
@@ -362,25 +429,31 @@ impl CudaOps {
         self.device_routing.store(on, Ordering::Relaxed);
     }
 
-    /// These operations with Q8_0 products on the tensor cores from `rows` activation rows
-    /// (`usize::MAX`: never), for measuring one kernel against the other.
-    pub fn with_mma_from(&self, rows: usize) -> Self {
+    /// These operations with Q8_0 products planned by `plan`, for measuring one kernel
+    /// against another.
+    pub fn with_q8_plan(&self, plan: Q8Plan) -> Self {
         Self {
-            mma_min_rows: rows,
+            q8: plan,
             ..self.clone()
         }
     }
 
-    /// Whether batched Q8_0 products run on the tensor cores.
-    pub fn tensor_cores(&self) -> bool {
-        self.mma_min_rows != usize::MAX
+    /// Which Q8_0 kernel each batch size takes.
+    pub fn q8_plan(&self) -> Q8Plan {
+        self.q8
     }
 
-    /// One small Q8_0 product (tiles cut part-way, a bias) through `matmul_q8_mma` and through
-    /// `matmul_q8`: the tensor cores are used only where both give the same bits, so a row's
-    /// result never depends on which kernel its batch took.
-    fn tensor_cores_agree(&self) -> Result<bool, String> {
-        let (rows_w, cols, rows_x) = (40usize, 2048usize, 11usize);
+    /// The timings the plan was chosen from (empty when it was not timed).
+    pub fn q8_timings(&self) -> &[Q8Timing] {
+        &self.q8_timings
+    }
+
+    /// The Q8_0 kernels that give `matmul_q8`'s bits on one small product (two partial
+    /// 16-row tiles, 11 activation rows, a bias, 160 blocks a row so the split kernels' warps
+    /// loop twice), `matmul_q8` first: only those are used, so a row's result never depends on
+    /// which kernel its batch took.
+    fn q8_kernels_agreeing(&self) -> Result<Vec<Q8Kernel>, String> {
+        let (rows_w, cols, rows_x) = (40usize, 5120usize, 11usize);
         let wave = |n: usize, k: f32| -> Vec<f32> { (0..n).map(|i| ((i as f32) * k).sin()).collect() };
         let w = self.matrix(
             HostMatrix::F32 {
@@ -392,19 +465,79 @@ impl CudaOps {
         let bias = self.vector(wave(rows_w, 1.3));
         let mut x = CudaBuf::default();
         self.upload(&wave(rows_x * cols, 0.11), &mut x);
-        let mut outs = [vec![0f32; rows_x * rows_w], vec![0f32; rows_x * rows_w]];
-        for (ops, host) in [self.with_mma_from(1), self.with_mma_from(usize::MAX)]
-            .iter()
-            .zip(outs.iter_mut())
-        {
+        let mut outs = Vec::new();
+        for k in Q8Kernel::ALL {
             let (mut ws, mut out) = (CudaWorkspace::default(), CudaBuf::default());
-            ops.matmul(&mut ws, &x, &w, Some(&bias), &mut out);
-            ops.download(&out, host);
+            let mut host = vec![0f32; rows_x * rows_w];
+            self.with_q8_plan(Q8Plan::only(k))
+                .matmul(&mut ws, &x, &w, Some(&bias), &mut out);
+            self.download(&out, &mut host);
+            outs.push(host);
         }
         if let Some(e) = self.gpu.take_error() {
             return Err(e);
         }
-        Ok(outs[0].iter().zip(&outs[1]).all(|(a, b)| a.to_bits() == b.to_bits()))
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        Ok(Q8Kernel::ALL
+            .into_iter()
+            .zip(&outs)
+            .filter(|(_, out)| bits(out) == bits(&outs[0]))
+            .map(|(k, _)| k)
+            .collect())
+    }
+
+    /// Seconds per launch of each of `kernels` (a Q8_0 product with its activations'
+    /// quantization, the best of three rounds of four launches after one to warm up) at each
+    /// of [`Q8Plan::FROM_ROWS`], on a 16,384 × 8,192 matrix: 136 MiB, so the weights stream
+    /// from memory as a model's do, not from L2.
+    fn time_q8_kernels(&self, kernels: &[Q8Kernel]) -> Result<Vec<Q8Timing>, String> {
+        let (rows_w, cols) = (16_384usize, 8_192usize);
+        let mut state = 0x2545_f491u32;
+        let quants: Vec<i8> = (0..rows_w * cols)
+            .map(|_| {
+                state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (state >> 24) as i8
+            })
+            .collect();
+        // Scales of 1/64 (f16 bits), so sums stay finite.
+        let w = CudaMat::Q8 {
+            q: self.upload_new(&quants)?,
+            d: self.upload_new(&vec![0x2400u16; rows_w * cols / baton_shared::dtype::QK])?,
+            rows: rows_w,
+            cols,
+        };
+        drop(quants);
+        let rows_max = Q8Plan::FROM_ROWS[Q8Plan::FROM_ROWS.len() - 1];
+        let x_host: Vec<f32> = (0..rows_max * cols).map(|i| ((i % 97) as f32 - 48.0) / 48.0).collect();
+        let mut timings = Vec::new();
+        for rows in Q8Plan::FROM_ROWS {
+            let mut x = CudaBuf::default();
+            self.upload(&x_host[..rows * cols], &mut x);
+            for &k in kernels {
+                let ops = self.with_q8_plan(Q8Plan::only(k));
+                let (mut ws, mut out) = (CudaWorkspace::default(), CudaBuf::default());
+                ops.matmul(&mut ws, &x, &w, None, &mut out);
+                self.gpu.check("synchronizing", self.gpu.stream.synchronize());
+                let mut best = f64::INFINITY;
+                for _ in 0..3 {
+                    let t = std::time::Instant::now();
+                    for _ in 0..4 {
+                        ops.matmul(&mut ws, &x, &w, None, &mut out);
+                    }
+                    self.gpu.check("synchronizing", self.gpu.stream.synchronize());
+                    best = best.min(t.elapsed().as_secs_f64() / 4.0);
+                }
+                if let Some(e) = self.gpu.take_error() {
+                    return Err(e);
+                }
+                timings.push(Q8Timing {
+                    kernel: k,
+                    rows,
+                    seconds: best,
+                });
+            }
+        }
+        Ok(timings)
     }
 
     /// The GPU.
@@ -632,18 +765,17 @@ impl CudaOps {
             g.bias[i] = bias.map_or(0, |b| self.address(&b.data));
             g.out[i] = self.address(*out);
         }
-        let mma = kind == Kind::Q8 && t >= self.mma_min_rows;
-        let geom = match mma {
-            true => geometry::matmul_mma_geometry(t, g.total_rows()),
-            false => geometry::matmul_geometry(t, g.total_rows()),
+        let (q8, q8_geom) = self.q8.launch(t, g.total_rows());
+        let geom = match kind {
+            Kind::Q8 => q8_geom,
+            _ => geometry::matmul_geometry(t, g.total_rows()),
         };
         let (t32, c32) = (t as i32, cols as i32);
         let name = match kind {
             Kind::F32 => "matmul_f32",
             Kind::F16 => "matmul_f16",
             Kind::Bf16 => "matmul_bf16",
-            Kind::Q8 if mma => "matmul_q8_mma",
-            Kind::Q8 => "matmul_q8",
+            Kind::Q8 => q8.name(),
             Kind::Q4 => "matmul_q4",
         };
         if kind.reads_f32() {
@@ -812,7 +944,7 @@ impl Ops for CudaOps {
                 "cuda sm_{} ({}){}",
                 self.gpu.info.sm,
                 self.gpu.info.name,
-                match self.tensor_cores() {
+                match self.q8.tensor_cores() {
                     true => ", int8 tensor cores",
                     false => "",
                 }

@@ -23,6 +23,8 @@ EMULATE(matmul_bf16, P(const float* x, Group g, int rows_x, int cols), (x, g, ro
 EMULATE(quantize_q8, P(const float* x, i8* q, float* d, u64 blocks), (x, q, d, blocks))
 EMULATE(matmul_q8, P(const i8* xq, const float* xd, Group g, int rows_x, int cols), (xq, xd, g, rows_x, cols))
 EMULATE(matmul_q8_mma, P(const i8* xq, const float* xd, Group g, int rows_x, int cols), (xq, xd, g, rows_x, cols))
+EMULATE(matmul_q8_split32, P(const i8* xq, const float* xd, Group g, int rows_x, int cols), (xq, xd, g, rows_x, cols))
+EMULATE(matmul_q8_split16, P(const i8* xq, const float* xd, Group g, int rows_x, int cols), (xq, xd, g, rows_x, cols))
 EMULATE(embed_f32, P(const float* table, const u32* tokens, float* out, int cols), (table, tokens, out, cols))
 EMULATE(rope, P(float* x, const float* c, const float* s, int rows, int width, int head_dim, int rotary),
         (x, c, s, rows, width, head_dim, rotary))
