@@ -1006,6 +1006,16 @@ fn speed(model: &std::path::Path, device: Device, a: &CheckArgs) -> anyhow::Resu
             }
             false => None,
         };
+        // Every quantized product on the device's reference kernel (matmul_q8) rather than the
+        // kernels timed at open, for the ratio.
+        let reference_s = match b.set_planned_products(false) {
+            true => {
+                let s = pass(&mut b, &mut seqs, &mut last)?;
+                b.set_planned_products(true);
+                Some(s)
+            }
+            false => None,
+        };
         // Where a step's time goes on the device: the same steps again with each kernel timed
         // (events around every launch, so this pass is a little slower and not counted).
         b.kernel_times(true);
@@ -1030,26 +1040,44 @@ fn speed(model: &std::path::Path, device: Device, a: &CheckArgs) -> anyhow::Resu
             "graph_steps": graphs,
             "tok_s_without_graphs": eager_s.map(|e| batch as f64 * a.decode_steps as f64 / e),
             "tok_s_routed_on_host": host_routed_s.map(|e| batch as f64 * a.decode_steps as f64 / e),
+            "tok_s_reference_products": reference_s.map(|e| batch as f64 * a.decode_steps as f64 / e),
             "kernel_profile": profile,
         }));
     }
     // Prefill: one sequence, the whole prompt in one forward, then its first token.
     let prompt = prompt_for(c.vocab_size, a.prefill_tokens);
-    let seq = Seq::new(0, blocks);
-    let t = Instant::now();
-    let mut hidden = vec![0f32; prompt.len() * h];
-    b.embed(&prompt, &mut hidden)?;
-    b.forward(&mut hidden, &[seq.chunk(prompt.len())])?;
-    let mut slots = [SampleSlot::new(
-        Sampler::new(&baton_shared::sampling::SamplingParams::greedy(1)),
-        None,
-    )];
-    b.sample(&hidden[(prompt.len() - 1) * h..], &mut slots)?;
-    let prefill_s = t.elapsed().as_secs_f64();
+    let prefill = |b: &mut Box<dyn Backend>| -> anyhow::Result<f64> {
+        let seq = Seq::new(0, blocks);
+        let t = Instant::now();
+        let mut hidden = vec![0f32; prompt.len() * h];
+        b.embed(&prompt, &mut hidden)?;
+        b.forward(&mut hidden, &[seq.chunk(prompt.len())])?;
+        let mut slots = [SampleSlot::new(
+            Sampler::new(&baton_shared::sampling::SamplingParams::greedy(1)),
+            None,
+        )];
+        b.sample(&hidden[(prompt.len() - 1) * h..], &mut slots)?;
+        Ok(t.elapsed().as_secs_f64())
+    };
+    let prefill_s = prefill(&mut b)?;
+    // On a device that chooses its product kernels: the prompt again with every quantized
+    // product on the reference kernel, then once more as planned, for the ratio (both warm).
+    let (reference_s, again_s) = match b.set_planned_products(false) {
+        true => {
+            let reference = prefill(&mut b)?;
+            b.set_planned_products(true);
+            (Some(reference), Some(prefill(&mut b)?))
+        }
+        false => (None, None),
+    };
+    let tok_s = |s: Option<f64>| s.map(|s| prompt.len() as f64 / s);
     Ok(json!({
         "model": model.display().to_string(), "layers": c.num_layers, "hidden": h, "kernels": info.kernels,
         "weights": info.weights.name(), "matrix_bytes_per_token": info.matrix_bytes, "weight_bytes": info.weight_bytes,
         "load_s": load_s, "decode": decode,
-        "prefill": { "tokens": prompt.len(), "seconds": prefill_s, "tok_s": prompt.len() as f64 / prefill_s },
+        "prefill": {
+            "tokens": prompt.len(), "seconds": prefill_s, "tok_s": prompt.len() as f64 / prefill_s,
+            "tok_s_again": tok_s(again_s), "tok_s_reference_products": tok_s(reference_s),
+        },
     }))
 }

@@ -373,6 +373,11 @@ impl Backend for CudaBackend {
         true
     }
 
+    fn set_planned_products(&mut self, on: bool) -> bool {
+        self.model.ops.set_planned_products(on);
+        true
+    }
+
     fn graph_counts(&self) -> Option<[u64; 4]> {
         let c = self.model.ops.gpu().graph_counts();
         Some([c.eager, c.captured, c.replayed, c.rerun])

@@ -290,6 +290,11 @@ pub trait Backend: Send {
     fn set_device_routing(&mut self, _on: bool) -> bool {
         false
     }
+    /// Run quantized products with the kernels the device chose for each batch size (`true`)
+    /// or all with its reference kernel; `false` where the device has no such choice (the CPU).
+    fn set_planned_products(&mut self, _on: bool) -> bool {
+        false
+    }
     /// Bytes free in the device's own memory (a GPU's), or `None` where the stage lives in
     /// host memory.
     fn device_free_bytes(&self) -> Option<u64> {

@@ -323,14 +323,16 @@ __device__ __forceinline__ int load4(const i8* p) { return __ldg((const int*)p);
 extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, 4)
 matmul_q8_mma(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, int rows_x, int cols) {
     const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
-    const int r0 = (blockIdx.x * MMA_WARPS + (threadIdx.x >> 5)) * 16;
+    // Activation tiles vary fastest over the grid, so the blocks reading the same weight rows
+    // run together and all but the first find them in L2.
+    const int r0 = (blockIdx.y * MMA_WARPS + (threadIdx.x >> 5)) * 16;
     const int total = g.rows[0] + g.rows[1] + g.rows[2];
     if (r0 >= total) return; // the whole warp: mma needs every lane
     const int nb = cols / QK;
     int p_lo, row_lo, p_hi, row_hi;
     const WRow lo = weight_row(g, r0 + gid, cols, p_lo, row_lo);
     const WRow hi = weight_row(g, r0 + gid + 8, cols, p_hi, row_hi);
-    const int t0 = blockIdx.y * 8;
+    const int t0 = blockIdx.x * 8;
     const int tb = t0 + gid;        // the activation row this lane loads for b
     const int tc = t0 + 2 * tig;    // the activation rows of its outputs: tc, tc + 1
     const i8* xb = tb < rows_x ? xq + (u64)tb * cols : nullptr;
@@ -484,15 +486,17 @@ __device__ __forceinline__ void q8_split(const i8* __restrict__ xq, const float*
         if (w >= s && w < 2 * s) {
 #pragma unroll
             for (int j = 0; j < N; ++j)
+                if (j < tiles)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) shared[w - s][4 * j + i][lane] = acc[0][j][i];
+                    for (int i = 0; i < 4; ++i) shared[w - s][4 * j + i][lane] = acc[0][j][i];
         }
         __syncthreads();
         if (w < s) {
 #pragma unroll
             for (int j = 0; j < N; ++j)
+                if (j < tiles)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) acc[0][j][i] = acc[0][j][i] + shared[w][4 * j + i][lane];
+                    for (int i = 0; i < 4; ++i) acc[0][j][i] = acc[0][j][i] + shared[w][4 * j + i][lane];
         }
         __syncthreads();
     }

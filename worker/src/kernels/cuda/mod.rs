@@ -53,10 +53,11 @@ pub fn matmul_geometry(rows_x: usize, rows_w: usize) -> Geometry {
 /// (`MMA_WARPS` in matmul.cu).
 pub const MMA_WARPS: u32 = 4;
 
-/// `matmul_q8_mma` over `rows_x` activation rows by `rows_w` weight rows.
+/// `matmul_q8_mma` over `rows_x` activation rows by `rows_w` weight rows: tiles of 8 activation
+/// rows in x (varying fastest), of `16 * MMA_WARPS` weight rows in y.
 pub fn matmul_mma_geometry(rows_x: usize, rows_w: usize) -> Geometry {
     Geometry {
-        grid: ((rows_w as u32).div_ceil(16 * MMA_WARPS), (rows_x as u32).div_ceil(8), 1),
+        grid: ((rows_x as u32).div_ceil(8), (rows_w as u32).div_ceil(16 * MMA_WARPS), 1),
         block: (MMA_WARPS * 32, 1, 1),
     }
 }
@@ -123,7 +124,9 @@ impl Q8Kernel {
         };
         match self {
             Q8Kernel::Dp4a => Some(matmul_geometry(rows_x, rows_w)),
-            Q8Kernel::Mma => (rows_x.div_ceil(8) <= 65_535).then(|| matmul_mma_geometry(rows_x, rows_w)),
+            Q8Kernel::Mma => {
+                ((rows_w as u64).div_ceil(16 * MMA_WARPS as u64) <= 65_535).then(|| matmul_mma_geometry(rows_x, rows_w))
+            }
             Q8Kernel::Split32 => split(32, 32),
             Q8Kernel::Split16 => split(16, 8),
         }
@@ -199,6 +202,24 @@ impl Q8Plan {
     /// Whether any batch size runs on the tensor cores.
     pub fn tensor_cores(&self) -> bool {
         self.kernels.iter().any(|k| k.tensor_cores())
+    }
+
+    /// The plan in one word (two bits a size: its kernel's place in [`Q8Kernel::ALL`]), so
+    /// clones of the operations can share it in an atomic.
+    pub fn to_bits(&self) -> u32 {
+        self.kernels.iter().enumerate().fold(0, |bits, (i, k)| {
+            let at = Q8Kernel::ALL.iter().position(|a| a == k).unwrap_or(0) as u32;
+            bits | at << (2 * i)
+        })
+    }
+
+    /// The plan [`Q8Plan::to_bits`] wrote.
+    pub fn from_bits(bits: u32) -> Self {
+        let mut kernels = [Q8Kernel::Dp4a; 4];
+        for (i, k) in kernels.iter_mut().enumerate() {
+            *k = Q8Kernel::ALL[(bits >> (2 * i) & 3) as usize];
+        }
+        Self { kernels }
     }
 }
 
@@ -644,7 +665,10 @@ mod tests {
         );
         for k in Q8Kernel::ALL {
             assert_eq!(Q8Kernel::from_label(k.label()), Some(k));
+            assert_eq!(Q8Plan::from_bits(Q8Plan::only(k).to_bits()), Q8Plan::only(k));
         }
+        assert_eq!(Q8Plan::from_bits(plan.to_bits()), plan);
+        assert_eq!(Q8Plan::only(Q8Kernel::Dp4a).to_bits(), 0);
         assert_eq!(Q8Kernel::from_label("cublas"), None);
     }
 
@@ -695,6 +719,11 @@ mod tests {
             assert!(g.grid.0 * MATMUL_WARPS >= rows_w as u32 && (g.grid.0 - 1) * MATMUL_WARPS < rows_w as u32);
             assert!(g.grid.1 * MATMUL_TILE >= rows_x as u32 && (g.grid.1 - 1) * MATMUL_TILE < rows_x as u32);
             assert!(g.grid.1 <= 65_535, "grid.y limit");
+            // matmul_q8_mma: activation tiles of 8 in x, weight tiles of 64 in y.
+            let g = matmul_mma_geometry(rows_x, rows_w);
+            assert!(g.grid.0 * 8 >= rows_x as u32 && (g.grid.0 - 1) * 8 < rows_x as u32);
+            let w = 16 * MMA_WARPS;
+            assert!(g.grid.1 * w >= rows_w as u32 && (g.grid.1 - 1) * w < rows_w as u32);
         }
         let g = elementwise_geometry(1_000_001);
         assert_eq!(g.grid.0 as u64 * g.block.0 as u64, 1_000_192);

@@ -16,7 +16,7 @@ pub mod graphs;
 pub mod kv;
 pub mod pinned;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, ValidAsZeroBits};
@@ -84,9 +84,12 @@ macro_rules! launch {
 pub struct CudaOps {
     gpu: Arc<Gpu>,
     staging: Arc<Mutex<Staging>>,
-    /// The Q8_0 product kernel of each batch size, timed at open among those that gave
-    /// `matmul_q8`'s bits ([`CudaOps::open`]).
-    q8: Q8Plan,
+    /// The Q8_0 product kernel of each batch size now ([`Q8Plan::to_bits`]), shared by the
+    /// clones so a stage's model sees a switch ([`CudaOps::set_planned_products`]).
+    q8: Arc<AtomicU32>,
+    /// The plan chosen at open: timed among the kernels that gave `matmul_q8`'s bits
+    /// ([`CudaOps::open`]).
+    q8_chosen: Q8Plan,
     /// What the plan was chosen from (empty when not timed).
     q8_timings: Arc<[Q8Timing]>,
     /// Whether one-go mixtures are routed on the GPU ([`device::device_routing_wanted`]);
@@ -325,11 +328,13 @@ impl CudaOps {
         let mut ops = Self {
             gpu: Arc::new(Gpu::open(ordinal)?),
             staging: Arc::default(),
-            q8: Q8Plan::only(Q8Kernel::Dp4a),
+            q8: Arc::default(),
+            q8_chosen: Q8Plan::only(Q8Kernel::Dp4a),
             q8_timings: Arc::new([]),
             device_routing: Arc::new(AtomicBool::new(device::device_routing_wanted())),
         };
         ops.choose_q8_kernels(ordinal);
+        ops.set_planned_products(true);
         Ok(ops)
     }
 
@@ -357,7 +362,7 @@ impl CudaOps {
         if let Some(label) = wanted {
             match Q8Kernel::from_label(&label) {
                 Some(k) if agreeing.contains(&k) => {
-                    self.q8 = Q8Plan::only(k);
+                    self.q8_chosen = Q8Plan::only(k);
                     tracing::info!(
                         gpu = ordinal,
                         kernel = k.name(),
@@ -398,15 +403,15 @@ impl CudaOps {
                     t
                 }
                 Err(e) => {
-                    self.q8 = Q8Plan::untimed(agreeing.contains(&Q8Kernel::Mma));
+                    self.q8_chosen = Q8Plan::untimed(agreeing.contains(&Q8Kernel::Mma));
                     tracing::warn!(gpu = ordinal, error = %e, "timing the Q8_0 kernels failed");
                     return;
                 }
             },
         };
-        self.q8 = Q8Plan::fastest(&timings);
+        self.q8_chosen = Q8Plan::fastest(&timings);
         self.q8_timings = timings;
-        tracing::info!(gpu = ordinal, plan = %self.q8, "Q8_0 product kernels by batch size");
+        tracing::info!(gpu = ordinal, plan = %self.q8_chosen, "Q8_0 product kernels by batch size");
     }
 
     /// The experts that had rows in the routings made on the device since the last call (a wait
@@ -433,14 +438,26 @@ impl CudaOps {
     /// against another.
     pub fn with_q8_plan(&self, plan: Q8Plan) -> Self {
         Self {
-            q8: plan,
+            q8: Arc::new(AtomicU32::new(plan.to_bits())),
+            q8_chosen: plan,
             ..self.clone()
         }
     }
 
     /// Which Q8_0 kernel each batch size takes.
     pub fn q8_plan(&self) -> Q8Plan {
-        self.q8
+        Q8Plan::from_bits(self.q8.load(Ordering::Relaxed))
+    }
+
+    /// Q8_0 products by the plan chosen at open (`true`), or all by `matmul_q8` (`false`: the
+    /// reference, for measuring what the plan gains), from the next launch on.
+    pub fn set_planned_products(&self, on: bool) {
+        let plan = if on {
+            self.q8_chosen
+        } else {
+            Q8Plan::only(Q8Kernel::Dp4a)
+        };
+        self.q8.store(plan.to_bits(), Ordering::Relaxed);
     }
 
     /// The timings the plan was chosen from (empty when it was not timed).
@@ -765,7 +782,7 @@ impl CudaOps {
             g.bias[i] = bias.map_or(0, |b| self.address(&b.data));
             g.out[i] = self.address(*out);
         }
-        let (q8, q8_geom) = self.q8.launch(t, g.total_rows());
+        let (q8, q8_geom) = self.q8_plan().launch(t, g.total_rows());
         let geom = match kind {
             Kind::Q8 => q8_geom,
             _ => geometry::matmul_geometry(t, g.total_rows()),
@@ -944,7 +961,7 @@ impl Ops for CudaOps {
                 "cuda sm_{} ({}){}",
                 self.gpu.info.sm,
                 self.gpu.info.name,
-                match self.q8.tensor_cores() {
+                match self.q8_plan().tensor_cores() {
                     true => ", int8 tensor cores",
                     false => "",
                 }
