@@ -333,8 +333,28 @@ impl CudaOps {
             q8_timings: Arc::new([]),
             device_routing: Arc::new(AtomicBool::new(device::device_routing_wanted())),
         };
-        ops.choose_q8_kernels(ordinal);
+        {
+            let _span = tracing::info_span!("cuda.choose_q8_kernels", gpu = ordinal).entered();
+            ops.choose_q8_kernels(ordinal);
+        }
         ops.set_planned_products(true);
+        let gpu = ordinal.to_string();
+        for (kernel, from) in ops.q8_chosen.kernels.iter().zip(Q8Plan::FROM_ROWS) {
+            let labels = [
+                ("gpu", gpu.clone()),
+                ("from_rows", from.to_string()),
+                ("kernel", kernel.label().to_string()),
+            ];
+            metrics::gauge!("baton_cuda_q8_kernel", &labels).set(1.0);
+        }
+        for t in ops.q8_timings.iter() {
+            let labels = [
+                ("gpu", gpu.clone()),
+                ("rows", t.rows.to_string()),
+                ("kernel", t.kernel.label().to_string()),
+            ];
+            metrics::gauge!("baton_cuda_q8_kernel_seconds", &labels).set(t.seconds);
+        }
         Ok(ops)
     }
 
