@@ -122,10 +122,45 @@ fn kernels_on(device: Device) -> anyhow::Result<Value> {
     match device {
         Device::Cpu { threads } => Ok(kernel_cases(&CpuOps::new(threads.unwrap_or(2), None))),
         #[cfg(feature = "cuda")]
-        Device::Cuda { gpu } => Ok(kernel_cases(&crate::ops::cuda::CudaOps::open(gpu)?)),
+        Device::Cuda { gpu } => {
+            let ops = crate::ops::cuda::CudaOps::open(gpu)?;
+            let mut report = kernel_cases(&ops);
+            let extra = q8_kernel_cases(&ops);
+            if let Some(cases) = report["cases"].as_array_mut() {
+                cases.extend(extra);
+                let failed = cases.iter().filter(|c| c["ok"] == json!(false)).count();
+                report["failed"] = json!(failed);
+            }
+            Ok(report)
+        }
         #[cfg(not(feature = "cuda"))]
         Device::Cuda { .. } => anyhow::bail!("this build has no CUDA backend"),
     }
+}
+
+/// Every Q8_0 kernel of the GPU against `matmul_q8` on the device, whichever the plan picks
+/// for a size: the same bits (tolerance 0), with a bias, at 1, 8, 32 and 128 rows of 576
+/// columns (18 blocks a row: most partials hold none) and of 4,096.
+#[cfg(feature = "cuda")]
+fn q8_kernel_cases(ops: &crate::ops::cuda::CudaOps) -> Vec<Value> {
+    use crate::kernels::cuda::{Q8Kernel, Q8Plan};
+    let reference = ops.with_q8_plan(Q8Plan::only(Q8Kernel::Dp4a));
+    let mut cases = Vec::new();
+    for (out_rows, cols) in [(1536usize, 576usize), (96, 4096)] {
+        let w = values(out_rows * cols, 17);
+        let bias = values(out_rows, 18);
+        for rows in [1usize, 8, 32, 128] {
+            let x = values(rows * cols, 19 + rows as u64);
+            let want = matmul_on(&reference, &x, &w, cols, WeightFormat::Q8_0, Some(&bias));
+            for k in Q8Kernel::ALL.into_iter().filter(|k| k.tensor_cores()) {
+                let alone = ops.with_q8_plan(Q8Plan::only(k));
+                let got = matmul_on(&alone, &x, &w, cols, WeightFormat::Q8_0, Some(&bias));
+                let name = format!("matmul_q8_0_{}_vs_dp4a_{cols}", k.label());
+                cases.push(case(&name, rows, true, &got, &want, 0.0));
+            }
+        }
+    }
+    cases
 }
 
 /// One operation over `rows` rows on `ops` and on the reference.
