@@ -644,7 +644,8 @@ fn bandwidth_on(device: Device) -> anyhow::Result<Value> {
 }
 
 /// Each of `variants`' Q8_0 products over `shapes` (weight rows, columns) at each of `rows`
-/// activation rows: `reps` launches a point, a tenth of them from 256 rows. Each matrix is
+/// activation rows: `reps` launches a point, a tenth of them from 256 rows and a fiftieth from
+/// 2,048. Each matrix is
 /// made once for all the variants.
 fn bandwidth<O: Ops>(variants: &[&O], reps: usize, shapes: &[(usize, usize)], rows: &[usize]) -> Vec<Vec<Value>> {
     let mut runs = vec![Vec::new(); variants.len()];
@@ -663,7 +664,11 @@ fn bandwidth<O: Ops>(variants: &[&O], reps: usize, shapes: &[(usize, usize)], ro
             .expect("a valid matrix");
         let bytes = first.matrix_bytes(&m);
         for &n in rows {
-            let reps = if n >= 256 { reps.div_ceil(10) } else { reps };
+            let reps = match n {
+                2048.. => reps.div_ceil(50),
+                256.. => reps.div_ceil(10),
+                _ => reps,
+            };
             let x = values(n * cols, 5);
             for (ops, run) in variants.iter().zip(&mut runs) {
                 let (mut xb, mut out, mut ws) = (O::Buf::default(), O::Buf::default(), O::Workspace::default());
@@ -1008,16 +1013,20 @@ fn speed(model: &std::path::Path, device: Device, a: &CheckArgs) -> anyhow::Resu
         // into a CUDA graph (where the device has them), which the timed steps replay.
         step(&mut b, &mut seqs, &mut last)?;
         step(&mut b, &mut seqs, &mut last)?;
-        // Seconds for `decode_steps` steps.
-        let mut pass = |b: &mut Box<dyn Backend>, seqs: &mut [Seq], last: &mut Vec<u32>| -> anyhow::Result<f64> {
-            let t = Instant::now();
-            for _ in 0..a.decode_steps {
-                step(b, seqs, last)?;
-            }
-            Ok(t.elapsed().as_secs_f64())
-        };
+        // Seconds for `decode_steps` steps, after `warm` untimed ones.
+        let mut pass =
+            |b: &mut Box<dyn Backend>, seqs: &mut [Seq], last: &mut Vec<u32>, warm: usize| -> anyhow::Result<f64> {
+                for _ in 0..warm {
+                    step(b, seqs, last)?;
+                }
+                let t = Instant::now();
+                for _ in 0..a.decode_steps {
+                    step(b, seqs, last)?;
+                }
+                Ok(t.elapsed().as_secs_f64())
+            };
         let graphs_before = b.graph_counts();
-        let s = pass(&mut b, &mut seqs, &mut last)?;
+        let s = pass(&mut b, &mut seqs, &mut last, 0)?;
         let graphs = b.graph_counts().zip(graphs_before).map(|(now, before)| {
             let d: Vec<u64> = now.iter().zip(before).map(|(n, b)| n - b).collect();
             json!({"eager": d[0], "captured": d[1], "replayed": d[2], "rerun": d[3]})
@@ -1025,7 +1034,7 @@ fn speed(model: &std::path::Path, device: Device, a: &CheckArgs) -> anyhow::Resu
         // The same steps with every kernel launched one by one (no graphs), for the ratio.
         let eager_s = match b.set_graphs(false) {
             true => {
-                let eager_s = pass(&mut b, &mut seqs, &mut last)?;
+                let eager_s = pass(&mut b, &mut seqs, &mut last, 0)?;
                 b.set_graphs(true);
                 Some(eager_s)
             }
@@ -1035,7 +1044,7 @@ fn speed(model: &std::path::Path, device: Device, a: &CheckArgs) -> anyhow::Resu
         // with routing on the device.
         let host_routed_s = match c.moe.is_some() && b.set_device_routing(false) {
             true => {
-                let s = pass(&mut b, &mut seqs, &mut last)?;
+                let s = pass(&mut b, &mut seqs, &mut last, 0)?;
                 b.set_device_routing(true);
                 Some(s)
             }
@@ -1043,9 +1052,11 @@ fn speed(model: &std::path::Path, device: Device, a: &CheckArgs) -> anyhow::Resu
         };
         // Every quantized product on the device's reference kernel (matmul_q8) rather than the
         // kernels timed at open, for the ratio.
+        // After each switch two untimed steps: the graph recorded for the other kernels no longer
+        // matches, so one step reruns eagerly and the next is captured.
         let reference_s = match b.set_planned_products(false) {
             true => {
-                let s = pass(&mut b, &mut seqs, &mut last)?;
+                let s = pass(&mut b, &mut seqs, &mut last, 2)?;
                 b.set_planned_products(true);
                 Some(s)
             }
@@ -1054,7 +1065,7 @@ fn speed(model: &std::path::Path, device: Device, a: &CheckArgs) -> anyhow::Resu
         // Where a step's time goes on the device: the same steps again with each kernel timed
         // (events around every launch, so this pass is a little slower and not counted).
         b.kernel_times(true);
-        let timed_s = pass(&mut b, &mut seqs, &mut last)?;
+        let timed_s = pass(&mut b, &mut seqs, &mut last, 0)?;
         let kernels = b.kernel_times(false);
         let gpu_ms: f64 = kernels.iter().map(|k| k.2).sum();
         let per_step = |ms: f64| ms / a.decode_steps as f64;

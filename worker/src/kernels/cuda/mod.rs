@@ -145,17 +145,21 @@ pub struct Q8Timing {
 /// [`Q8Plan::FROM_ROWS`]`[i]` activation rows up to the next entry's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Q8Plan {
-    pub kernels: [Q8Kernel; 4],
+    pub kernels: [Q8Kernel; 5],
 }
 
 impl Q8Plan {
     /// The batch sizes a plan is timed at: decode of one sequence, small and large decode
-    /// batches, and prompt chunks.
-    pub const FROM_ROWS: [usize; 4] = [1, 8, 32, 256];
+    /// batches, and short and long prompt chunks.
+    pub const FROM_ROWS: [usize; 5] = [1, 8, 32, 256, 2048];
+
+    /// How much faster than `matmul_q8` another kernel must time to be taken instead: timings
+    /// a few percent apart are noise, and then the reference kernel stays.
+    pub const MARGIN: f64 = 0.97;
 
     /// One kernel for every batch.
     pub fn only(kernel: Q8Kernel) -> Self {
-        Self { kernels: [kernel; 4] }
+        Self { kernels: [kernel; 5] }
     }
 
     /// The plan when the kernels could not be timed: `matmul_q8` for fewer than 8 rows and
@@ -163,28 +167,36 @@ impl Q8Plan {
     pub fn untimed(mma: bool) -> Self {
         let batch = if mma { Q8Kernel::Mma } else { Q8Kernel::Dp4a };
         Self {
-            kernels: [Q8Kernel::Dp4a, batch, batch, batch],
+            kernels: [Q8Kernel::Dp4a, batch, batch, batch, batch],
         }
     }
 
-    /// The fastest kernel timed at each size; a size with no timing takes `matmul_q8`, and a
-    /// tie keeps the kernel earlier in [`Q8Kernel::ALL`].
+    /// The fastest kernel timed at each size: among the others a tie keeps the kernel earlier
+    /// in [`Q8Kernel::ALL`], and `matmul_q8` stays unless the fastest beats it by
+    /// [`Q8Plan::MARGIN`]; a size with no timing takes `matmul_q8`.
     pub fn fastest(timings: &[Q8Timing]) -> Self {
-        let mut kernels = [Q8Kernel::Dp4a; 4];
+        let mut kernels = [Q8Kernel::Dp4a; 5];
         for (i, &rows) in Self::FROM_ROWS.iter().enumerate() {
-            let mut best: Option<Q8Timing> = None;
-            for k in Q8Kernel::ALL {
-                let Some(t) = timings
+            let at = |k: Q8Kernel| {
+                timings
                     .iter()
                     .find(|t| t.kernel == k && t.rows == rows && t.seconds.is_finite())
-                else {
-                    continue;
-                };
+            };
+            let mut best: Option<&Q8Timing> = None;
+            for t in Q8Kernel::ALL
+                .into_iter()
+                .filter(|k| *k != Q8Kernel::Dp4a)
+                .filter_map(at)
+            {
                 if best.is_none_or(|b| t.seconds < b.seconds) {
-                    best = Some(*t);
+                    best = Some(t);
                 }
             }
-            kernels[i] = best.map_or(Q8Kernel::Dp4a, |b| b.kernel);
+            kernels[i] = match (best, at(Q8Kernel::Dp4a)) {
+                (Some(b), Some(reference)) if b.seconds < Self::MARGIN * reference.seconds => b.kernel,
+                (Some(b), None) => b.kernel,
+                _ => Q8Kernel::Dp4a,
+            };
         }
         Self { kernels }
     }
@@ -215,7 +227,7 @@ impl Q8Plan {
 
     /// The plan [`Q8Plan::to_bits`] wrote.
     pub fn from_bits(bits: u32) -> Self {
-        let mut kernels = [Q8Kernel::Dp4a; 4];
+        let mut kernels = [Q8Kernel::Dp4a; 5];
         for (i, k) in kernels.iter_mut().enumerate() {
             *k = Q8Kernel::ALL[(bits >> (2 * i) & 3) as usize];
         }
@@ -617,16 +629,25 @@ mod tests {
             t(Q8Kernel::Dp4a, 32, 9.0),
             t(Q8Kernel::Split16, 32, 4.0),
             t(Q8Kernel::Split32, 32, 3.0),
+            // Within the margin of matmul_q8: it stays.
+            t(Q8Kernel::Dp4a, 2048, 1.0),
+            t(Q8Kernel::Split32, 2048, 0.98),
         ];
         let plan = Q8Plan::fastest(&timings);
         // 8 rows: a tie keeps the earlier kernel; 256: not timed, so matmul_q8.
         assert_eq!(
             plan.kernels,
-            [Q8Kernel::Split32, Q8Kernel::Mma, Q8Kernel::Split32, Q8Kernel::Dp4a]
+            [
+                Q8Kernel::Split32,
+                Q8Kernel::Mma,
+                Q8Kernel::Split32,
+                Q8Kernel::Dp4a,
+                Q8Kernel::Dp4a
+            ]
         );
         assert_eq!(
             plan.to_string(),
-            "split32 from 1 rows, mma from 8 rows, split32 from 32 rows, dp4a from 256 rows"
+            "split32 from 1 rows, mma from 8 rows, split32 from 32 rows, dp4a from 256 rows, dp4a from 2048 rows"
         );
         assert!(plan.tensor_cores());
         assert!(!Q8Plan::untimed(false).tensor_cores());
@@ -656,6 +677,21 @@ mod tests {
                 Q8Kernel::Dp4a
             ]
         );
+        // Without a matmul_q8 timing the fastest other kernel is taken.
+        let alone = Q8Plan::fastest(&[t(Q8Kernel::Split16, 1, 5.0), t(Q8Kernel::Mma, 1, 6.0)]);
+        assert_eq!(alone.kernels[0], Q8Kernel::Split16);
+        let mixed = Q8Plan {
+            kernels: [
+                Q8Kernel::Dp4a,
+                Q8Kernel::Mma,
+                Q8Kernel::Split16,
+                Q8Kernel::Split32,
+                Q8Kernel::Mma,
+            ],
+        };
+        assert_eq!(Q8Plan::from_bits(mixed.to_bits()), mixed);
+        assert_eq!(mixed.launch(2047, 64).0, Q8Kernel::Split32);
+        assert_eq!(mixed.launch(2048, 64).0, Q8Kernel::Mma);
         // A split kernel's grid holds 65,535 tiles of 16 weight rows in y; past that matmul_q8.
         let only = Q8Plan::only(Q8Kernel::Split16);
         assert_eq!(only.launch(3, 16 * 65_535).0, Q8Kernel::Split16);

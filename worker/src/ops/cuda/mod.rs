@@ -403,23 +403,16 @@ impl CudaOps {
             }
         }
         // Timed once per GPU and process: a process that opens a GPU again (a device check
-        // loading model after model) takes the same kernels.
+        // loading model after model) takes the same kernels. The lock is held while timing, so
+        // two opens of one GPU never time against each other.
         static TIMED: Mutex<Vec<(u32, Arc<[Q8Timing]>)>> = Mutex::new(Vec::new());
-        let known = TIMED
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .find(|(gpu, _)| *gpu == ordinal)
-            .map(|(_, t)| t.clone());
-        let timings = match known {
-            Some(t) => t,
+        let mut timed = TIMED.lock().unwrap_or_else(|p| p.into_inner());
+        let timings = match timed.iter().find(|(gpu, _)| *gpu == ordinal) {
+            Some((_, t)) => t.clone(),
             None => match self.time_q8_kernels(&agreeing) {
                 Ok(t) => {
                     let t: Arc<[Q8Timing]> = t.into();
-                    TIMED
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .push((ordinal, t.clone()));
+                    timed.push((ordinal, t.clone()));
                     t
                 }
                 Err(e) => {
@@ -429,7 +422,14 @@ impl CudaOps {
                 }
             },
         };
-        self.q8_chosen = Q8Plan::fastest(&timings);
+        drop(timed);
+        // Only kernels that agreed at this open (a timing kept from an earlier one may hold more).
+        let usable: Vec<Q8Timing> = timings
+            .iter()
+            .filter(|t| agreeing.contains(&t.kernel))
+            .copied()
+            .collect();
+        self.q8_chosen = Q8Plan::fastest(&usable);
         self.q8_timings = timings;
         tracing::info!(gpu = ordinal, plan = %self.q8_chosen, "Q8_0 product kernels by batch size");
     }
@@ -485,12 +485,14 @@ impl CudaOps {
         &self.q8_timings
     }
 
-    /// The Q8_0 kernels that give `matmul_q8`'s bits on one small product (two partial
-    /// 16-row tiles, 11 activation rows, a bias, 160 blocks a row so the split kernels' warps
-    /// loop twice), `matmul_q8` first: only those are used, so a row's result never depends on
-    /// which kernel its batch took.
+    /// The Q8_0 kernels that give `matmul_q8`'s bits on one small product, `matmul_q8` first:
+    /// only those are used, so a row's result never depends on which kernel its batch took. The
+    /// product: 88 weight rows (16-row tiles, the last part-way; two of `matmul_q8_mma`'s
+    /// 64-row tiles), 41 activation rows (two of split32's 32-row blocks), a bias, 160 blocks a
+    /// row (so the split kernels' warps loop more than once). A kernel that fails to launch is
+    /// left out; `Err` only if `matmul_q8` itself fails.
     fn q8_kernels_agreeing(&self) -> Result<Vec<Q8Kernel>, String> {
-        let (rows_w, cols, rows_x) = (40usize, 5120usize, 11usize);
+        let (rows_w, cols, rows_x) = (88usize, 5120usize, 41usize);
         let wave = |n: usize, k: f32| -> Vec<f32> { (0..n).map(|i| ((i as f32) * k).sin()).collect() };
         let w = self.matrix(
             HostMatrix::F32 {
@@ -502,75 +504,122 @@ impl CudaOps {
         let bias = self.vector(wave(rows_w, 1.3));
         let mut x = CudaBuf::default();
         self.upload(&wave(rows_x * cols, 0.11), &mut x);
-        let mut outs = Vec::new();
+        if let Some(e) = self.gpu.take_error() {
+            return Err(e);
+        }
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let mut reference: Option<Vec<u32>> = None;
+        let mut agreeing = Vec::new();
         for k in Q8Kernel::ALL {
             let (mut ws, mut out) = (CudaWorkspace::default(), CudaBuf::default());
             let mut host = vec![0f32; rows_x * rows_w];
             self.with_q8_plan(Q8Plan::only(k))
                 .matmul(&mut ws, &x, &w, Some(&bias), &mut out);
             self.download(&out, &mut host);
-            outs.push(host);
+            match (self.gpu.take_error(), &reference) {
+                (Some(e), None) => return Err(e),
+                (Some(e), Some(_)) => tracing::warn!(kernel = k.name(), error = %e, "the Q8_0 kernel failed"),
+                (None, None) => {
+                    reference = Some(bits(&host));
+                    agreeing.push(k);
+                }
+                (None, Some(want)) => {
+                    if bits(&host) == *want {
+                        agreeing.push(k);
+                    }
+                }
+            }
         }
-        if let Some(e) = self.gpu.take_error() {
-            return Err(e);
-        }
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        Ok(Q8Kernel::ALL
-            .into_iter()
-            .zip(&outs)
-            .filter(|(_, out)| bits(out) == bits(&outs[0]))
-            .map(|(k, _)| k)
-            .collect())
+        Ok(agreeing)
     }
 
-    /// Seconds per launch of each of `kernels` (a Q8_0 product with its activations'
-    /// quantization, the best of three rounds of four launches after one to warm up) at each
-    /// of [`Q8Plan::FROM_ROWS`], on a 16,384 × 8,192 matrix: 136 MiB, so the weights stream
-    /// from memory as a model's do, not from L2.
+    /// Seconds per layer of each of `kernels` at each of [`Q8Plan::FROM_ROWS`]: the Q8_0
+    /// products of one Llama-3-8B layer as a model launches them (q/k/v together, o, gate/up
+    /// together, down: 229 MiB, so the weights stream from memory, not L2), each with its
+    /// activations' quantization. The GPU is first kept busy for 50 ms (clocks up); then five
+    /// rounds take each kernel in turn (the order turning each round), each time over enough
+    /// layers to last about 2 ms, and a kernel's time is its median round. The weights are
+    /// zero: a product's speed does not depend on its values.
     fn time_q8_kernels(&self, kernels: &[Q8Kernel]) -> Result<Vec<Q8Timing>, String> {
-        let (rows_w, cols) = (16_384usize, 8_192usize);
-        let mut state = 0x2545_f491u32;
-        let quants: Vec<i8> = (0..rows_w * cols)
-            .map(|_| {
-                state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                (state >> 24) as i8
-            })
-            .collect();
-        // Scales of 1/64 (f16 bits), so sums stay finite.
-        let w = CudaMat::Q8 {
-            q: self.upload_new(&quants)?,
-            d: self.upload_new(&vec![0x2400u16; rows_w * cols / baton_shared::dtype::QK])?,
-            rows: rows_w,
-            cols,
+        let matrix = |rows: usize, cols: usize| -> Result<CudaMat, String> {
+            let q = self.gpu.stream.alloc_zeros::<i8>(rows * cols);
+            let d = self
+                .gpu
+                .stream
+                .alloc_zeros::<u16>(rows * cols / baton_shared::dtype::QK);
+            match (q, d) {
+                (Ok(q), Ok(d)) => Ok(CudaMat::Q8 { q, d, rows, cols }),
+                (Err(e), _) | (_, Err(e)) => Err(format!("allocating a {rows} × {cols} Q8_0 matrix: {e}")),
+            }
         };
-        drop(quants);
+        let (hidden, kv, ffn) = (4096usize, 1024usize, 14336usize);
+        let (q, k, v, o) = (
+            matrix(hidden, hidden)?,
+            matrix(kv, hidden)?,
+            matrix(kv, hidden)?,
+            matrix(hidden, hidden)?,
+        );
+        let (gate, up, down) = (matrix(ffn, hidden)?, matrix(ffn, hidden)?, matrix(hidden, ffn)?);
         let rows_max = Q8Plan::FROM_ROWS[Q8Plan::FROM_ROWS.len() - 1];
-        let x_host: Vec<f32> = (0..rows_max * cols).map(|i| ((i % 97) as f32 - 48.0) / 48.0).collect();
+        let x_host: Vec<f32> = (0..rows_max * ffn).map(|i| ((i % 97) as f32 - 48.0) / 48.0).collect();
+        let sync = || self.gpu.check("synchronizing", self.gpu.stream.synchronize());
         let mut timings = Vec::new();
-        for rows in Q8Plan::FROM_ROWS {
-            let mut x = CudaBuf::default();
-            self.upload(&x_host[..rows * cols], &mut x);
-            for &k in kernels {
-                let ops = self.with_q8_plan(Q8Plan::only(k));
-                let (mut ws, mut out) = (CudaWorkspace::default(), CudaBuf::default());
-                ops.matmul(&mut ws, &x, &w, None, &mut out);
-                self.gpu.check("synchronizing", self.gpu.stream.synchronize());
-                let mut best = f64::INFINITY;
-                for _ in 0..3 {
+        for (size, rows) in Q8Plan::FROM_ROWS.into_iter().enumerate() {
+            let (mut x, mut h) = (CudaBuf::default(), CudaBuf::default());
+            self.upload(&x_host[..rows * hidden], &mut x);
+            self.upload(&x_host[..rows * ffn], &mut h);
+            let mut outs: [CudaBuf; 6] = Default::default();
+            let mut ws = CudaWorkspace::default();
+            let layer = |ops: &CudaOps, ws: &mut CudaWorkspace, outs: &mut [CudaBuf; 6]| {
+                let [qo, ko, vo, oo, go, uo] = outs;
+                ops.matmul_many(
+                    ws,
+                    &x,
+                    [(&q, None, &mut *qo), (&k, None, &mut *ko), (&v, None, &mut *vo)],
+                );
+                ops.matmul(ws, &x, &o, None, oo);
+                ops.matmul_many(ws, &x, [(&gate, None, &mut *go), (&up, None, &mut *uo)]);
+                ops.matmul(ws, &h, &down, None, oo);
+            };
+            let plans: Vec<CudaOps> = kernels.iter().map(|&k| self.with_q8_plan(Q8Plan::only(k))).collect();
+            // Every kernel once (sizing the buffers), then the GPU busy for 50 ms before the
+            // first size.
+            for ops in &plans {
+                layer(ops, &mut ws, &mut outs);
+            }
+            sync();
+            let busy = if size == 0 { 0.05 } else { 0.0 };
+            let t = std::time::Instant::now();
+            while t.elapsed().as_secs_f64() < busy {
+                layer(&plans[0], &mut ws, &mut outs);
+                sync();
+            }
+            // Layers per round: about 2 ms of the first kernel.
+            let t = std::time::Instant::now();
+            layer(&plans[0], &mut ws, &mut outs);
+            sync();
+            let reps = ((0.002 / t.elapsed().as_secs_f64().max(1e-6)).ceil() as usize).clamp(1, 64);
+            let mut rounds = vec![Vec::new(); plans.len()];
+            for round in 0..5 {
+                for i in 0..plans.len() {
+                    let at = (i + round) % plans.len();
                     let t = std::time::Instant::now();
-                    for _ in 0..4 {
-                        ops.matmul(&mut ws, &x, &w, None, &mut out);
+                    for _ in 0..reps {
+                        layer(&plans[at], &mut ws, &mut outs);
                     }
-                    self.gpu.check("synchronizing", self.gpu.stream.synchronize());
-                    best = best.min(t.elapsed().as_secs_f64() / 4.0);
+                    sync();
+                    rounds[at].push(t.elapsed().as_secs_f64() / reps as f64);
                 }
-                if let Some(e) = self.gpu.take_error() {
-                    return Err(e);
-                }
+            }
+            if let Some(e) = self.gpu.take_error() {
+                return Err(e);
+            }
+            for (&kernel, mut r) in kernels.iter().zip(rounds) {
+                r.sort_by(f64::total_cmp);
                 timings.push(Q8Timing {
-                    kernel: k,
+                    kernel,
                     rows,
-                    seconds: best,
+                    seconds: r[r.len() / 2],
                 });
             }
         }
