@@ -359,8 +359,8 @@ impl CudaOps {
     }
 
     /// Every Q8_0 kernel that gives `matmul_q8`'s bits on a small product is timed at each of
-    /// [`Q8Plan::FROM_ROWS`] on a matrix larger than any GPU's L2, and each size takes the
-    /// fastest; `BATON_CUDA_Q8_KERNEL` (`dp4a`, `mma`, `split32`, `split16`) picks one kernel
+    /// [`Q8Plan::FROM_ROWS`] on one Llama-3-8B layer's products (larger than any GPU's L2),
+    /// and each size takes the fastest ([`Q8Plan::fastest`]); `BATON_CUDA_Q8_KERNEL` (`dp4a`, `mma`, `split32`, `split16`) picks one kernel
     /// for every size instead. Since all of them give the same bits, the choice moves speed,
     /// never a result.
     fn choose_q8_kernels(&mut self, ordinal: u32) {
