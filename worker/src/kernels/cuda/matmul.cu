@@ -320,6 +320,36 @@ __device__ __forceinline__ WRow weight_row(const Group& g, int r, int cols, int&
 
 __device__ __forceinline__ int load4(const i8* p) { return __ldg((const int*)p); }
 
+// The weight rows of lane (g, t) in an mma tile starting at group row r0: rows r0 + g (`lo`) and
+// r0 + g + 8 (`hi`), with the product and row within it of each.
+struct TileRows {
+    WRow lo, hi;
+    int p_lo, row_lo, p_hi, row_hi;
+};
+
+__device__ __forceinline__ TileRows tile_rows(const Group& g, int r0, int gid, int cols) {
+    TileRows t;
+    t.lo = weight_row(g, r0 + gid, cols, t.p_lo, t.row_lo);
+    t.hi = weight_row(g, r0 + gid + 8, cols, t.p_hi, t.row_hi);
+    return t;
+}
+
+// Lane (g, t)'s four outputs of an mma tile, d's layout (rows lo, lo, hi, hi by activation rows
+// tc, tc + 1, tc, tc + 1), stored as matmul_q8 stores them: plus the product's bias, if any.
+__device__ __forceinline__ void store_quad(const Group& g, const TileRows& w, int tc, int rows_x, const float v[4]) {
+    const int rows_w[2] = {w.lo.q ? pick_rows(g, w.p_lo) : 0, w.hi.q ? pick_rows(g, w.p_hi) : 0};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const bool upper = i >= 2;
+        const int t = tc + (i & 1);
+        if (!(upper ? w.hi : w.lo).q || t >= rows_x) continue;
+        const int p = upper ? w.p_hi : w.p_lo, r = upper ? w.row_hi : w.row_lo;
+        const float* bias = (const float*)pick(p, g.bias[0], g.bias[1], g.bias[2]);
+        float* out = (float*)pick(p, g.out[0], g.out[1], g.out[2]);
+        out[(u64)t * rows_w[upper] + r] = v[i] + (bias ? bias[r] : 0.0f);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, 4)
 matmul_q8_mma(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, int rows_x, int cols) {
     const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
@@ -329,9 +359,8 @@ matmul_q8_mma(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, 
     const int total = g.rows[0] + g.rows[1] + g.rows[2];
     if (r0 >= total) return; // the whole warp: mma needs every lane
     const int nb = cols / QK;
-    int p_lo, row_lo, p_hi, row_hi;
-    const WRow lo = weight_row(g, r0 + gid, cols, p_lo, row_lo);
-    const WRow hi = weight_row(g, r0 + gid + 8, cols, p_hi, row_hi);
+    const TileRows rows = tile_rows(g, r0, gid, cols);
+    const WRow &lo = rows.lo, &hi = rows.hi;
     const int t0 = blockIdx.x * 8;
     const int tb = t0 + gid;        // the activation row this lane loads for b
     const int tc = t0 + 2 * tig;    // the activation rows of its outputs: tc, tc + 1
@@ -376,21 +405,7 @@ matmul_q8_mma(const i8* __restrict__ xq, const float* __restrict__ xd, Group g, 
                 for (int i = 0; i < 4; ++i) stack[l][i] = part[i];
             }
         }
-        if (k == 31) {
-            // The root: the four outputs.
-            const int rows_w[2] = {lo.q ? pick_rows(g, p_lo) : 0, hi.q ? pick_rows(g, p_hi) : 0};
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const bool upper = i >= 2;
-                const WRow& w = upper ? hi : lo;
-                const int t = tc + (i & 1);
-                if (!w.q || t >= rows_x) continue;
-                const int p = upper ? p_hi : p_lo, r = upper ? row_hi : row_lo;
-                const float* bias = (const float*)pick(p, g.bias[0], g.bias[1], g.bias[2]);
-                float* out = (float*)pick(p, g.out[0], g.out[1], g.out[2]);
-                out[(u64)t * rows_w[upper] + r] = part[i] + (bias ? bias[r] : 0.0f);
-            }
-        }
+        if (k == 31) store_quad(g, rows, tc, rows_x, part); // the root: the four outputs
     }
 }
 
@@ -415,10 +430,8 @@ __device__ __forceinline__ void q8_split(const i8* __restrict__ xq, const float*
     constexpr int CLASSES = 32 / WARPS_; // partials per warp
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, gid = lane >> 2, tig = lane & 3;
     const int nb = cols / QK;
-    const int r0 = blockIdx.y * 16;
-    int p_lo, row_lo, p_hi, row_hi;
-    const WRow lo = weight_row(g, r0 + gid, cols, p_lo, row_lo);
-    const WRow hi = weight_row(g, r0 + gid + 8, cols, p_hi, row_hi);
+    const TileRows rows = tile_rows(g, blockIdx.y * 16, gid, cols);
+    const WRow &lo = rows.lo, &hi = rows.hi;
     const int t0 = blockIdx.x * (8 * N);
     // Activation tiles past the batch's last row are skipped whole (the same for the block).
     const int tiles = min(N, (rows_x - t0 + 7) / 8);
@@ -501,21 +514,8 @@ __device__ __forceinline__ void q8_split(const i8* __restrict__ xq, const float*
         __syncthreads();
     }
     if (w != 0) return;
-    const int rows_w[2] = {lo.q ? pick_rows(g, p_lo) : 0, hi.q ? pick_rows(g, p_hi) : 0};
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const bool upper = i >= 2;
-            const WRow& wr = upper ? hi : lo;
-            const int t = t0 + 8 * j + 2 * tig + (i & 1);
-            if (!wr.q || t >= rows_x) continue;
-            const int p = upper ? p_hi : p_lo, r = upper ? row_hi : row_lo;
-            const float* bias = (const float*)pick(p, g.bias[0], g.bias[1], g.bias[2]);
-            float* out = (float*)pick(p, g.out[0], g.out[1], g.out[2]);
-            out[(u64)t * rows_w[upper] + r] = acc[0][j][i] + (bias ? bias[r] : 0.0f);
-        }
-    }
+    for (int j = 0; j < N; ++j) store_quad(g, rows, t0 + 8 * j + 2 * tig, rows_x, acc[0][j]);
 }
 
 // Two shapes of it, both timed by CudaOps::open: 32 warps each owning one partial of 32
