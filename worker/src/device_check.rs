@@ -596,7 +596,7 @@ fn bandwidth_on(device: Device) -> anyhow::Result<Value> {
     match device {
         Device::Cpu { threads } => {
             let ops = CpuOps::new(threads.unwrap_or(2), None);
-            let mut runs = bandwidth(&[&ops], 8, &BANDWIDTH_SHAPES, &[1, 8, 32]);
+            let mut runs = bandwidth(&[&ops], None, 8, &BANDWIDTH_SHAPES, &[1, 8, 32]);
             Ok(json!({ "copy_gb_s": null, "q8_0_products": runs.remove(0) }))
         }
         #[cfg(feature = "cuda")]
@@ -611,13 +611,7 @@ fn bandwidth_on(device: Device) -> anyhow::Result<Value> {
                 .collect();
             let mut variants = vec![&ops];
             variants.extend(alone.iter());
-            let mut runs = bandwidth(&variants, 100, &shapes, &Q8Plan::FROM_ROWS);
-            for run in &mut runs {
-                for row in run.iter_mut() {
-                    let gb_s = row["gb_s"].as_f64().unwrap_or(0.0);
-                    row["of_copy"] = json!(gb_s / copy);
-                }
-            }
+            let mut runs = bandwidth(&variants, Some(copy), 100, &shapes, &Q8Plan::FROM_ROWS);
             let plan = runs.remove(0);
             let kernels: serde_json::Map<String, Value> = Q8Kernel::ALL
                 .iter()
@@ -647,7 +641,13 @@ fn bandwidth_on(device: Device) -> anyhow::Result<Value> {
 /// activation rows: `reps` launches a point, a tenth of them from 256 rows and a fiftieth from
 /// 2,048. Each matrix is
 /// made once for all the variants.
-fn bandwidth<O: Ops>(variants: &[&O], reps: usize, shapes: &[(usize, usize)], rows: &[usize]) -> Vec<Vec<Value>> {
+fn bandwidth<O: Ops>(
+    variants: &[&O],
+    copy_gb_s: Option<f64>,
+    reps: usize,
+    shapes: &[(usize, usize)],
+    rows: &[usize],
+) -> Vec<Vec<Value>> {
     let mut runs = vec![Vec::new(); variants.len()];
     for &(rows_w, cols) in shapes {
         let Some(first) = variants.first() else {
@@ -682,9 +682,10 @@ fn bandwidth<O: Ops>(variants: &[&O], reps: usize, shapes: &[(usize, usize)], ro
                 }
                 ops.download(&out, &mut sink);
                 let s = t.elapsed().as_secs_f64() / reps as f64;
+                let gb_s = bytes as f64 / s / 1e9;
                 run.push(json!({
                     "matrix": format!("{rows_w}x{cols} q8_0"), "bytes": bytes, "rows": n,
-                    "us": s * 1e6, "gb_s": bytes as f64 / s / 1e9, "of_copy": null,
+                    "us": s * 1e6, "gb_s": gb_s, "of_copy": copy_gb_s.map(|c| gb_s / c),
                 }));
             }
         }
@@ -1031,37 +1032,35 @@ fn speed(model: &std::path::Path, device: Device, a: &CheckArgs) -> anyhow::Resu
             let d: Vec<u64> = now.iter().zip(before).map(|(n, b)| n - b).collect();
             json!({"eager": d[0], "captured": d[1], "replayed": d[2], "rerun": d[3]})
         });
-        // The same steps with every kernel launched one by one (no graphs), for the ratio.
-        let eager_s = match b.set_graphs(false) {
-            true => {
-                let eager_s = pass(&mut b, &mut seqs, &mut last, 0)?;
-                b.set_graphs(true);
-                Some(eager_s)
+        // The same steps with one of the device's switches off (`warm` untimed steps first),
+        // then on again; `None` where the device has no such switch.
+        type Switch = fn(&mut Box<dyn Backend>, bool) -> bool;
+        let mut switched = |b: &mut Box<dyn Backend>,
+                            seqs: &mut [Seq],
+                            last: &mut Vec<u32>,
+                            switch: Switch,
+                            warm: usize|
+         -> anyhow::Result<Option<f64>> {
+            if !switch(b, false) {
+                return Ok(None);
             }
-            false => None,
+            let s = pass(b, seqs, last, warm);
+            switch(b, true);
+            s.map(Some)
         };
+        // Every kernel launched one by one (no graphs), for the ratio.
+        let eager_s = switched(&mut b, &mut seqs, &mut last, |b, on| b.set_graphs(on), 0)?;
         // A mixture routed on the host (a wait per sparse layer, and no graphs), for the ratio
         // with routing on the device.
-        let host_routed_s = match c.moe.is_some() && b.set_device_routing(false) {
-            true => {
-                let s = pass(&mut b, &mut seqs, &mut last, 0)?;
-                b.set_device_routing(true);
-                Some(s)
-            }
+        let host_routed_s = match c.moe.is_some() {
+            true => switched(&mut b, &mut seqs, &mut last, |b, on| b.set_device_routing(on), 0)?,
             false => None,
         };
         // Every quantized product on the device's reference kernel (matmul_q8) rather than the
-        // kernels timed at open, for the ratio.
-        // After each switch two untimed steps: the graph recorded for the other kernels no longer
-        // matches, so one step reruns eagerly and the next is captured.
-        let reference_s = match b.set_planned_products(false) {
-            true => {
-                let s = pass(&mut b, &mut seqs, &mut last, 2)?;
-                b.set_planned_products(true);
-                Some(s)
-            }
-            false => None,
-        };
+        // kernels timed at open, for the ratio. Two untimed steps first: the graph recorded for
+        // the other kernels no longer matches, so one step reruns eagerly and the next is
+        // captured.
+        let reference_s = switched(&mut b, &mut seqs, &mut last, |b, on| b.set_planned_products(on), 2)?;
         // Where a step's time goes on the device: the same steps again with each kernel timed
         // (events around every launch, so this pass is a little slower and not counted).
         b.kernel_times(true);

@@ -563,6 +563,7 @@ impl CudaOps {
         let rows_max = Q8Plan::FROM_ROWS[Q8Plan::FROM_ROWS.len() - 1];
         let x_host: Vec<f32> = (0..rows_max * ffn).map(|i| ((i % 97) as f32 - 48.0) / 48.0).collect();
         let sync = || self.gpu.check("synchronizing", self.gpu.stream.synchronize());
+        let plans: Vec<CudaOps> = kernels.iter().map(|&k| self.with_q8_plan(Q8Plan::only(k))).collect();
         let mut timings = Vec::new();
         for (size, rows) in Q8Plan::FROM_ROWS.into_iter().enumerate() {
             let (mut x, mut h) = (CudaBuf::default(), CudaBuf::default());
@@ -581,7 +582,6 @@ impl CudaOps {
                 ops.matmul_many(ws, &x, [(&gate, None, &mut *go), (&up, None, &mut *uo)]);
                 ops.matmul(ws, &h, &down, None, oo);
             };
-            let plans: Vec<CudaOps> = kernels.iter().map(|&k| self.with_q8_plan(Q8Plan::only(k))).collect();
             // Every kernel once (sizing the buffers), then the GPU busy for 50 ms before the
             // first size.
             for ops in &plans {
@@ -851,19 +851,18 @@ impl CudaOps {
             g.bias[i] = bias.map_or(0, |b| self.address(&b.data));
             g.out[i] = self.address(*out);
         }
-        let (q8, q8_geom) = self.q8_plan().launch(t, g.total_rows());
-        let geom = match kind {
-            Kind::Q8 => q8_geom,
-            _ => geometry::matmul_geometry(t, g.total_rows()),
+        let plain = |name| (name, geometry::matmul_geometry(t, g.total_rows()));
+        let (name, geom) = match kind {
+            Kind::F32 => plain("matmul_f32"),
+            Kind::F16 => plain("matmul_f16"),
+            Kind::Bf16 => plain("matmul_bf16"),
+            Kind::Q8 => {
+                let (kernel, geom) = self.q8_plan().launch(t, g.total_rows());
+                (kernel.name(), geom)
+            }
+            Kind::Q4 => plain("matmul_q4"),
         };
         let (t32, c32) = (t as i32, cols as i32);
-        let name = match kind {
-            Kind::F32 => "matmul_f32",
-            Kind::F16 => "matmul_f16",
-            Kind::Bf16 => "matmul_bf16",
-            Kind::Q8 => q8.name(),
-            Kind::Q4 => "matmul_q4",
-        };
         if kind.reads_f32() {
             launch!(self.gpu, name, geom, x, &g, &t32, &c32);
             return;
